@@ -1,0 +1,130 @@
+"""Capture: torch.export the model into its training-IR graph of ATen ops.
+
+The exported program is unlifted to a GraphModule whose parameters and buffers are explicit
+``get_attr`` nodes, with a FakeTensor (shape, dtype) in every node's ``meta["val"]``.
+export runs the model's Python on fake tensors: control flow on shapes resolves from the
+example inputs, and a model built on the meta device captures without allocating memory.
+Tied weights (one tensor under two names) become one canonical ``get_attr``.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from . import meta
+from .context import CompileContext, ParamInfo
+
+__all__ = ["capture", "CaptureError"]
+
+
+class CaptureError(ValueError):
+    """The model could not be captured; the message names the reason and the source line."""
+
+
+def _user_frame(exc: BaseException):
+    """Innermost traceback frame in the user's code (not torch's, not generated code)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "site-packages" not in f.filename and "/torch/" not in f.filename
+              and not f.filename.startswith("<") and "/autopar/" not in f.filename]
+    return frames[-1] if frames else None
+
+
+def _fix_for(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}"
+    if "data-dependent" in text or "GuardOnDataDependent" in text:
+        return ("the line branches on a tensor's values, which a traced graph cannot do; branch on "
+                "shapes or Python constants instead, or express it with torch.where / torch.cond")
+    if "Unsupported" in text or "not supported" in text:
+        return "rewrite the construct at that line with plain tensor operations"
+    return "make the model's forward runnable on the example inputs, then compile again"
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict):
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # re-raised with the user's line and a fix
+        frame = _user_frame(exc)
+        where = (f"{frame.filename}:{frame.lineno}: {frame.line}" if frame
+                 else "(no line of the model's own code in the traceback)")
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(
+            f"autopar could not capture {type(model).__name__} with torch.export.\n"
+            f"  reason: {type(exc).__name__}: {reason}\n"
+            f"  at {where}\n"
+            f"  fix: {_fix_for(exc)}") from exc
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """export's input guard module is replaced by autopar's own input check (clearer errors)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+
+
+def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> None:
+    """One get_attr per distinct tensor, named by its first qualified name in ``model``."""
+    first_name: dict[int, str] = {}
+    aliases: dict[int, list[str]] = {}
+    tensors = list(model.named_parameters(remove_duplicate=False)) + \
+        list(model.named_buffers(remove_duplicate=False))
+    for name, t in tensors:
+        first_name.setdefault(id(t), name)
+        aliases.setdefault(id(t), []).append(name)
+    param_ids = {id(p) for p in model.parameters()}
+    canonical_node: dict[str, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        t = _resolve(gm, node.target)
+        if not isinstance(t, torch.Tensor) or id(t) not in first_name:
+            continue  # a lifted constant: stays as it is
+        name = first_name[id(t)]
+        if name not in ctx.params:
+            ctx.params[name] = ParamInfo(
+                name=name, shape=tuple(t.shape), dtype=t.dtype,
+                requires_grad=bool(t.requires_grad) and id(t) in param_ids,
+                is_buffer=id(t) not in param_ids,
+                aliases=tuple(a for a in aliases[id(t)] if a != name))
+        keep = canonical_node.get(name)
+        if keep is None:
+            node.target = name
+            node.meta[meta.PARAM] = name
+            canonical_node[name] = node
+        else:
+            node.replace_all_uses_with(keep)
+            gm.graph.erase_node(node)
+    for name, node in canonical_node.items():
+        if not node.users:
+            gm.graph.erase_node(node)
+            ctx.notes.append(f"parameter {name} is not used by forward")
+
+
+def _resolve(gm: nn.Module, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext) -> fx.GraphModule:
+    """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
+    ep = _export(model, tuple(args), dict(kwargs))
+    gm = ep.module()
+    _drop_guards(gm)
+    _canonicalise_params(gm, model, ctx)
+    ctx.in_spec = gm._in_spec
+    ctx.out_spec = gm._out_spec
+    flat, _ = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
+    ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
+    ctx.constant_inputs = {i: x for i, x in enumerate(flat) if not isinstance(x, torch.Tensor)}
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,49 @@
+"""CompileContext: what every pass receives besides the graph.
+
+It carries the mesh, the plan and the facts capture established about the model
+(parameter shapes, tied names, input specs). Passes read it and write only the graph and
+``node.meta``; the few results a pass hands to the runtime (the gradient buckets) go into
+named fields here so that nothing lives in global state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .mesh import Mesh
+from .plan import Plan
+
+
+@dataclass
+class ParamInfo:
+    """One parameter or buffer of the captured model, under its canonical (first) name."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    is_buffer: bool
+    aliases: tuple[str, ...] = ()   # other qualified names of the same tensor (tied weights)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class CompileContext:
+    mesh: Mesh
+    plan: Plan
+    params: dict[str, ParamInfo] = field(default_factory=dict)
+    in_spec: Any = None             # pytree spec of (args, kwargs) the graph was captured with
+    out_spec: Any = None
+    input_shapes: tuple = ()        # per-rank shapes of the flat tensor inputs
+    constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
+    global_batch: Optional[int] = None
+    snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
+    grad_buckets: list = field(default_factory=list)  # set by the collectives pass
+    notes: list = field(default_factory=list)        # lines for explain()

@@ -1,0 +1,300 @@
+"""Data-parallel runtime: the parameter and gradient traffic of the ``dp`` axis.
+
+One ``DataParallelSync`` per compiled module serves the graph nodes that the collectives
+pass inserted for ddp and ZeRO-1/2/3:
+
+    dp_gather(shard, sync, name)          ZeRO-3: all-gather the full parameter before use;
+                                          backward hands its gradient to the reducer
+    dp_release(full, sync, name)          ZeRO-3: the gathered parameter's last forward use;
+                                          what backward needs of it is gathered again
+    dp_grad_sync(value, owner, sync, name) ddp / ZeRO-1/2: identity forward; backward hands the
+                                          gradient of ``value`` to the reducer for ``owner``
+
+Gradients are reduced in buckets fixed at compile time (the collectives pass), in reverse
+order of first use, each launched asynchronously as soon as all its members are ready
+(ddp: all-reduce; ZeRO-2/3: reduce-scatter, the full gradient dropped at once; ZeRO-1:
+accumulated into a persistent full-gradient buffer and reduce-scattered when backward ends).
+Buckets launch strictly in order on every rank, so ranks issue the same collectives.
+Gradients are averaged over the axis, as DDP and FSDP do.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from .comm import AxisComm, ShardSpec
+
+__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_grad_sync"]
+
+
+class _Bucket:
+    def __init__(self, names: list[str], specs: dict[str, ShardSpec], sharded: bool):
+        self.names = names
+        sizes = [specs[n].chunk_numel if sharded else specs[n].numel for n in names]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes = sizes
+        self.width = sum(sizes)   # per-rank section (sharded) or whole bucket (all-reduce)
+
+
+class DataParallelSync(nn.Module):
+    """Shards, replicas and the bucketed gradient reducer of the ``dp`` axis."""
+
+    def __init__(self, mode: str, comm: AxisComm, specs: dict[str, ShardSpec],
+                 buckets: list[list[str]], params: dict[str, nn.Parameter],
+                 replicas: dict[str, torch.Tensor]):
+        super().__init__()
+        self.mode, self.comm, self.specs = mode, comm, specs
+        self.sharded = mode != "ddp"
+        self.eager = mode != "zero1"
+        self.buckets = [_Bucket(b, specs, self.sharded) for b in buckets]
+        self.bucket_of = {n: (i, j) for i, b in enumerate(self.buckets) for j, n in enumerate(b.names)}
+        # plain dicts, not registered: the owning module registers the tensors themselves
+        self._params = params
+        self._replicas = replicas
+        self._persistent: dict[int, torch.Tensor] = {}   # ZeRO-1 full-gradient buffers
+        self._in_backward = False
+        self._gathered: dict[int, str] = {}       # storage ptr of a live gathered param -> name
+        self._pending = defaultdict(int)          # saved views awaiting a backward re-gather
+        self._regathered: dict[str, torch.Tensor] = {}
+        self.saved_in_backward: set[str] = set()  # params backward read (re-gathered), last step
+        self._versions: list[int] = []
+        self.record_versions()
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, axis={self.comm.axis!r}, size={self.comm.size}, "
+                f"buckets={[len(b.names) for b in self.buckets]}")
+
+    # ---- parameters --------------------------------------------------------------------
+    def gather_param(self, name: str, label: str) -> torch.Tensor:
+        """ZeRO-3: the full parameter from every rank's shard (one all-gather)."""
+        spec, shard = self.specs[name], self._params[name]
+        out = shard.new_empty(spec.n * spec.chunk_numel)
+        self.comm.all_gather_flat(out, spec.padded_local(shard.detach()), label=f"{label} {name}")
+        return spec.unpad(out)
+
+    def gather_replicas(self) -> None:
+        """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica."""
+        self.comm.phase = "optimizer"
+        try:
+            with torch.no_grad():
+                for b in self.buckets:
+                    staging = torch.cat([self.specs[n].padded_local(self._params[n]) for n in b.names])
+                    out = staging.new_empty(self.comm.size * b.width)
+                    self.comm.all_gather_flat(out, staging, label="params " + ",".join(b.names))
+                    out = out.view(self.comm.size, b.width)
+                    for n, off, size in zip(b.names, b.offsets, b.sizes):
+                        spec = self.specs[n]
+                        self._replicas[n].view(-1).copy_(out[:, off:off + size].reshape(-1)[: spec.numel])
+        finally:
+            self.comm.phase = "forward"
+        self.record_versions()
+
+    def record_versions(self) -> None:
+        self._versions = [p._version for p in self._params.values()]
+
+    def check_fresh(self) -> None:
+        """ZeRO-1/2: refuse to run on replicas older than their shards."""
+        if self.mode in ("zero1", "zero2") and [p._version for p in self._params.values()] != self._versions:
+            raise RuntimeError(
+                f"the {self.mode} parameter shards were changed after the last parameter all-gather "
+                "(an optimizer that is not dm.optimizer(...)?), so the full parameters forward uses "
+                "are stale. Build the optimizer with dm.optimizer(torch.optim.AdamW, ...), or call "
+                "dm.gather_params() after changing the shards.")
+
+    # ---- ZeRO-3 saved-tensor hooks: gather again in backward ------------------------------
+    def track(self, name: str, full: torch.Tensor) -> None:
+        self._gathered[full.untyped_storage().data_ptr()] = name
+
+    def release(self, full: torch.Tensor) -> None:
+        self._gathered.pop(full.untyped_storage().data_ptr(), None)
+
+    def _pack(self, t: torch.Tensor):
+        name = self._gathered.get(t.untyped_storage().data_ptr()) if self._gathered else None
+        if name is None:
+            return t
+        self._pending[name] += 1
+        return (name, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        name, size, stride, offset = packed
+        full = self._regathered.get(name)
+        if full is None:
+            full = self.gather_param(name, label="re-gather")
+            self._regathered[name] = full
+            self.saved_in_backward.add(name)
+        self._pending[name] -= 1
+        if self._pending[name] <= 0:
+            self._regathered.pop(name, None)
+        return full.as_strided(size, stride, offset)
+
+    @contextmanager
+    def forward_scope(self):
+        """Around one forward: ZeRO-3 swaps saved gathered parameters for re-gather tokens."""
+        self.check_fresh()
+        if self.mode != "zero3":
+            yield
+            return
+        self._pending.clear()
+        self._regathered.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._gathered.clear()
+
+    # ---- gradients ---------------------------------------------------------------------
+    def add_grad(self, name: str, grad: torch.Tensor) -> None:
+        """A parameter's full local gradient is ready (called from autograd)."""
+        if not self._in_backward:
+            self._begin_backward()
+        bi, j = self.bucket_of[name]
+        b = self.buckets[bi]
+        st = self._state[bi]
+        spec = self.specs[name]
+        off, size = b.offsets[j], b.sizes[j]
+        n = self.comm.size
+        if self.mode == "zero1":
+            buf = self._persistent[bi].view(n, b.width)
+            buf[:, off:off + size].add_(spec.padded_chunks(grad), alpha=1.0 / n)
+        else:
+            if st["buf"] is None:
+                width = n * b.width if self.sharded else b.width
+                st["buf"] = grad.new_zeros(width)
+            if self.sharded:
+                st["buf"].view(n, b.width)[:, off:off + size].copy_(spec.padded_chunks(grad))
+            else:
+                st["buf"][off:off + size].copy_(grad.reshape(-1))
+        st["ready"].add(name)
+        if self.eager:
+            self._launch_ready()
+
+    def _begin_backward(self):
+        self._in_backward = True
+        self._state = [{"buf": None, "ready": set(), "work": None, "out": None} for _ in self.buckets]
+        self._next = 0
+        if self.mode == "zero1":
+            self._prepare_persistent()
+        Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _launch_ready(self, force: bool = False):
+        while self._next < len(self.buckets):
+            b, st = self.buckets[self._next], self._state[self._next]
+            if not force and len(st["ready"]) < len(b.names):
+                return
+            label = "grads " + ",".join(b.names)
+            if self.mode == "zero1":
+                buf = self._persistent[self._next]
+            else:
+                if st["buf"] is None:  # no member got a gradient this backward: zeros keep ranks in step
+                    dtype = self._params[b.names[0]].dtype
+                    st["buf"] = torch.zeros(self.comm.size * b.width if self.sharded else b.width, dtype=dtype)
+                buf = st["buf"]
+            if self.sharded:
+                st["out"] = buf.new_empty(b.width)
+                st["work"] = self.comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True)
+            else:
+                st["work"] = self.comm.all_reduce_(buf, label=label, async_op=True)
+            self._next += 1
+
+    def _finish_backward(self):
+        self._launch_ready(force=True)
+        n = self.comm.size
+        with torch.no_grad():
+            for bi, (b, st) in enumerate(zip(self.buckets, self._state)):
+                if st["work"] is not None:
+                    st["work"].wait()
+                if self.mode == "zero1":
+                    self._finish_zero1(bi, b, st["out"])
+                    continue
+                result = st["out"] if self.sharded else st["buf"]
+                result.div_(n)
+                for name, off, size in zip(b.names, b.offsets, b.sizes):
+                    p = self._params[name]
+                    g = result[off:off + p.numel()].view(p.shape)
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+        self._state = []
+        self._in_backward = False
+
+    # ZeRO-1: the full-gradient buffer persists; the rank's own section doubles as its shard
+    # gradients. Local gradients enter pre-divided by N; the own section keeps whatever it
+    # accumulated before, so after the reduce-scatter it holds prev + mean(local grads).
+    def _prepare_persistent(self):
+        n = self.comm.size
+        for bi, b in enumerate(self.buckets):
+            if bi not in self._persistent:
+                dtype = self._params[b.names[0]].dtype
+                self._persistent[bi] = torch.zeros(n * b.width, dtype=dtype)
+            own = self._persistent[bi].view(n, b.width)[self.comm.index]
+            for name, off in zip(b.names, b.offsets):
+                p = self._params[name]
+                view = own[off:off + p.numel()]
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    continue
+                prev = p.grad
+                view.zero_()
+                if prev is not None:
+                    view.add_(prev.reshape(-1))
+
+    def _finish_zero1(self, bi, b, out):
+        n = self.comm.size
+        buf = self._persistent[bi]
+        buf.zero_()
+        own = buf.view(n, b.width)[self.comm.index]
+        own.copy_(out)
+        for name, off in zip(b.names, b.offsets):
+            p = self._params[name]
+            p.grad = own[off:off + p.numel()].view(p.shape)
+
+
+# ---- the functions the emitted graph calls -------------------------------------------------
+
+class _Zero3Gather(torch.autograd.Function):
+    """forward: all-gather the parameter's shards / backward: bucketed reduce-scatter (reducer)."""
+
+    @staticmethod
+    def forward(ctx, shard, sync, name):
+        ctx.sync, ctx.name = sync, name
+        full = sync.gather_param(name, label="gather")
+        sync.track(name, full)
+        return full
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.sync.add_grad(ctx.name, g)
+        return None, None, None
+
+
+class _GradSync(torch.autograd.Function):
+    """forward: identity on the full parameter / backward: bucketed all-reduce (ddp) or
+    reduce-scatter (ZeRO-1/2) of its gradient into ``owner.grad`` (reducer)."""
+
+    @staticmethod
+    def forward(ctx, value, owner, sync, name):
+        ctx.sync, ctx.name = sync, name
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.sync.add_grad(ctx.name, g)
+        return None, None, None, None
+
+
+def dp_gather(shard: torch.Tensor, sync: DataParallelSync, name: str) -> torch.Tensor:
+    return _Zero3Gather.apply(shard, sync, name)
+
+
+def dp_release(full: torch.Tensor, sync: DataParallelSync, name: str) -> None:
+    sync.release(full)
+
+
+def dp_grad_sync(value: torch.Tensor, owner: torch.Tensor, sync: DataParallelSync, name: str) -> torch.Tensor:
+    return _GradSync.apply(value, owner, sync, name)

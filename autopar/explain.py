@@ -1,0 +1,136 @@
+"""Readable forms of a compiled module: annotated graph text, ``explain()`` and ``dump()``.
+
+Every node prints as one line with its output type and layout, every collective with the
+bytes it moves per rank, so a plan can be debugged by reading (and diffing) the text.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import fx
+
+from . import meta
+
+_DT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
+       torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
+
+
+def _type(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{_DT.get(val.dtype, str(val.dtype))}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_type(v) for v in val) + ")"
+    return "" if val is None else type(val).__name__
+
+
+def _target(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_function":
+        return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+    return f"{node.op} {t}"
+
+
+def _arg(a) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (tuple, list)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    return repr(a)
+
+
+def graph_text(gm: fx.GraphModule) -> str:
+    """One line per node: ``name: type  layout = op(args)   # collective bytes``."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            lines.append(f"return {_arg(node.args[0])}")
+            continue
+        head = f"{node.name}: {_type(node.meta.get(meta.VAL))}"
+        lay = node.meta.get(meta.LAYOUT)
+        if lay is not None:
+            head += f"  {lay}"
+        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+        body = node.target if node.op in ("placeholder", "get_attr") else f"{_target(node)}({args})"
+        line = f"{head:<44} = {body}" if node.op != "placeholder" else f"{head:<44} = input"
+        if meta.COMM in node.meta:
+            line += f"    # {node.meta[meta.COMM]}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _mb(x: float) -> str:
+    return f"{x:,.0f} B ({x / 2**20:.3f} MiB)"
+
+
+def explain(dm) -> str:
+    from autopar.cost import dp_comm_elements, zero_memory_bytes, evaluate
+    ctx, sync = dm.ctx, dm._sync
+    mode, n = dm.plan.dp, dm.mesh.axis_size("dp")
+    lines = [f"autopar plan: {dm.plan} on {dm.mesh} (this is rank {dm.mesh.rank})"]
+    lines += [f"  {note}" for note in ctx.notes]
+    psi = sum(s.numel for s in sync.specs.values())
+    psi_pad = sum(s.n * s.chunk_numel for s in sync.specs.values()) if mode != "ddp" else psi
+    lines.append(f"\nparameters: Ψ = {psi:,} trainable elements in {len(sync.specs)} tensors"
+                 + (f" ({psi_pad:,} with padding to {n} equal shards)" if psi_pad != psi else ""))
+    # collectives in the graph and in backward
+    lines.append("\ncollectives (per step, this rank):")
+    for node in dm.module.graph.nodes:
+        if meta.COMM in node.meta:
+            lines.append(f"  {node.name:<28} {node.meta[meta.COMM]}")
+    kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
+    for i, b in enumerate(sync.buckets):
+        lines.append(f"  bucket {i:<21} backward {kind}[dp] of {len(b.names)} gradients: {', '.join(b.names)}")
+    if mode in ("zero1", "zero2"):
+        lines.append(f"  optimizer step             all_gather[dp] of the updated shards, {len(sync.buckets)} buckets")
+    # volume against the formula
+    formula = dp_comm_elements(mode)
+    item = next((ctx.params[x].dtype.itemsize for x in sync.specs), 4)
+    predicted = evaluate(formula, Psi=psi_pad, N=n) * item
+    measured = dm.comm_stats.total(axis="dp")
+    lines.append(f"\nbytes per step on dp: formula {formula} x {item} B = {_mb(predicted)}")
+    if mode == "zero3":
+        lines.append("  (3Ψ counts a backward re-gather of every parameter; autopar gathers again only what "
+                     "backward reads, so a table or bias that backward never reads costs 2Ψ_i(N−1)/N)")
+    if measured:
+        by = {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "dp"}
+        lines.append(f"  measured since the counters were last reset: {_mb(measured)}")
+        for (axis, k, phase), v in sorted(by.items()):
+            lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
+        if mode == "zero3":
+            extra = sum(sync.specs[x].n * sync.specs[x].chunk_numel for x in sync.saved_in_backward)
+            exact = (2 * psi_pad + extra) * (n - 1) / n * item
+            lines.append(f"    exact for this graph: (2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B = {_mb(exact)} "
+                         f"(Ψ_read_by_backward = {extra:,})")
+    else:
+        lines.append("  measured: no step run yet")
+    # memory
+    lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
+    mem = zero_memory_bytes(mode)
+    lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
+    params = sum(p.numel() * p.element_size() for p in dm.parameters())
+    reps = sum(t.numel() * t.element_size() for t in sync._replicas.values())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in dm.parameters() if p.grad is not None)
+    grads += sum(t.numel() * t.element_size() for t in sync._persistent.values())
+    if mode == "zero1":
+        grads -= sum(p.grad.numel() * p.grad.element_size() for p in dm.parameters() if p.grad is not None)
+    lines.append(f"  held now: parameters {_mb(params + reps)}, gradients {_mb(grads)} "
+                 "(optimizer state lives in the optimizer: see autopar.testing.optimizer_state_bytes)")
+    return "\n".join(lines)
+
+
+def dump(dm, path: str) -> list[str]:
+    """Write every pass's graph, the emitted code and explain() under ``path``."""
+    os.makedirs(path, exist_ok=True)
+    written = []
+    for i, (name, text) in enumerate(dm.ctx.snapshots):
+        fn = os.path.join(path, f"{i:02d}_{name}.{'py' if name == 'emit' else 'txt'}")
+        with open(fn, "w") as f:
+            f.write(text)
+        written.append(fn)
+    fn = os.path.join(path, "explain.txt")
+    with open(fn, "w") as f:
+        f.write(dm.explain() + "\n")
+    written.append(fn)
+    return written

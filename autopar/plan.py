@@ -1,0 +1,76 @@
+"""The plan: which mesh axis does what.
+
+A ``Plan`` is a value: a frozen dataclass, validated on construction, whose ``str`` is a
+round-trip form (``Plan.parse(str(plan)) == plan``). Fields that later capabilities add
+default to "off" so that an older plan keeps its meaning.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, fields
+from typing import Optional
+
+__all__ = ["Plan", "DP_MODES", "PP_SCHEDULES"]
+
+DP_MODES = ("ddp", "zero1", "zero2", "zero3")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: str = "ddp"
+    """Data-parallel mode over the ``dp`` axis: ``ddp`` (replicated parameters, gradient
+    all-reduce), ``zero1`` (optimizer state sharded), ``zero2`` (also gradients), ``zero3``
+    (also parameters, gathered around each use)."""
+    tp: bool = False
+    """Tensor (Megatron) parallelism over the ``tp`` axis."""
+    sp: bool = False
+    """Sequence parallelism of the pointwise regions between tensor-parallel blocks (needs tp)."""
+    pp_schedule: Optional[str] = None
+    """Pipeline schedule over the ``pp`` axis: one of ``gpipe``, ``1f1b``, ``interleaved``,
+    ``zero_bubble``; None means no pipeline."""
+    microbatches: int = 1
+    """Micro-batches per step for the pipeline schedule."""
+    bucket_bytes: int = 1 << 20
+    """Target size of one gradient bucket (bytes) for the bucketed backward collectives."""
+
+    def __post_init__(self):
+        if self.dp not in DP_MODES:
+            raise ValueError(f"Plan(dp={self.dp!r}) is not a data-parallel mode; expected one of {DP_MODES}")
+        if not isinstance(self.tp, bool) or not isinstance(self.sp, bool):
+            raise TypeError(f"Plan tp and sp take True/False, got tp={self.tp!r} sp={self.sp!r}")
+        if self.sp and not self.tp:
+            raise ValueError("Plan(sp=True) needs tp=True: sequence parallelism shards the regions "
+                             "between tensor-parallel blocks")
+        if self.pp_schedule is not None and self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) is unknown; expected one of "
+                             f"{PP_SCHEDULES} or None")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be a positive integer")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"Plan(bucket_bytes={self.bucket_bytes!r}) must be a positive integer")
+
+    def axes_used(self) -> tuple[str, ...]:
+        """The mesh axes this plan gives a role to."""
+        used = ["dp"]
+        if self.tp:
+            used.append("tp")
+        if self.pp_schedule is not None:
+            used.append("pp")
+        return tuple(used)
+
+    def __str__(self) -> str:
+        parts = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "dp" or v != f.default:
+                parts.append(f"{f.name}={v!r}")
+        return f"Plan({', '.join(parts)})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        """Inverse of ``str(plan)``."""
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not (isinstance(tree, ast.Call) and getattr(tree.func, "id", None) == "Plan" and not tree.args):
+            raise ValueError(f"cannot parse plan {text!r}: expected Plan(field=value, ...)")
+        return cls(**{kw.arg: ast.literal_eval(kw.value) for kw in tree.keywords})

@@ -1,0 +1,227 @@
+"""emit and run: the DistributedModule.
+
+``emit`` turns the rewritten graph into this rank's module: its parameters are this rank's
+shards (ddp: full copies), ZeRO-1/2 replicas are non-persistent buffers, and the
+``DataParallelSync`` of the dp axis serves the graph's collective nodes. Nothing of the
+original model is kept: every tensor is copied (ZeRO-3 copies only this rank's rows).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from . import meta
+from .comm import AxisComm, CommStats, ShardSpec
+from .context import CompileContext
+from .dpsync import DataParallelSync
+
+__all__ = ["DistributedModule", "emit"]
+
+
+def _resolve(obj, target: str):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "DistributedModule":
+    from autopar.passes.collectives import REPLICAS, SYNC, shard_specs
+    mode = ctx.plan.dp
+    specs = shard_specs(ctx)
+    stats = CommStats()
+    comm = AxisComm("dp", ctx.mesh.axis_size("dp"), ctx.mesh.coordinate("dp"),
+                    ctx.mesh.group("dp") if "dp" in ctx.mesh.axes else None, stats)
+    root: dict[str, Any] = {}
+    shards: dict[str, nn.Parameter] = {}
+    replicas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, info in ctx.params.items():
+            full = _resolve(model, name).detach()
+            if name not in specs:                       # buffers and frozen parameters: copied
+                root[name] = full.clone() if info.is_buffer else nn.Parameter(full.clone(), requires_grad=False)
+                continue
+            if mode == "zero3":
+                shard = nn.Parameter(specs[name].local_of(full).clone())
+            elif mode == "ddp":
+                shard = nn.Parameter(full.clone())
+            else:   # the shard is a view of the replica's own rows: updating it updates the replica
+                replicas[name] = full.clone()
+                shard = nn.Parameter(specs[name].local_of(replicas[name]))
+                root[f"{REPLICAS}.{name}"] = replicas[name]
+            shards[name] = root[name] = shard
+        for node in gm.graph.nodes:    # lifted constants of the captured graph
+            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC,) \
+                    and not node.target.startswith(REPLICAS + "."):
+                root[node.target] = _resolve(gm, node.target)
+    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas)
+    root[SYNC] = sync
+    out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
+    if REPLICAS in dict(out.named_children()):
+        for mod in out.get_submodule(REPLICAS).modules():
+            for bname, buf in list(mod._buffers.items()):
+                mod.register_buffer(bname, buf, persistent=False)
+    return DistributedModule(out, ctx, sync, stats)
+
+
+class DistributedModule(nn.Module):
+    """This rank's part of the compiled model. ``dm(*local_batch)`` runs it on this rank's
+    data-parallel slice; gradients land reduced (and sharded, for ZeRO) after backward."""
+
+    def __init__(self, module: fx.GraphModule, ctx: CompileContext, sync: DataParallelSync,
+                 stats: CommStats):
+        super().__init__()
+        self.module = module
+        self.ctx = ctx
+        self.plan = ctx.plan
+        self.mesh = ctx.mesh
+        self.comm_stats = stats
+        self._sync = sync
+        self._names = list(sync.specs)  # trainable parameters, canonical names
+
+    # ---- running -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._check_inputs(args, kwargs)
+        with self._sync.forward_scope():
+            return self.module(*args, **kwargs)
+
+    def _check_inputs(self, args, kwargs):
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.ctx.in_spec:
+            raise TypeError(f"the compiled module was captured with inputs structured as "
+                            f"{self.ctx.in_spec}, but was called with {spec}; call it as the "
+                            "example inputs were given (same positional args and keyword names)")
+        for i, (x, shape) in enumerate(zip(flat, self.ctx.input_shapes)):
+            if shape is None:
+                if x != self.ctx.constant_inputs.get(i):
+                    raise ValueError(f"input {i} is the constant {self.ctx.constant_inputs.get(i)!r} in the "
+                                     f"captured graph, got {x!r}; compile again to change it")
+            elif not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"input {i}: expected this rank's slice of the batch with shape {shape} "
+                    f"(dp={self.mesh.axis_size('dp')}), got {got}. Pass dm.shard_batch(global_batch), "
+                    "and compile again with example inputs of the global batch to change shapes.")
+
+    def shard_batch(self, batch):
+        """This rank's data-parallel slice of ``batch`` (tensors split along dim 0)."""
+        n, i = self.mesh.axis_size("dp"), self.mesh.coordinate("dp")
+        return pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, batch)
+
+    def optimizer(self, cls, **kwargs) -> torch.optim.Optimizer:
+        """An optimizer of class ``cls`` over this rank's shards. For ZeRO-1/2 its state is
+        sharded with the parameters and each step ends with the parameter all-gather."""
+        opt = cls(self.parameters(), **kwargs)
+        if self.plan.dp in ("zero1", "zero2"):
+            opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
+        return opt
+
+    def gather_params(self) -> None:
+        """ZeRO-1/2: refresh the full replicas from the shards (dm.optimizer does this)."""
+        if self.plan.dp in ("zero1", "zero2"):
+            self._sync.gather_replicas()
+
+    # ---- full views (collectives: every rank must call) ---------------------------------
+    def _full(self, name: str, local: torch.Tensor | None) -> torch.Tensor | None:
+        spec: ShardSpec = self._sync.specs[name]
+        if spec.n == 1 or local is None:
+            return None if local is None else local.detach().clone()
+        out = local.new_empty(spec.n * spec.chunk_numel)
+        self._sync.comm.all_gather_flat(out, spec.padded_local(local.detach()), label=f"full {name}")
+        return spec.unpad(out).clone()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors keyed by the original model's names (tied names each present)."""
+        out = {}
+        with torch.no_grad():
+            for name, info in self.ctx.params.items():
+                local = self.module.get_parameter(name) if name in self._sync.specs else _resolve(self.module, name)
+                full = self._full(name, local) if name in self._sync.specs else local.detach().clone()
+                for key in (name,) + info.aliases:
+                    out[key] = full
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Full, reduced gradients keyed by the original model's parameter names."""
+        out = {}
+        with torch.no_grad():
+            for name in self._names:
+                p = self.module.get_parameter(name)
+                g = self._full(name, p.grad)
+                for key in (name,) + self.ctx.params[name].aliases:
+                    out[key] = g
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Fill this rank's shards (and replicas) from full tensors; works on a meta-built model."""
+        with torch.no_grad():
+            for name, info in self.ctx.params.items():
+                if name not in state:
+                    raise KeyError(f"load_full_state_dict: {name!r} missing; expected the keys of "
+                                   "the original model's state_dict()")
+                full = state[name]
+                if tuple(full.shape) != info.shape:
+                    raise ValueError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, "
+                                     f"expected {info.shape}")
+                if name in self._sync.specs:
+                    p = self.module.get_parameter(name)
+                    spec = self._sync.specs[name]
+                    if self.plan.dp in ("zero1", "zero2"):
+                        self._sync._replicas[name].copy_(full)
+                    else:
+                        p.copy_(spec.local_of(full) if spec.n > 1 else full)
+                else:
+                    _resolve(self.module, name).copy_(full)
+        self._sync.record_versions()
+
+    def to_empty(self, *, device="cpu") -> "DistributedModule":
+        """Allocate (uninitialised) storage for a module captured from a meta-device model;
+        follow with ``load_full_state_dict``."""
+        if self.plan.dp in ("zero1", "zero2"):
+            raise NotImplementedError("to_empty for zero1/zero2 (replica views) is not supported yet; "
+                                      "build the model on a real device or use zero3/ddp")
+        self.module.to_empty(device=device)
+        self._sync.record_versions()
+        return self
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by the true global norm over all shards; returns that norm."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        sharded = self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1
+        if norm_type == math.inf:
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0))
+            total = local.clone().float()
+            if sharded:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._sync.comm.group)
+        else:
+            total = sum((g.float().pow(norm_type).sum() for g in grads), torch.tensor(0.0))
+            if sharded:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._sync.comm.group)
+            total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    # ---- inspection --------------------------------------------------------------------
+    def explain(self) -> str:
+        from .explain import explain
+        return explain(self)
+
+    def dump(self, path: str) -> list[str]:
+        from .explain import dump
+        return dump(self, path)
+
+
+def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
+    if t.dim() == 0:
+        return t
+    if t.shape[0] % n:
+        raise ValueError(f"the global batch has {t.shape[0]} rows along dim 0, which does not divide "
+                         f"by dp={n}; use a global batch that is a multiple of {n}")
+    k = t.shape[0] // n
+    return t[i * k:(i + 1) * k]

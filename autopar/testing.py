@@ -1,0 +1,206 @@
+"""Test helpers: run a function on N local processes (gloo, CPU) and compare a compiled
+module against the single-device model.
+
+``run(fn, world_size, *args)`` spawns one process per rank, initialises the default
+process group (gloo, a free localhost port, ``timeout`` for every collective), calls
+``fn(*args)`` on each rank and returns the per-rank results in rank order. A rank that
+raises is reported with its traceback; ranks still running after ``timeout`` seconds are
+killed and reported, so a hang becomes an error.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run", "parity", "ParityReport", "live_tensor_bytes", "optimizer_state_bytes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, timeout, fn, args, queue):
+    try:
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:   # reported to the parent with the rank's traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn, world_size: int, *args, timeout: float = 180.0):
+    """Run ``fn(*args)`` on ``world_size`` local processes; return the results in rank order.
+    ``fn`` must be importable (defined at module level)."""
+    if world_size > 8:
+        raise ValueError(f"world_size={world_size}: local CPU runs are limited to 8 processes; use a "
+                         "virtual Mesh or a fake process group for larger worlds")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    import time
+    deadline = time.monotonic() + timeout + 30
+    results, errors = {}, {}
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if not queue.empty():
+            rank, ok, value = queue.get()
+            (results if ok else errors)[rank] = value
+            if errors:
+                break
+        elif not any(p.is_alive() for p in procs) and queue.empty():
+            break
+        else:
+            time.sleep(0.02)
+    for p in procs:
+        p.join(timeout=5 if not errors else 0.5)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                           "(a collective that some rank never reached?)")
+    return [results[r] for r in range(world_size)]
+
+
+# ---- memory census ---------------------------------------------------------------------------
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable from Python objects in this process."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+                continue
+            st = obj.untyped_storage()
+        except Exception:  # objects that merely look like tensors
+            continue
+        key = st.data_ptr()
+        if key and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state tensors (Adam's moments; not 0-dim steps)."""
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+# ---- parity -------------------------------------------------------------------------------------
+
+@dataclass
+class ParityReport:
+    """Largest mismatches of a compiled module against the single-device model."""
+    rank: int
+    output_err: float = 0.0
+    loss_err: float = 0.0
+    grad_err: float = 0.0          # max |g - g_ref| / (atol + rtol |g_ref|): <= 1 passes
+    param_err: float = 0.0         # same, for parameters after the optimizer steps
+    noise_param_err: float = 0.0   # |Δp| / bound for elements whose gradient is float noise
+    noise_elements: int = 0
+    losses: list = field(default_factory=list)
+    ref_losses: list = field(default_factory=list)
+    messages: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return max(self.output_err, self.loss_err, self.grad_err, self.param_err, self.noise_param_err) <= 1.0
+
+
+def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask=None) -> float:
+    e = (a.float() - b.float()).abs() / (atol + rtol * b.float().abs())
+    if mask is not None:
+        e = e[mask]
+    return float(e.max()) if e.numel() else 0.0
+
+
+def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int = 3, lr: float = 1e-3,
+           rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-4) -> ParityReport:
+    """Train ``model_fn()`` for ``steps`` AdamW steps on the global batch on one device and
+    compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
+    (gathered) and parameters after every step.
+
+    Tolerances are scaled errors |x - x_ref| / (atol + rtol |x_ref|), fp32. Adam divides by
+    sqrt(v): a gradient that is mathematically zero (an attention key bias) is float noise
+    whose sign and size differ between the two summation orders, and Adam turns it into a
+    step of about lr. Elements whose reference gradient stays below ``noise_floor`` times
+    the model's largest gradient at every step are therefore checked against Adam's step
+    bound (|Δp| <= 4 lr per step) instead of the tight tolerance; the report counts them.
+    """
+    import autopar
+    torch.manual_seed(0)
+    ref = model_fn()
+    dm = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=inputs, plan=plan)
+    rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = dm.optimizer(torch.optim.AdamW, lr=lr)
+    names = dict(ref.named_parameters())
+    noisy = {k: torch.ones_like(p, dtype=torch.bool) for k, p in names.items()}
+    moved = {k: torch.zeros_like(p, dtype=torch.bool) for k, p in names.items()}
+    local_in, local_t = dm.shard_batch(inputs), dm.shard_batch(target)
+    for step in range(steps):
+        opt_ref.zero_grad()
+        out_ref = ref(*inputs)
+        loss_ref = loss_fn(out_ref, target)
+        loss_ref.backward()
+        opt.zero_grad()
+        out = dm(*local_in)
+        loss = loss_fn(out, local_t)
+        loss.backward()
+        rep.output_err = max(rep.output_err, _scaled_err(out.detach(), dm.shard_batch(out_ref.detach()), rtol, atol))
+        gl = loss.detach().clone()
+        dist.all_reduce(gl, group=dm._sync.comm.group)
+        gl /= mesh.axis_size("dp")
+        rep.losses.append(float(gl))
+        rep.ref_losses.append(float(loss_ref.detach()))
+        rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), rtol, atol))
+        grads = dm.full_grads()
+        gmax = max(float(p.grad.abs().max()) for p in names.values())
+        for k, p in names.items():
+            noisy[k] &= p.grad.abs() <= noise_floor * gmax
+            moved[k] |= p.grad != 0   # exact zeros are deterministic: they stay in the tight check
+            if grads[k] is None:
+                rep.messages.append(f"step {step}: no gradient for {k}")
+                rep.grad_err = float("inf")
+                continue
+            rep.grad_err = max(rep.grad_err, _scaled_err(grads[k], p.grad, rtol, 1e-6))
+        opt_ref.step()
+        opt.step()
+        full = dm.full_state_dict()
+        for k, p in names.items():
+            noisy[k] &= moved[k]
+            rep.param_err = max(rep.param_err, _scaled_err(full[k], p.detach(), rtol, atol, ~noisy[k]))
+            bound = 4 * lr * (step + 1)
+            diff = (full[k] - p.detach()).abs()[noisy[k]]
+            if diff.numel():
+                rep.noise_param_err = max(rep.noise_param_err, float(diff.max()) / bound)
+    rep.noise_elements = int(sum(int(m.sum()) for m in noisy.values()))
+    return rep

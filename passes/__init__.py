@@ -1,0 +1,6 @@
+"""autopar's graph passes: each ``(GraphModule, CompileContext) -> GraphModule``, run in order
+by ``autopar.compile``."""
+from .shard import shard
+from .collectives import collectives
+
+__all__ = ["shard", "collectives"]
