@@ -100,20 +100,20 @@ class AxisComm(nn.Module):
     def _phase(self) -> str:
         return "backward" if torch._C._current_autograd_node() is not None else self.phase
 
-    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False):
+    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
         self._check()
-        self.stats.record(self.axis, "all_gather", self._phase(), label,
+        self.stats.record(self.axis, "all_gather", phase or self._phase(), label,
                           ring_bytes("all_gather", out.numel() * out.element_size(), self.size))
         if self.size == 1:
             out.copy_(inp.reshape(-1))
             return None
         return dist.all_gather_single(out, inp.contiguous(), group=self.group, async_op=async_op)
 
-    def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False):
+    def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
         self._check()
-        self.stats.record(self.axis, "reduce_scatter", self._phase(), label,
+        self.stats.record(self.axis, "reduce_scatter", phase or self._phase(), label,
                           ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size))
         if self.size == 1:
             out.copy_(inp.reshape(-1))
@@ -121,10 +121,10 @@ class AxisComm(nn.Module):
         return dist.reduce_scatter_single(out, inp.contiguous(), op=dist.ReduceOp.SUM,
                                           group=self.group, async_op=async_op)
 
-    def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False):
+    def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """In-place sum over the axis."""
         self._check()
-        self.stats.record(self.axis, "all_reduce", self._phase(), label,
+        self.stats.record(self.axis, "all_reduce", phase or self._phase(), label,
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
         if self.size == 1:
             return None

@@ -62,6 +62,7 @@ class DataParallelSync(nn.Module):
         self._regathered: dict[str, torch.Tensor] = {}
         self.saved_in_backward: set[str] = set()  # params backward read (re-gathered), last step
         self._versions: list[int] = []
+        self.events: list[tuple[str, object]] = []
         self.record_versions()
 
     def extra_repr(self) -> str:
@@ -69,28 +70,25 @@ class DataParallelSync(nn.Module):
                 f"buckets={[len(b.names) for b in self.buckets]}")
 
     # ---- parameters --------------------------------------------------------------------
-    def gather_param(self, name: str, label: str) -> torch.Tensor:
+    def gather_param(self, name: str, label: str, phase: str = "forward") -> torch.Tensor:
         """ZeRO-3: the full parameter from every rank's shard (one all-gather)."""
         spec, shard = self.specs[name], self._params[name]
         out = shard.new_empty(spec.n * spec.chunk_numel)
-        self.comm.all_gather_flat(out, spec.padded_local(shard.detach()), label=f"{label} {name}")
+        self.comm.all_gather_flat(out, spec.padded_local(shard.detach()), label=f"{label} {name}", phase=phase)
         return spec.unpad(out)
 
     def gather_replicas(self) -> None:
         """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica."""
-        self.comm.phase = "optimizer"
-        try:
-            with torch.no_grad():
-                for b in self.buckets:
-                    staging = torch.cat([self.specs[n].padded_local(self._params[n]) for n in b.names])
-                    out = staging.new_empty(self.comm.size * b.width)
-                    self.comm.all_gather_flat(out, staging, label="params " + ",".join(b.names))
-                    out = out.view(self.comm.size, b.width)
-                    for n, off, size in zip(b.names, b.offsets, b.sizes):
-                        spec = self.specs[n]
-                        self._replicas[n].view(-1).copy_(out[:, off:off + size].reshape(-1)[: spec.numel])
-        finally:
-            self.comm.phase = "forward"
+        with torch.no_grad():
+            for b in self.buckets:
+                staging = torch.cat([self.specs[n].padded_local(self._params[n]) for n in b.names])
+                out = staging.new_empty(self.comm.size * b.width)
+                self.comm.all_gather_flat(out, staging, label="params " + ",".join(b.names),
+                                          phase="optimizer")
+                out = out.view(self.comm.size, b.width)
+                for n, off, size in zip(b.names, b.offsets, b.sizes):
+                    spec = self.specs[n]
+                    self._replicas[n].view(-1).copy_(out[:, off:off + size].reshape(-1)[: spec.numel])
         self.record_versions()
 
     def record_versions(self) -> None:
@@ -125,7 +123,7 @@ class DataParallelSync(nn.Module):
         name, size, stride, offset = packed
         full = self._regathered.get(name)
         if full is None:
-            full = self.gather_param(name, label="re-gather")
+            full = self.gather_param(name, label="re-gather", phase="backward")
             self._regathered[name] = full
             self.saved_in_backward.add(name)
         self._pending[name] -= 1
@@ -171,11 +169,13 @@ class DataParallelSync(nn.Module):
             else:
                 st["buf"][off:off + size].copy_(grad.reshape(-1))
         st["ready"].add(name)
+        self.events.append(("ready", name))
         if self.eager:
             self._launch_ready()
 
     def _begin_backward(self):
         self._in_backward = True
+        self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests and explain
         self._state = [{"buf": None, "ready": set(), "work": None, "out": None} for _ in self.buckets]
         self._next = 0
         if self.mode == "zero1":
@@ -197,9 +197,11 @@ class DataParallelSync(nn.Module):
                 buf = st["buf"]
             if self.sharded:
                 st["out"] = buf.new_empty(b.width)
-                st["work"] = self.comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True)
+                st["work"] = self.comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True,
+                                                           phase="backward")
             else:
-                st["work"] = self.comm.all_reduce_(buf, label=label, async_op=True)
+                st["work"] = self.comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
+            self.events.append(("launch", self._next))
             self._next += 1
 
     def _finish_backward(self):

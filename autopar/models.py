@@ -65,6 +65,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
         self.head.weight = self.wte.weight      # tied
+        for emb in (self.wte, self.wpe):        # GPT-2's embedding init keeps initial logits O(1)
+            nn.init.normal_(emb.weight, std=0.02)
 
     def forward(self, idx):
         s = idx.shape[1]

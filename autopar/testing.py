@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import io
 import os
 import socket
 import traceback
@@ -37,7 +38,9 @@ def _worker(rank, world, port, timeout, fn, args, queue):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args)
-        queue.put((rank, True, result))
+        buf = io.BytesIO()   # plain bytes: tensors shared by handle die with this process
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:   # reported to the parent with the rank's traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -66,7 +69,10 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
             break
         if not queue.empty():
             rank, ok, value = queue.get()
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
             if errors:
                 break
         elif not any(p.is_alive() for p in procs) and queue.empty():
@@ -82,6 +88,10 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
         rank = min(errors)
         raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
     missing = [r for r in range(world_size) if r not in results]
+    dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, -9)}
+    if dead:
+        raise RuntimeError(f"ranks {sorted(dead)} of {world_size} exited (codes {list(dead.values())}) "
+                           "without a result; their stderr above says why")
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                            "(a collective that some rank never reached?)")
@@ -99,9 +109,9 @@ def live_tensor_bytes() -> int:
             if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
                 continue
             st = obj.untyped_storage()
-        except Exception:  # objects that merely look like tensors
+            key = st.data_ptr()
+        except Exception:  # fake tensors of traced graphs hold no memory
             continue
-        key = st.data_ptr()
         if key and key not in seen:
             seen.add(key)
             total += st.nbytes()
@@ -126,6 +136,7 @@ class ParityReport:
     param_err: float = 0.0         # same, for parameters after the optimizer steps
     noise_param_err: float = 0.0   # |Δp| / bound for elements whose gradient is float noise
     noise_elements: int = 0
+    noise_by_param: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
     ref_losses: list = field(default_factory=list)
     messages: list = field(default_factory=list)
@@ -143,7 +154,7 @@ def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask
 
 
 def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int = 3, lr: float = 1e-3,
-           rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-4) -> ParityReport:
+           rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5) -> ParityReport:
     """Train ``model_fn()`` for ``steps`` AdamW steps on the global batch on one device and
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
     (gathered) and parameters after every step.
@@ -202,5 +213,6 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
             diff = (full[k] - p.detach()).abs()[noisy[k]]
             if diff.numel():
                 rep.noise_param_err = max(rep.noise_param_err, float(diff.max()) / bound)
-    rep.noise_elements = int(sum(int(m.sum()) for m in noisy.values()))
+    rep.noise_by_param = {k: int(m.sum()) for k, m in noisy.items() if int(m.sum())}
+    rep.noise_elements = sum(rep.noise_by_param.values())
     return rep

@@ -1,0 +1,225 @@
+"""Rank functions for the distributed tests (module level, so spawned processes import them)."""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch, lm_loss
+from autopar.testing import live_tensor_bytes, optimizer_state_bytes, parity
+
+MODES = ("ddp", "zero1", "zero2", "zero3")
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def mlp_batch(batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
+
+
+def parity_all():
+    """Every dp mode on the MLP (uneven 7-row layer), the bias-free MLP and the small GPT."""
+    world = dist.get_world_size()
+    mesh = autopar.Mesh(dp=world)
+    out = {}
+    x, y = mlp_batch()
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    for mode in MODES:
+        plan = autopar.Plan(dp=mode)
+        out[("mlp", mode)] = parity(TinyMLP, mesh, plan, (x,), y, mse)
+        out[("gpt", mode)] = parity(lambda: TinyGPT(c), mesh, plan, (tok,), tgt, lm_loss)
+    return out
+
+
+def _step(dm, opt, inputs, target, loss_fn):
+    out = dm(*dm.shard_batch(inputs))
+    loss = loss_fn(out, dm.shard_batch(target))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def volume_all():
+    return {(model, mode): volume(mode, model) for model in ("mlp", "mlp_nobias", "gpt") for mode in MODES}
+
+
+def volume(mode, model_name):
+    """Bytes this rank moved in one step (second step, after warm-up), by phase and kind.
+    ``mlp_nobias`` takes an input that requires grad, so backward reads every weight."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        c = GPTConfig()
+        model, (inputs, target), loss_fn = TinyGPT(c), gpt_batch(c, 8), lm_loss
+        inputs = (inputs,)
+    else:
+        model = TinyMLP(bias=model_name != "mlp_nobias")
+        x, target = mlp_batch()
+        inputs, loss_fn = (x.requires_grad_(model_name == "mlp_nobias"),), mse
+    dm = autopar.compile(model, autopar.Mesh(dp=world), example_inputs=inputs,
+                         plan=autopar.Plan(dp=mode, bucket_bytes=1024))
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    _step(dm, opt, inputs, target, loss_fn)
+    opt.zero_grad()
+    dm.comm_stats.reset()
+    _step(dm, opt, inputs, target, loss_fn)
+    specs = dm._sync.specs
+    return {
+        "bytes": dict(dm.comm_stats.bytes),
+        "calls": dict(dm.comm_stats.calls),
+        "total": dm.comm_stats.total(axis="dp"),
+        "psi": sum(s.numel for s in specs.values()),
+        "psi_padded": sum(s.n * s.chunk_numel for s in specs.values()),
+        "read_by_backward": sorted(dm._sync.saved_in_backward),
+        "psi_read_padded": sum(specs[n].n * specs[n].chunk_numel for n in dm._sync.saved_in_backward),
+        "events": list(dm._sync.events),
+        "n_buckets": len(dm._sync.buckets),
+        "explain": dm.explain(),
+    }
+
+
+class WideMLP(torch.nn.Module):
+    """Parameters dominate activations, so memory tests see the ZeRO terms clearly."""
+
+    def __init__(self, d=128, layers=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def memory_all():
+    return {mode: memory(mode) for mode in MODES}
+
+
+def memory(mode):
+    """Per-rank bytes held after an optimizer step (before zero_grad), two ways:
+    (a) the module's own tensors, (b) a census of every live tensor in the process."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    x = torch.randn(4 * world, 128)
+    target = torch.randn(4 * world, 128)
+    gc.collect()
+    base = live_tensor_bytes()
+    model = WideMLP()
+    dm = autopar.compile(model, autopar.Mesh(dp=world), example_inputs=(x,), plan=autopar.Plan(dp=mode))
+    del model          # the compiled module must not keep the original alive
+    gc.collect()
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    local_x, local_t = dm.shard_batch(x), dm.shard_batch(target)
+    out = dm(local_x)
+    after_forward = live_tensor_bytes() - base
+    loss = mse(out, local_t)
+    del out
+    loss.backward()
+    del loss
+    opt.step()
+    gc.collect()
+    census = live_tensor_bytes() - base
+    sync = dm._sync
+    storages = {}
+    for p in dm.parameters():
+        storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+        if p.grad is not None:
+            storages[p.grad.untyped_storage().data_ptr()] = p.grad.untyped_storage().nbytes()
+    for t in list(sync._replicas.values()) + list(sync._persistent.values()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    psi = sum(s.numel for s in sync.specs.values())
+    return {
+        "psi": psi,
+        "module_bytes": sum(storages.values()),
+        "opt_bytes": optimizer_state_bytes(opt),
+        "census": census,
+        "after_forward": after_forward,
+        "local_batch_bytes": local_x.numel() * 4 * 2,
+    }
+
+
+def comm_functions():
+    """The autograd-aware collectives and their conjugate backward, with byte counts."""
+    from autopar.comm import AxisComm, CommStats, all_gather, all_reduce, copy_to_axis, reduce_scatter
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stats = CommStats()
+    comm = AxisComm("dp", world, rank, dist.group.WORLD, stats)
+    res = {}
+    x = torch.arange(6.0).reshape(2, 3).add(10 * rank).requires_grad_()
+    y = all_gather(x, comm, dim=1)                       # (2, 3*world)
+    (y * torch.arange(y.numel(), dtype=torch.float32).view_as(y)).sum().backward()
+    res["ag"], res["ag_grad"] = y.detach(), x.grad.clone()
+    z = torch.ones(4 * world, 2).mul(rank + 1).requires_grad_()
+    s = reduce_scatter(z, comm, dim=0)                  # (4, 2)
+    s.sum().backward()
+    res["rs"], res["rs_grad"] = s.detach(), z.grad.clone()
+    a = torch.full((3,), float(rank + 1), requires_grad=True)
+    r = all_reduce(a, comm)
+    (r * 2).sum().backward()
+    res["ar"], res["ar_grad"] = r.detach(), a.grad.clone()
+    b = torch.ones(3, requires_grad=True)
+    c = copy_to_axis(b, comm)
+    (c * (rank + 1)).sum().backward()
+    res["f_grad"] = b.grad.clone()
+    res["bytes"] = dict(stats.bytes)
+    return res
+
+
+def mesh_mismatch():
+    try:
+        autopar.Mesh(dp=dist.get_world_size() * 2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def stale_shards():
+    """ZeRO-2 with a stock optimizer: forward refuses stale replicas instead of running."""
+    x, y = mlp_batch()
+    dm = autopar.compile(TinyMLP(), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(x,),
+                         plan=autopar.Plan(dp="zero2"))
+    opt = torch.optim.SGD(dm.parameters(), lr=0.1)
+    mse(dm(dm.shard_batch(x)), dm.shard_batch(y)).backward()
+    opt.step()
+    try:
+        dm(dm.shard_batch(x))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def clip_and_grads(mode):
+    """clip_grad_norm_ returns the true global norm and clips like the single-device model."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    x, y = mlp_batch()
+    import copy
+    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(x,),
+                         plan=autopar.Plan(dp=mode))
+    mse(ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    mse(dm(dm.shard_batch(x)), dm.shard_batch(y)).backward()
+    norm = dm.clip_grad_norm_(0.05)
+    grads = dm.full_grads()
+    err = max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters())
+    return float(ref_norm), float(norm), err
+
+
+def uneven_shards():
+    """A 7-row parameter over the axis: shard shapes and the gathered full tensor."""
+    world = dist.get_world_size()
+    x, _ = mlp_batch()
+    torch.manual_seed(0)
+    model = TinyMLP()
+    full = model.fc2.weight.detach().clone()
+    dm = autopar.compile(model, autopar.Mesh(dp=world), example_inputs=(x,), plan=autopar.Plan(dp="zero3"))
+    shard = dm.module.get_parameter("fc2.weight")
+    gathered = dm.full_state_dict()["fc2.weight"]
+    return tuple(shard.shape), bool(torch.equal(gathered, full))
