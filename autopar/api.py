@@ -32,7 +32,8 @@ def _resolve_plan(plan: Union[Plan, str], mesh: Mesh) -> tuple[Plan, str]:
         picked = Plan(dp="zero3")
         reason = (f"plan='auto' picked {picked}: until the planner lands, auto shards parameters, "
                   f"gradients and optimizer state over dp={mesh.axis_size('dp')} (ZeRO-3)")
-        log.warning("autopar: %s", reason)
+        if mesh.rank == 0:
+            log.warning("autopar: %s", reason)
         return picked, reason
     raise ValueError(f"plan={plan!r} is not a plan: pass plan='auto' or an autopar.Plan(...), "
                      "e.g. Plan(dp='zero2')")

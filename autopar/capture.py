@@ -8,6 +8,7 @@ Tied weights (one tensor under two names) become one canonical ``get_attr``.
 """
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
@@ -24,11 +25,15 @@ class CaptureError(ValueError):
     """The model could not be captured; the message names the reason and the source line."""
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "api.py")}
+
+
 def _user_frame(exc: BaseException):
-    """Innermost traceback frame in the user's code (not torch's, not generated code)."""
+    """Innermost traceback frame in the model's code (not torch's, not autopar's capture)."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "site-packages" not in f.filename and "/torch/" not in f.filename
-              and not f.filename.startswith("<") and "/autopar/" not in f.filename]
+              if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith("<")
+              and os.path.abspath(f.filename) not in _OWN_FILES]
     return frames[-1] if frames else None
 
 

@@ -47,12 +47,13 @@ def graph_text(gm: fx.GraphModule) -> str:
         if node.op == "output":
             lines.append(f"return {_arg(node.args[0])}")
             continue
-        head = f"{node.name}: {_type(node.meta.get(meta.VAL))}"
+        typ = _type(node.meta.get(meta.VAL)) or ("module" if node.op == "get_attr" else "")
+        head = f"{node.name}: {typ}"
         lay = node.meta.get(meta.LAYOUT)
         if lay is not None:
             head += f"  {lay}"
         args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
-        body = node.target if node.op in ("placeholder", "get_attr") else f"{_target(node)}({args})"
+        body = f"self.{node.target}" if node.op == "get_attr" else f"{_target(node)}({args})"
         line = f"{head:<44} = {body}" if node.op != "placeholder" else f"{head:<44} = input"
         if meta.COMM in node.meta:
             line += f"    # {node.meta[meta.COMM]}"
@@ -78,7 +79,8 @@ def explain(dm) -> str:
     lines.append("\ncollectives (per step, this rank):")
     for node in dm.module.graph.nodes:
         if meta.COMM in node.meta:
-            lines.append(f"  {node.name:<28} {node.meta[meta.COMM]}")
+            what = node.args[-1] if isinstance(node.args[-1], str) else node.name   # the parameter
+            lines.append(f"  {what:<28} {node.meta[meta.COMM]}")
     kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     for i, b in enumerate(sync.buckets):
         lines.append(f"  bucket {i:<21} backward {kind}[dp] of {len(b.names)} gradients: {', '.join(b.names)}")
@@ -115,8 +117,15 @@ def explain(dm) -> str:
     grads += sum(t.numel() * t.element_size() for t in sync._persistent.values())
     if mode == "zero1":
         grads -= sum(p.grad.numel() * p.grad.element_size() for p in dm.parameters() if p.grad is not None)
-    lines.append(f"  held now: parameters {_mb(params + reps)}, gradients {_mb(grads)} "
-                 "(optimizer state lives in the optimizer: see autopar.testing.optimizer_state_bytes)")
+    opt = dm._optimizer() if dm._optimizer is not None else None
+    held = f"  held now: parameters {_mb(params + reps)}, gradients {_mb(grads)}"
+    if opt is not None:
+        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        held += f", optimizer state {_mb(state)}; total {_mb(params + reps + grads + state)}"
+    else:
+        held += " (no dm.optimizer(...) built yet)"
+    lines.append(held)
     return "\n".join(lines)
 
 

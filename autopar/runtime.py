@@ -8,6 +8,7 @@ original model is kept: every tensor is copied (ZeRO-3 copies only this rank's r
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ class DistributedModule(nn.Module):
         self.comm_stats = stats
         self._sync = sync
         self._names = list(sync.specs)  # trainable parameters, canonical names
+        self._optimizer = None
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -118,6 +120,7 @@ class DistributedModule(nn.Module):
         opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
+        self._optimizer = weakref.ref(opt)   # explain() reports its state
         return opt
 
     def gather_params(self) -> None:

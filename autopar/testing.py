@@ -106,7 +106,7 @@ def live_tensor_bytes() -> int:
     seen, total = set(), 0
     for obj in gc.get_objects():
         try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
                 continue
             st = obj.untyped_storage()
             key = st.data_ptr()

@@ -35,10 +35,13 @@ each rank moves per step and the peak per-rank memory. How each figure is measur
           blocks allocated inside the window is the bytes this implementation holds;
           reported: its maximum during the measured step ("peak") and its value when that
           step starts ("state": params, grads, optimizer state, persistent comm buffers),
-          max over ranks. Identical for all four. A gloo worker thread can free a
-          collective's input buffer unrecorded; such a block counts as freed when its
-          address is reused, and the rest shows as "drift" (live total after the measured
-          step minus before it; 0 in the steady state): the method's error bar.
+          max over ranks. Identical for all four. gloo's worker thread can free a
+          collective's buffers where the profiler does not see it; so in the memory run a
+          synchronous collective returns only once gloo released its arguments, a block
+          counts as freed when its address is handed out again, and a block gloo allocated
+          itself (inside a c10d op) counts as freed when its collective ends. What is left
+          shows as "drift" (live total after the measured step minus before it; 0 in the
+          steady state): the method's error bar.
           gc.collect() runs once after each implementation is built (--no-gc-after-build
           skips it: autopar.compile leaves the original weights in reference cycles).
 """
@@ -55,7 +58,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: F401  (kept importable in the workers)
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
@@ -151,6 +153,10 @@ def wrap_collectives(counter: Counter):
             setattr(dist, name, orig)
 
 
+SYNC_RANGE = "bench::sync_collective"
+PHASE_RANGE = "bench::phase"
+
+
 def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -175,8 +181,10 @@ def settle_collectives(timeout_s: float = 0.05):
             bound = __sig.bind(*args, **kwargs)
             ts = [t for v in bound.arguments.values() for t in _tensors(v)]
             base = [t._use_count() for t in ts]
-            result = __orig(*args, **kwargs)
-            if not bound.arguments.get("async_op", False):
+            if bound.arguments.get("async_op", False):
+                return __orig(*args, **kwargs)
+            with torch.profiler.record_function(SYNC_RANGE):
+                result = __orig(*args, **kwargs)
                 deadline = time.perf_counter() + timeout_s
                 while any(t._use_count() > b for t, b in zip(ts, base)) and time.perf_counter() < deadline:
                     time.sleep(0)
@@ -205,12 +213,14 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 
 
 class Impl:
-    """One implementation on this rank: ``step(k)`` runs training step k."""
+    """One implementation on this rank, built from the seed; ``step()`` runs its next training
+    step (step k uses batch k % N_BATCHES). ``ddp_hook_counter``: DDP only, register a comm hook
+    that counts each bucket and then runs torch's default allreduce_hook."""
 
     def __init__(self, name: str, batches, counter: Counter | None = None,
                  ddp_hook_counter: Counter | None = None, collect: bool = True):
         self.name = name
-        self.counter = counter or Counter()      # phase bookkeeping for the wrapper
+        self.counters = [counter or Counter()]   # phase bookkeeping for the byte counters
         self.k = 0
         self.losses: list[float] = []
         model = fresh_model()
@@ -252,17 +262,28 @@ class Impl:
             # (torch.export's ExportedProgram); a full collection frees them. Done for all four.
             gc.collect()
 
-    def step(self) -> float:
+    def step(self, ranges: bool = False) -> float:
         x, y = self.local[self.k % len(self.local)]
-        c = self.counter
-        c.phase = "forward"
-        loss = lm_loss(self.module(x), y)
-        c.phase = "backward"
-        loss.backward()
-        c.phase = "optimizer"
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        c.phase = "-"
+        def phase(name):
+            for c in self.counters:
+                c.phase = name
+        mark = (lambda ph: torch.profiler.record_function(f"{PHASE_RANGE} {ph}")) if ranges \
+            else (lambda ph: contextlib.nullcontext())
+        t0 = time.perf_counter()
+        phase("forward")
+        with mark("forward"):
+            loss = lm_loss(self.module(x), y)
+        t1 = time.perf_counter()
+        phase("backward")
+        with mark("backward"):
+            loss.backward()
+        t2 = time.perf_counter()
+        phase("optimizer")
+        with mark("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        phase("-")
+        self.last_phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.k += 1
         value = float(loss.detach())
         self.losses.append(value)
@@ -285,61 +306,91 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _allocation_events(prof) -> list[tuple[int, int, int]]:
-    """(time ns, address, signed bytes) of every CPU allocation/free the profiler recorded."""
+def _allocation_events(prof) -> list[tuple[int, int, int, int | None]]:
+    """(time ns, address, signed bytes, implied free time ns or None) of every CPU
+    allocation/free the profiler recorded. A block allocated inside a c10d op (gloo's own
+    copy of a collective's buffer, held by its Work) is freed by gloo's worker thread, which
+    the profiler does not see: its implied free time is the end of the enclosing synchronous
+    collective (``settle_collectives`` waited for gloo there), or for an asynchronous one the
+    end of the enclosing step phase (the latest it can be; the caller waited for the work)."""
     out = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = [(node, None, None, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node = stack.pop()
+        node, sync_end, phase_end, in_c10d = stack.pop()
+        name = node.name or ""
+        if name == SYNC_RANGE:
+            sync_end = node.end_time_ns
+        elif name.startswith(PHASE_RANGE):
+            phase_end = node.end_time_ns
+        in_c10d = in_c10d or name.startswith("c10d::")
         if "Allocation" in str(node.tag) and node.extra_fields.device.type == "cpu":
-            out.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        stack.extend(node.children)
+            nb = node.extra_fields.alloc_size
+            implied = (sync_end or phase_end) if (in_c10d and nb > 0) else None
+            out.append((node.start_time_ns, node.extra_fields.ptr, nb, implied))
+        stack.extend((c, sync_end, phase_end, in_c10d) for c in node.children)
     out.sort(key=lambda e: e[0])
     return out
+
+
+def live_totals(events, t0: int, t1: int) -> dict:
+    """Live bytes of the blocks allocated in the window: at t0, their peak in [t0, t1], at t1.
+
+    Frees match allocations by address. A free the profiler missed is implied (a) when the
+    same address is allocated again, (b) at the implied time of a gloo-internal copy."""
+    timeline = []                                    # (time, order, kind, ptr, bytes, alloc id)
+    for i, (t, ptr, nb, implied) in enumerate(events):
+        timeline.append((t, 1, "alloc" if nb > 0 else "free", ptr, nb, i))
+        if implied is not None:
+            timeline.append((implied, 0, "implied", ptr, nb, i))
+    timeline.sort(key=lambda e: (e[0], e[1]))
+    live: dict[int, tuple[int, int]] = {}           # ptr -> (alloc id, bytes)
+    running, state, peak, implied_bytes = 0, None, 0, 0
+    for t, _, kind, ptr, nb, i in timeline:
+        if t >= t0 and state is None:
+            state = peak = running
+        if t > t1:
+            break
+        if kind == "alloc":
+            if ptr in live:                          # address reused: its free went unrecorded
+                implied_bytes += live[ptr][1]
+                running -= live.pop(ptr)[1]
+            live[ptr] = (i, nb)
+            running += nb
+        elif kind == "free":
+            if ptr in live:                          # (frees of blocks from before the window: ignored)
+                running -= live.pop(ptr)[1]
+        elif ptr in live and live[ptr][0] == i:      # implied free of that very allocation
+            implied_bytes += nb
+            running -= live.pop(ptr)[1]
+        if state is not None:
+            peak = max(peak, running)
+    if state is None:
+        state = peak = running
+    return {"state": state, "peak": peak, "drift": running - state, "implied": implied_bytes}
 
 
 def profiled_build(name: str, batches, collect: bool = True) -> tuple[Impl, dict]:
     """Build ``name`` and run 3 steps under the memory profiler; measure the third.
 
     Allocations and frees are matched by address. The profiler records a free only on a
-    thread that carries its state; a gloo worker thread that drops the last reference to a
-    collective's input buffer (after its work finished) frees it unrecorded. Hence
-    ``settle_collectives`` (synchronous collectives return only once gloo let go of their
-    tensors), and a block whose address is handed out again counts as freed ("implicit
-    frees"); what is left shows as "drift" (live total at the end of the measured step minus
-    at its start, 0 in the steady state), printed as the method's error bar.
+    thread that carries its state; gloo's worker thread, which can drop the last reference
+    to a collective's buffers after the work finished, frees them unrecorded. Hence
+    ``settle_collectives`` (a synchronous collective returns only once gloo let go of its
+    arguments, so the caller frees them) and the implied frees of ``live_totals``; what is
+    left shows as "drift" (live total at the end of the measured step minus at its start,
+    0 in the steady state), printed as the method's error bar.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
     gc.collect()
     with _quiet_stderr(), settle_collectives(), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         impl = Impl(name, batches, collect=collect)
-        impl.step()                                   # optimizer state, lazy init, DDP bucket rebuild
-        impl.step()
+        impl.step(ranges=True)                        # optimizer state, lazy init, DDP bucket rebuild
+        impl.step(ranges=True)
         with record_function("bench::measured_step"):
-            impl.step()
+            impl.step(ranges=True)
     mark = next(e for e in prof.profiler.kineto_results.events() if e.name() == "bench::measured_step")
-    t0, t1 = mark.start_ns(), mark.end_ns()
-    live: dict[int, int] = {}
-    running, state, peak, implicit = 0, None, 0, 0
-    for t, ptr, nb in _allocation_events(prof):
-        if t >= t0 and state is None:
-            state = peak = running
-        if t > t1:
-            break
-        if nb > 0:
-            if ptr in live:                           # reused address: its free went unrecorded
-                implicit += live[ptr]
-                running -= live[ptr]
-            live[ptr] = nb
-            running += nb
-        elif ptr in live:                             # (frees of blocks from before the window: ignored)
-            running -= live.pop(ptr)
-        if state is not None:
-            peak = max(peak, running)
-    if state is None:
-        state = peak = running
-    return impl, {"state": state, "peak": peak, "drift": running - state, "implicit": implicit}
+    return impl, live_totals(_allocation_events(prof), mark.start_ns(), mark.end_ns())
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -358,19 +409,21 @@ def rank_main(steps: int, warmup: int, collect: bool = True) -> dict:
             dist.barrier()
             impls[name].step()
     times = {name: [] for name in IMPLS}
+    phases = {name: [] for name in IMPLS}
     for _ in range(steps):                           # interleaved, one step of each
         for name in IMPLS:
             dist.barrier()
             t = time.perf_counter()
             impls[name].step()
             times[name].append(time.perf_counter() - t)
+            phases[name].append(impls[name].last_phases)
 
     # bytes: one more step of each, counted
     counted = {}
     for name in ("autopar ddp", "autopar zero3", "torch FSDP2"):
         impl = impls[name]
         wrapped = Counter()
-        impl.counter = wrapped
+        impl.counters = [wrapped]
         if name.startswith("autopar"):
             impl.module.comm_stats.reset()
         dist.barrier()
@@ -389,7 +442,7 @@ def rank_main(steps: int, warmup: int, collect: bool = True) -> dict:
     ddp_count.step()                                # DDP rebuilds its buckets after iteration 1
     hook.bytes.clear(); hook.calls.clear()
     wrapped = Counter()
-    ddp_count.counter = hook
+    ddp_count.counters = [hook, wrapped]
     dist.barrier()
     with wrap_collectives(wrapped):
         ddp_count.step()
@@ -401,7 +454,7 @@ def rank_main(steps: int, warmup: int, collect: bool = True) -> dict:
     impls["torch DDP"].step()       # uncounted: every timed instance has now run the same steps
 
     psi = sum(p.numel() for p in fresh_model().parameters())   # unique (tied counted once)
-    out.update(times=times, mem=mem, counted=counted, psi=psi,
+    out.update(times=times, phases=phases, mem=mem, counted=counted, psi=psi,
                losses={name: impls[name].losses for name in IMPLS})
     return out
 
@@ -449,6 +502,11 @@ def report(n: int, results: list[dict], steps: int, warmup: int) -> tuple[str, d
                      f"{own_s} | {c['wrapped']:,.0f} | {formula} | {_mib(peak[name])} | {_mib(state[name])} | "
                      f"{_mib(drift[name])} |")
     lines.append("")
+    lines.append("median ms per phase (max over ranks): forward / backward / optimizer.step+zero_grad")
+    for name in IMPLS:
+        ph = [max(statistics.median(p[k] for p in r["phases"][name]) for r in results) for k in range(3)]
+        lines.append(f"  {name:14s} {ph[0] * 1e3:7.1f} / {ph[1] * 1e3:7.1f} / {ph[2] * 1e3:7.1f}")
+    lines.append("")
     lines.append("bytes by phase/kind (dist wrapper; calls counted):")
     for name in IMPLS:
         c = counted[name]
@@ -474,7 +532,7 @@ def report(n: int, results: list[dict], steps: int, warmup: int) -> tuple[str, d
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per implementation")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before timing "
                     "(after the 3 profiled steps that follow construction)")
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -195,6 +195,10 @@ def stale_shards():
     return None
 
 
+def clip_all():
+    return {mode: clip_and_grads(mode) for mode in MODES}
+
+
 def clip_and_grads(mode):
     """clip_grad_norm_ returns the true global norm and clips like the single-device model."""
     torch.manual_seed(0)
@@ -223,3 +227,18 @@ def uneven_shards():
     shard = dm.module.get_parameter("fc2.weight")
     gathered = dm.full_state_dict()["fc2.weight"]
     return tuple(shard.shape), bool(torch.equal(gathered, full))
+
+
+def dump_and_explain(mode, out_dir):
+    world = dist.get_world_size()
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=world), example_inputs=(tok,), plan=autopar.Plan(dp=mode))
+    before = dm.explain()
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    dm.comm_stats.reset()
+    _step(dm, opt, (tok,), tgt, lm_loss)
+    after = dm.explain()
+    files = dm.dump(f"{out_dir}/rank{dist.get_rank()}")
+    return before, after, files

@@ -1,0 +1,108 @@
+"""Structural tests of the passes on toy graphs, and golden text of what they emit.
+
+Set AUTOPAR_UPDATE_GOLDEN=1 to rewrite the golden files after an intended change; the diff
+then shows the change's effect on the emitted graphs.
+"""
+import os
+import pathlib
+
+import pytest
+import torch
+
+import autopar
+from autopar import meta
+from autopar.dpsync import dp_gather, dp_grad_sync, dp_release
+from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
+from autopar.placement import Partial, Replicate, Shard
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+
+
+def _compile(model, inputs, mode, world=2):
+    torch.manual_seed(0)
+    return autopar.compile(model, autopar.Mesh(dp=world, virtual=True), example_inputs=inputs,
+                           plan=autopar.Plan(dp=mode))
+
+
+def _calls(dm, fn):
+    return [n for n in dm.module.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
+def test_collectives_inserted_per_mode(mode):
+    dm = _compile(TinyMLP(), (torch.randn(8, 16),), mode)
+    dm.module.graph.lint()
+    n_params = 6
+    if mode == "zero3":
+        gathers, releases = _calls(dm, dp_gather), _calls(dm, dp_release)
+        assert len(gathers) == len(releases) == n_params and not _calls(dm, dp_grad_sync)
+        order = list(dm.module.graph.nodes)
+        for g in gathers:   # each gather right before its consumer, released right after
+            (user,) = [u for u in g.users if u.target is not dp_release]
+            assert order.index(g) < order.index(user)
+            rel = [u for u in g.users if u.target is dp_release][0]
+            assert order.index(rel) == order.index(user) + 1 or order[order.index(rel) - 1].target is dp_release
+            assert g.meta[meta.LAYOUT]["dp"] == Replicate() and g.args[0].meta[meta.LAYOUT]["dp"] == Shard(0)
+    else:
+        syncs = _calls(dm, dp_grad_sync)
+        assert len(syncs) == n_params and not _calls(dm, dp_gather)
+        for s in syncs:
+            assert s.meta[meta.COMM].kind == ("all_reduce" if mode == "ddp" else "reduce_scatter")
+            assert s.meta[meta.COMM].phase == "backward"
+            if mode != "ddp":   # forward reads the full replica, the gradient goes to the shard
+                assert s.args[0].target.startswith("replicas.") and s.args[1].op == "get_attr"
+
+
+def test_layouts_follow_the_batch_shard_through_the_gpt():
+    c = GPTConfig()
+    tok, _ = gpt_batch(c, 4)
+    dm = _compile(TinyGPT(c), (tok,), "zero3")
+    lay = {n.name: n.meta.get(meta.LAYOUT) for n in dm.module.graph.nodes}
+    assert lay["idx"]["dp"] == Shard(0)
+    assert lay["arange"]["dp"] == Replicate()             # positions: same on every rank
+    assert lay["embedding_1"]["dp"] == Replicate()
+    assert lay["add"]["dp"] == Shard(0)                    # broadcast add meets the batch shard
+    assert lay["transpose"]["dp"] == Shard(0)              # heads moved, batch stays dim 0
+    assert lay["scaled_dot_product_attention"]["dp"] == Shard(0)
+    for n in dm.module.graph.nodes:
+        if n.op == "call_function" and isinstance(n.meta.get(meta.VAL), torch.Tensor):
+            assert n.meta.get(meta.LAYOUT) is not None, n.name
+
+
+def test_loss_inside_the_model_is_partial():
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.lin(x).transpose(0, 1).t(), y)
+
+    dm = _compile(WithLoss(), (torch.randn(8, 4), torch.randint(0, 3, (8,))), "ddp")
+    out = [n for n in dm.module.graph.nodes if n.op == "output"][0].args[0][0]
+    assert out.meta[meta.LAYOUT]["dp"] == Partial("avg")
+
+
+def test_buckets_reverse_first_use_and_respect_the_size_cap():
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyMLP(), autopar.Mesh(dp=2, virtual=True), example_inputs=(torch.randn(8, 16),),
+                         plan=autopar.Plan(dp="zero2", bucket_bytes=1024))
+    buckets = dm.ctx.grad_buckets
+    flat = [n for b in buckets for n in b]
+    assert flat == ["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]
+    assert buckets[0] == ["fc3.bias", "fc3.weight", "fc2.bias"]      # 64 + 448 + 32 B padded, < 1 KiB
+
+
+@pytest.mark.parametrize("name, build", [
+    ("mlp_ddp", lambda: _compile(TinyMLP(), (torch.randn(8, 16),), "ddp")),
+    ("mlp_zero1", lambda: _compile(TinyMLP(), (torch.randn(8, 16),), "zero1")),
+    ("mlp_zero3", lambda: _compile(TinyMLP(), (torch.randn(8, 16),), "zero3", world=4)),
+    ("gpt_zero3", lambda: _compile(TinyGPT(GPTConfig(layers=1)), (gpt_batch(GPTConfig(layers=1), 4)[0],), "zero3")),
+])
+def test_golden_graph_text(name, build):
+    dm = build()
+    text = "".join(f"### {stage}\n{body}\n" for stage, body in dm.ctx.snapshots)
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("AUTOPAR_UPDATE_GOLDEN") or not path.exists():
+        path.write_text(text)
+    assert text == path.read_text(), f"{path} differs: rerun with AUTOPAR_UPDATE_GOLDEN=1 if intended"
