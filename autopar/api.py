@@ -5,6 +5,7 @@ GraphModule`` and its result is snapshotted for ``dm.dump()``.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Union
 
@@ -78,4 +79,6 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
         ctx.snapshots.append((p.__name__, graph_text(gm)))
     dm = emit(gm, model, ctx)
     ctx.snapshots.append(("emit", dm.module.code))
+    del gm
+    gc.collect()   # export leaves reference cycles that hold the original weights
     return dm

@@ -21,7 +21,7 @@ them is differentiable and backward communication comes from autograd:
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +63,7 @@ class CommStats:
     def reset(self):
         self.bytes = defaultdict(float)
         self.calls = defaultdict(int)
-        self.log: list[tuple[str, str, str, str, float]] = []
+        self.log: deque = deque(maxlen=4096)   # the latest calls: (axis, kind, phase, label, bytes)
 
     def record(self, axis: str, kind: str, phase: str, label: str, nbytes: float):
         self.bytes[(axis, kind, phase)] += nbytes

@@ -46,4 +46,5 @@ class CompileContext:
     global_batch: Optional[int] = None
     snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
     grad_buckets: list = field(default_factory=list)  # set by the collectives pass
+    gather_units: list = field(default_factory=list)  # ZeRO-3, set by the collectives pass
     notes: list = field(default_factory=list)        # lines for explain()

@@ -45,7 +45,7 @@ class DataParallelSync(nn.Module):
 
     def __init__(self, mode: str, comm: AxisComm, specs: dict[str, ShardSpec],
                  buckets: list[list[str]], params: dict[str, nn.Parameter],
-                 replicas: dict[str, torch.Tensor]):
+                 replicas: dict[str, torch.Tensor], units: list[list[str]] = ()):
         super().__init__()
         self.mode, self.comm, self.specs = mode, comm, specs
         self.sharded = mode != "ddp"
@@ -57,9 +57,15 @@ class DataParallelSync(nn.Module):
         self._replicas = replicas
         self._persistent: dict[int, torch.Tensor] = {}   # ZeRO-1 full-gradient buffers
         self._in_backward = False
+        # ZeRO-3: parameters are gathered a unit at a time, the next unit prefetched
+        self.units = [_Bucket(u, specs, True) for u in units]
+        self.unit_of = {n: i for i, u in enumerate(self.units) for n in u.names}
+        self._inflight: dict[int, tuple] = {}     # unit -> (work, buffer) of an issued gather
+        self._fwd: dict[int, dict[str, torch.Tensor]] = {}   # gathered, not yet used by forward
+        self._fwd_done: set[int] = set()          # units gathered in this forward
         self._gathered: dict[int, str] = {}       # storage ptr of a live gathered param -> name
-        self._pending = defaultdict(int)          # saved views awaiting a backward re-gather
-        self._regathered: dict[str, torch.Tensor] = {}
+        self._pending = defaultdict(int)          # unit -> saved views awaiting backward
+        self._bwd: dict[int, dict[str, torch.Tensor]] = {}   # re-gathered for backward
         self.saved_in_backward: set[str] = set()  # params backward read (re-gathered), last step
         self._versions: list[int] = []
         self.events: list[tuple[str, object]] = []
@@ -70,20 +76,48 @@ class DataParallelSync(nn.Module):
                 f"buckets={[len(b.names) for b in self.buckets]}")
 
     # ---- parameters --------------------------------------------------------------------
-    def gather_param(self, name: str, label: str, phase: str = "forward") -> torch.Tensor:
-        """ZeRO-3: the full parameter from every rank's shard (one all-gather)."""
-        spec, shard = self.specs[name], self._params[name]
-        out = shard.new_empty(spec.n * spec.chunk_numel)
-        self.comm.all_gather_flat(out, spec.padded_local(shard.detach()), label=f"{label} {name}", phase=phase)
-        return spec.unpad(out)
+    def _issue(self, k: int, phase: str) -> None:
+        """Start the all-gather of unit ``k`` (asynchronously)."""
+        u = self.units[k]
+        staging = torch.cat([self.specs[n].padded_local(self._params[n].detach()) for n in u.names])
+        out = staging.new_empty(self.comm.size * u.width)
+        work = self.comm.all_gather_flat(out, staging, label=f"unit {k}", async_op=True, phase=phase)
+        self._inflight[k] = (work, out)
+
+    def _complete(self, k: int, phase: str) -> dict[str, torch.Tensor]:
+        """The full parameters of unit ``k`` (waiting for its prefetch, or gathering now)."""
+        if k not in self._inflight:
+            self._issue(k, phase)
+        work, out = self._inflight.pop(k)
+        if work is not None:
+            work.wait()
+        u, out = self.units[k], out.view(self.comm.size, self.units[k].width)
+        # copy-out: each member's rows sit strided in the rank-major buffer (a view when alone)
+        return {n: out[:, off:off + size].reshape(-1)[: self.specs[n].numel].view(self.specs[n].shape)
+                for n, off, size in zip(u.names, u.offsets, u.sizes)}
+
+    def gather_for_forward(self, name: str) -> torch.Tensor:
+        """ZeRO-3 forward: the full parameter; the first use of a unit gathers all of it and
+        prefetches the next unit."""
+        k = self.unit_of[name]
+        members = self._fwd.get(k)
+        if members is None:
+            members = self._fwd[k] = self._complete(k, "forward")
+            self._fwd_done.add(k)
+            if k + 1 < len(self.units) and k + 1 not in self._inflight and k + 1 not in self._fwd_done:
+                self._issue(k + 1, "forward")
+        full = members.pop(name)
+        if not members:
+            del self._fwd[k]
+        return full
 
     def gather_replicas(self) -> None:
         """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica."""
         with torch.no_grad():
-            for b in self.buckets:
+            for i, b in enumerate(self.buckets):
                 staging = torch.cat([self.specs[n].padded_local(self._params[n]) for n in b.names])
                 out = staging.new_empty(self.comm.size * b.width)
-                self.comm.all_gather_flat(out, staging, label="params " + ",".join(b.names),
+                self.comm.all_gather_flat(out, staging, label=f"params, bucket {i}",
                                           phase="optimizer")
                 out = out.view(self.comm.size, b.width)
                 for n, off, size in zip(b.names, b.offsets, b.sizes):
@@ -114,21 +148,27 @@ class DataParallelSync(nn.Module):
         name = self._gathered.get(t.untyped_storage().data_ptr()) if self._gathered else None
         if name is None:
             return t
-        self._pending[name] += 1
+        self._pending[self.unit_of[name]] += 1
         return (name, t.size(), t.stride(), t.storage_offset())
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         name, size, stride, offset = packed
-        full = self._regathered.get(name)
-        if full is None:
-            full = self.gather_param(name, label="re-gather", phase="backward")
-            self._regathered[name] = full
-            self.saved_in_backward.add(name)
-        self._pending[name] -= 1
-        if self._pending[name] <= 0:
-            self._regathered.pop(name, None)
+        k = self.unit_of[name]
+        members = self._bwd.get(k)
+        if members is None:
+            members = self._bwd[k] = self._complete(k, "backward")
+            self.saved_in_backward.update(self.units[k].names)
+            waiting = [j for j, c in self._pending.items()
+                       if c > 0 and j != k and j not in self._bwd and j not in self._inflight]
+            if waiting:   # backward runs layers in reverse: prefetch the next one down
+                below = [j for j in waiting if j < k]
+                self._issue(max(below) if below else max(waiting), "backward")
+        full = members[name]
+        self._pending[k] -= 1
+        if self._pending[k] <= 0:
+            self._bwd.pop(k, None)
         return full.as_strided(size, stride, offset)
 
     @contextmanager
@@ -139,12 +179,18 @@ class DataParallelSync(nn.Module):
             yield
             return
         self._pending.clear()
-        self._regathered.clear()
+        self._bwd.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             self._gathered.clear()
+            self._fwd.clear()
+            self._fwd_done.clear()
+            for work, _ in self._inflight.values():   # a prefetch nobody used: finish it
+                if work is not None:
+                    work.wait()
+            self._inflight.clear()
 
     # ---- gradients ---------------------------------------------------------------------
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
@@ -161,9 +207,9 @@ class DataParallelSync(nn.Module):
             buf = self._persistent[bi].view(n, b.width)
             buf[:, off:off + size].add_(spec.padded_chunks(grad), alpha=1.0 / n)
         else:
-            if st["buf"] is None:
+            if st["buf"] is None:   # every member writes its whole segment (padding included)
                 width = n * b.width if self.sharded else b.width
-                st["buf"] = grad.new_zeros(width)
+                st["buf"] = grad.new_empty(width)
             if self.sharded:
                 st["buf"].view(n, b.width)[:, off:off + size].copy_(spec.padded_chunks(grad))
             else:
@@ -187,13 +233,18 @@ class DataParallelSync(nn.Module):
             b, st = self.buckets[self._next], self._state[self._next]
             if not force and len(st["ready"]) < len(b.names):
                 return
-            label = "grads " + ",".join(b.names)
+            label = f"grads, bucket {self._next}"
             if self.mode == "zero1":
                 buf = self._persistent[self._next]
-            else:
-                if st["buf"] is None:  # no member got a gradient this backward: zeros keep ranks in step
+            else:   # members without a gradient this backward send zeros: ranks stay in step
+                if st["buf"] is None:
                     dtype = self._params[b.names[0]].dtype
                     st["buf"] = torch.zeros(self.comm.size * b.width if self.sharded else b.width, dtype=dtype)
+                for name, off, size in zip(b.names, b.offsets, b.sizes):
+                    if name not in st["ready"]:
+                        seg = st["buf"].view(self.comm.size, b.width)[:, off:off + size] if self.sharded \
+                            else st["buf"][off:off + size]
+                        seg.zero_()
                 buf = st["buf"]
             if self.sharded:
                 st["out"] = buf.new_empty(b.width)
@@ -265,7 +316,7 @@ class _Zero3Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, sync, name):
         ctx.sync, ctx.name = sync, name
-        full = sync.gather_param(name, label="gather")
+        full = sync.gather_for_forward(name)
         sync.track(name, full)
         return full
 

@@ -31,8 +31,10 @@ class Plan:
     ``zero_bubble``; None means no pipeline."""
     microbatches: int = 1
     """Micro-batches per step for the pipeline schedule."""
-    bucket_bytes: int = 1 << 20
-    """Target size of one gradient bucket (bytes) for the bucketed backward collectives."""
+    bucket_bytes: int = 25 << 20
+    """Largest gradient bucket (bytes) of the bucketed backward collectives; the first bucket
+    is cut at 1 MiB so that communication starts early (as DDP does). ZeRO-3 also cuts its
+    gather units (one per numbered layer) at this size."""
 
     def __post_init__(self):
         if self.dp not in DP_MODES:

@@ -59,7 +59,7 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
             if node.op == "get_attr" and node.target not in root and node.target not in (SYNC,) \
                     and not node.target.startswith(REPLICAS + "."):
                 root[node.target] = _resolve(gm, node.target)
-    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas)
+    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
     root[SYNC] = sync
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
     if REPLICAS in dict(out.named_children()):

@@ -36,6 +36,7 @@ def main():
         print(f"rank {dist.get_rank()} step {step} loss {loss.item():.4f}")
     if dist.get_rank() == 0:
         print(dm.explain())
+    dist.barrier()
     dist.destroy_process_group()
 
 

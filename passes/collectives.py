@@ -10,8 +10,10 @@ For the data-parallel axis every consumer needs its parameters whole (``dp:R``):
                is ready; ZeRO-1: when backward ends)
     ddp        ``dp_grad_sync`` routes the gradient to a bucketed all-reduce
 
-It also fixes the gradient buckets (``ctx.grad_buckets``): parameters in reverse order of
-first use, the order their gradients become ready, cut at ``plan.bucket_bytes``.
+It also fixes the units of communication: ZeRO-3 gathers parameters a unit at a time (one
+numbered layer, ``ctx.gather_units``) and reduces each unit's gradients together; the other
+modes bucket gradients in reverse order of first use, the order they become ready
+(``ctx.grad_buckets``).
 """
 from __future__ import annotations
 
@@ -36,20 +38,57 @@ def shard_specs(ctx: CompileContext) -> dict[str, ShardSpec]:
             for name, info in ctx.params.items() if not info.is_buffer and info.requires_grad}
 
 
-def _plan_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
-    buckets, cur, cur_bytes, cur_dtype = [], [], 0, None
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def _size_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
+    """Gradient buckets for ddp and ZeRO-1/2: reverse order of first use (the order gradients
+    become ready), one dtype each, the first cut at 1 MiB so that communication starts early
+    in backward, the others at ``plan.bucket_bytes``."""
+    buckets, cur, cur_bytes, cap = [], [], 0, min(FIRST_BUCKET_BYTES, ctx.plan.bucket_bytes)
     for name in reversed(order):
         info = ctx.params[name]
         size = specs[name].n * specs[name].chunk_numel * info.dtype.itemsize
-        if cur and (cur_bytes + size > ctx.plan.bucket_bytes or info.dtype != cur_dtype):
+        if cur and (cur_bytes + size > cap or info.dtype != ctx.params[cur[0]].dtype):
             buckets.append(cur)
-            cur, cur_bytes = [], 0
+            cur, cur_bytes, cap = [], 0, ctx.plan.bucket_bytes
         cur.append(name)
         cur_bytes += size
-        cur_dtype = info.dtype
-    if cur:
-        buckets.append(cur)
-    return buckets
+    return buckets + [cur] if cur else buckets
+
+
+def _unit_key(name: str) -> str:
+    """``blocks.3.attn.qkv.weight`` -> ``blocks.3``: the numbered layer a parameter sits in
+    ("" for parameters outside any numbered layer: the root unit)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
+    """ZeRO-3 gather units in order of first use: one per numbered layer (as wrapping every
+    transformer block), the remaining parameters as the root unit; a unit is cut where it
+    passes ``plan.bucket_bytes`` or changes dtype. Each unit is one all-gather in forward,
+    one in backward if backward reads any of it, and its gradients one reduce-scatter."""
+    by_key: dict[str, list[str]] = {}
+    for name in order:
+        by_key.setdefault(_unit_key(name), []).append(name)
+    units = []
+    for members in by_key.values():
+        cur, cur_bytes = [], 0
+        for name in members:
+            info = ctx.params[name]
+            size = specs[name].n * specs[name].chunk_numel * info.dtype.itemsize
+            if cur and (cur_bytes + size > ctx.plan.bucket_bytes or info.dtype != ctx.params[cur[0]].dtype):
+                units.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(name)
+            cur_bytes += size
+        units.append(cur)
+    position = {name: i for i, name in enumerate(order)}
+    return sorted(units, key=lambda u: position[u[0]])   # prefetch follows first use
 
 
 def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -59,8 +98,13 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     specs = shard_specs(ctx)
     params = [nd for nd in g.nodes if nd.op == "get_attr" and nd.meta.get(meta.PARAM) in specs]
     order = [nd.meta[meta.PARAM] for nd in params]
-    ctx.grad_buckets = _plan_buckets(order, ctx, specs)
+    if mode == "zero3":
+        ctx.gather_units = _gather_units(order, ctx, specs)
+        ctx.grad_buckets = [list(reversed(u)) for u in reversed(ctx.gather_units)]
+    else:
+        ctx.grad_buckets = _size_buckets(order, ctx, specs)
     bucket_of = {name: i for i, b in enumerate(ctx.grad_buckets) for name in b}
+    unit_of = {name: i for i, u in enumerate(ctx.gather_units) for name in u}
     whole = Layout.replicated(ctx.mesh.names)
     grad_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     first = next(iter(g.nodes))
@@ -78,9 +122,8 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         with g.inserting_before(anchor):
             if mode == "zero3":
                 new = g.call_function(dp_gather, (pnode, sync, name))
-                new.meta[meta.COMM] = CommInfo(
-                    "all_gather", "dp", ring_bytes("all_gather", padded, n), "forward",
-                    f"backward: gathered again if read, gradient reduce_scatter in bucket {bucket_of[name]}")
+                new.meta[meta.COMM] = _unit_info(ctx.gather_units, unit_of[name], name, specs, ctx, n,
+                                                 bucket_of[name])
             elif mode == "ddp":
                 new = g.call_function(dp_grad_sync, (pnode, pnode, sync, name))
                 new.meta[meta.COMM] = grad_info
@@ -102,6 +145,17 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def _unit_info(units, k, name, specs, ctx, n, bucket) -> CommInfo:
+    unit = units[k]
+    if name != unit[0]:
+        return CommInfo("all_gather", "dp", 0.0, "forward", f"part of unit {k}, gathered with {unit[0]}")
+    nbytes = sum(specs[m].n * specs[m].chunk_numel * ctx.params[m].dtype.itemsize for m in unit)
+    ahead = f"; prefetches unit {k + 1}" if k + 1 < len(units) else ""
+    return CommInfo("all_gather", "dp", ring_bytes("all_gather", nbytes, n), "forward",
+                    f"unit {k} ({len(unit)} params){ahead}; backward: gathered again if read, "
+                    f"gradients reduce_scatter in bucket {bucket}")
 
 
 def _stand_in_buffer(gm: fx.GraphModule, target: str, val) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,9 @@ def memory(mode):
     base = live_tensor_bytes()
     model = WideMLP()
     dm = autopar.compile(model, autopar.Mesh(dp=world), example_inputs=(x,), plan=autopar.Plan(dp=mode))
-    del model          # the compiled module must not keep the original alive
+    original = weakref.ref(model.layers[0].weight)
+    del model          # the compiled module must not keep the original alive, even before a gc pass
+    original_alive = original() is not None
     gc.collect()
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
     local_x, local_t = dm.shard_batch(x), dm.shard_batch(target)
@@ -142,6 +145,7 @@ def memory(mode):
         "census": census,
         "after_forward": after_forward,
         "local_batch_bytes": local_x.numel() * 4 * 2,
+        "original_alive": original_alive,
     }
 
 

@@ -22,7 +22,9 @@ def test_dump_and_explain(tmp_path, mode):
     assert "dp:S(0)" in coll and "dp:R" in coll and "B/rank" in coll
     if mode == "zero3":
         assert "dp_gather(blocks_0_qkv_weight, sync_dp, 'blocks.0.qkv.weight')" in coll
-        assert "forward all_gather[dp] 6,144 B/rank" in coll   # 96x32 fp32 (N-1)/N, N=2
+        # block 0 is one unit: its 12 parameters, 50,816 B padded, (N-1)/N of it per rank
+        assert "forward all_gather[dp] 25,408 B/rank; unit 1 (12 params); prefetches unit 2" in coll
+        assert "part of unit 1, gathered with blocks.0.ln1.weight" in coll
     compile(open(files[3]).read(), "03_emit.py", "exec")     # the emitted code is real Python
     assert "measured: no step run yet" in before
     formula = "3*Psi*(N - 1)/N" if mode == "zero3" else "2*Psi*(N - 1)/N"

@@ -83,6 +83,7 @@ def test_memory_after_step_matches_zero_formula(memories, world, mode):
         # gradients, bucket buffers and the original model are gone); the slack is Adam's
         # 0-dim step counters
         assert 0 <= r["census"] - formula <= 1024
+        assert not r["original_alive"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
