@@ -184,10 +184,15 @@ class DistributedModule(nn.Module):
     def to_empty(self, *, device="cpu") -> "DistributedModule":
         """Allocate (uninitialised) storage for a module captured from a meta-device model;
         follow with ``load_full_state_dict``."""
-        if self.plan.dp in ("zero1", "zero2"):
-            raise NotImplementedError("to_empty for zero1/zero2 (replica views) is not supported yet; "
-                                      "build the model on a real device or use zero3/ddp")
+        from autopar.passes.collectives import REPLICAS
         self.module.to_empty(device=device)
+        for name, spec in self._sync.specs.items():
+            # leaving the meta device makes new Parameter objects: point the sync at them
+            self._sync._params[name] = self.module.get_parameter(name)
+            if self.plan.dp in ("zero1", "zero2"):   # the shards are views of the new replicas again
+                replica = _resolve(self.module, f"{REPLICAS}.{name}")
+                self.module.get_parameter(name).data = spec.local_of(replica)
+                self._sync._replicas[name] = replica
         self._sync.record_versions()
         return self
 

@@ -246,3 +246,24 @@ def dump_and_explain(mode, out_dir):
     after = dm.explain()
     files = dm.dump(f"{out_dir}/rank{dist.get_rank()}")
     return before, after, files
+
+
+def meta_materialise():
+    """A model built on the meta device compiles without memory, then loads real weights."""
+    torch.manual_seed(0)
+    real = TinyMLP()
+    x, y = mlp_batch()
+    out = {}
+    for mode in MODES:
+        with torch.device("meta"):
+            model = TinyMLP()
+        dm = autopar.compile(model, autopar.Mesh(dp=dist.get_world_size()),
+                             example_inputs=(torch.empty(8, 16, device="meta"),), plan=autopar.Plan(dp=mode))
+        dm.to_empty(device="cpu")
+        dm.load_full_state_dict(real.state_dict())
+        local = dm.shard_batch(x)
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        mse(dm(local), dm.shard_batch(y)).backward()
+        opt.step()
+        out[mode] = (float((dm(local) - real(local)).abs().max()), dm.full_state_dict())
+    return out

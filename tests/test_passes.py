@@ -106,3 +106,21 @@ def test_golden_graph_text(name, build):
     if os.environ.get("AUTOPAR_UPDATE_GOLDEN") or not path.exists():
         path.write_text(text)
     assert text == path.read_text(), f"{path} differs: rerun with AUTOPAR_UPDATE_GOLDEN=1 if intended"
+
+
+def test_emission_for_a_large_virtual_world():
+    """256 ranks, no processes: rank 255's shards of the GPT, its units and their bytes."""
+    c = GPTConfig(vocab=1000, dim=64, heads=4, layers=3, seq=16)
+    tok, _ = gpt_batch(c, 512)
+    mesh = autopar.Mesh(dp=256, virtual=True, rank=255)
+    dm = autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=autopar.Plan(dp="zero3"))
+    shard = dm.module.get_parameter("wte.weight")       # 1000 rows: 4 per rank, rank 250+ hold none
+    assert tuple(shard.shape) == (0, 64)
+    assert tuple(dm.module.get_parameter("blocks.0.qkv.weight").shape) == (0, 64)   # 192 rows
+    assert dm.ctx.input_shapes[0] == (2, 16)           # 512 sequences over 256 ranks
+    units = dm.ctx.gather_units
+    assert [u[0] for u in units] == ["wte.weight", "blocks.0.ln1.weight", "blocks.1.ln1.weight",
+                                     "blocks.2.ln1.weight"]
+    first = [n for n in dm.module.graph.nodes if n.op == "call_function" and n.target is dp_gather][0]
+    root = sum(dm._sync.specs[n].n * dm._sync.specs[n].chunk_numel * 4 for n in units[0])
+    assert first.meta[meta.COMM].nbytes == root * 255 / 256

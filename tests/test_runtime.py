@@ -36,3 +36,20 @@ def test_example_runs_under_torchrun():
                          capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     assert "rank 1 step 2 loss" in out.stdout and "4*Psi + 12*Psi/N" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_meta_model_materialises_and_trains():
+    import torch
+    from autopar.models import TinyMLP
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    x, y = jobs.mlp_batch()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    jobs.mse(ref(x), y).backward()
+    opt.step()
+    for rank_result in run(jobs.meta_materialise, 2, timeout=90):
+        for mode, (first_err, state) in rank_result.items():
+            assert first_err > 0       # the step changed the weights (compared against the old ones)
+            for k, v in ref.state_dict().items():
+                assert torch.allclose(state[k], v, atol=1e-6), (mode, k)
