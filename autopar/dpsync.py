@@ -10,6 +10,11 @@ pass inserted for ddp and ZeRO-1/2/3:
     dp_grad_sync(value, owner, sync, name) ddp / ZeRO-1/2: identity forward; backward hands the
                                           gradient of ``value`` to the reducer for ``owner``
 
+ZeRO-3 gathers a unit (one numbered layer) at a time: the first use of a unit in forward
+gathers all of it and prefetches the next; saved-tensor hooks swap the gathered tensors
+autograd keeps for tokens, and backward gathers a unit again when it first needs it,
+prefetching the one below.
+
 Gradients are reduced in buckets fixed at compile time (the collectives pass), in reverse
 order of first use, each launched asynchronously as soon as all its members are ready
 (ddp: all-reduce; ZeRO-2/3: reduce-scatter, the full gradient dropped at once; ZeRO-1:

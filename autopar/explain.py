@@ -97,7 +97,8 @@ def explain(dm) -> str:
                      "backward reads, so a table or bias that backward never reads costs 2Ψ_i(N−1)/N)")
     if measured:
         by = {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "dp"}
-        lines.append(f"  measured since the counters were last reset: {_mb(measured)}")
+        lines.append(f"  measured since the counters were last reset: {_mb(measured)} "
+                     "(dm.comm_stats.reset() before a step measures that step)")
         for (axis, k, phase), v in sorted(by.items()):
             lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
         if mode == "zero3":
