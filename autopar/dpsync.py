@@ -203,22 +203,23 @@ class DataParallelSync(nn.Module):
         if not self._in_backward:
             self._begin_backward()
         bi, j = self.bucket_of[name]
-        b = self.buckets[bi]
-        st = self._state[bi]
-        spec = self.specs[name]
-        off, size = b.offsets[j], b.sizes[j]
-        n = self.comm.size
+        b, st, spec = self.buckets[bi], self._state[bi], self.specs[name]
+        off, size, n = b.offsets[j], b.sizes[j], self.comm.size
+        again = name in st["ready"]   # a backward through two forwards of the module
+        if again and st["work"] is not None:
+            raise RuntimeError(
+                f"{name} received a second gradient in one backward after its bucket was sent: this "
+                "backward runs through two forwards of the compiled module. Call backward once per "
+                "forward (gradients accumulate across backward calls), as with DDP.")
         if self.mode == "zero1":
             buf = self._persistent[bi].view(n, b.width)
             buf[:, off:off + size].add_(spec.padded_chunks(grad), alpha=1.0 / n)
         else:
             if st["buf"] is None:   # every member writes its whole segment (padding included)
-                width = n * b.width if self.sharded else b.width
-                st["buf"] = grad.new_empty(width)
-            if self.sharded:
-                st["buf"].view(n, b.width)[:, off:off + size].copy_(spec.padded_chunks(grad))
-            else:
-                st["buf"][off:off + size].copy_(grad.reshape(-1))
+                st["buf"] = grad.new_empty(n * b.width if self.sharded else b.width)
+            seg = st["buf"].view(n, b.width)[:, off:off + size] if self.sharded else st["buf"][off:off + size]
+            new = spec.padded_chunks(grad) if self.sharded else grad.reshape(-1)
+            seg.add_(new) if again else seg.copy_(new)
         st["ready"].add(name)
         self.events.append(("ready", name))
         if self.eager:

@@ -267,3 +267,37 @@ def meta_materialise():
         opt.step()
         out[mode] = (float((dm(local) - real(local)).abs().max()), dm.full_state_dict())
     return out
+
+
+def accumulation_all():
+    """Two backward passes (micro-batches, no zero_grad between) accumulate into the same
+    gradients as one pass over the whole batch; a backward through two forwards is refused
+    (or accumulated, while its bucket has not gone out)."""
+    import copy
+    world = dist.get_world_size()
+    x, y = mlp_batch(8 * world)
+    out = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        ref = TinyMLP()
+        mse(ref(x), y).backward()
+        dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(dp=world), example_inputs=(x[: 4 * world],),
+                             plan=autopar.Plan(dp=mode))
+        lx, ly = x.view(2, 4 * world, 16), y.view(2, 4 * world, 16)
+        for m in range(2):   # the global batch as two micro-batches, each rank its slice of each
+            (mse(dm(dm.shard_batch(lx[m])), dm.shard_batch(ly[m])) / 2).backward()
+        grads = dm.full_grads()
+        err = max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters())
+        with torch.no_grad():   # evaluation: no autograd graph, ZeRO-3 still gathers
+            local = dm.shard_batch(lx[0])
+            err = max(err, float((dm(local) - ref(local)).abs().max()))
+        try:
+            a = dm(dm.shard_batch(lx[0]))
+            b = dm(dm.shard_batch(lx[1]))
+            (mse(a, dm.shard_batch(ly[0])) + mse(b, dm.shard_batch(ly[1]))).backward()
+            grads = dm.full_grads()   # accepted: ref + 2 ref (the two unscaled halves)
+            twice = max(float((grads[k] - 3 * p.grad).abs().max()) for k, p in ref.named_parameters())
+        except RuntimeError as e:
+            twice = str(e)
+        out[mode] = (err, twice)
+    return out

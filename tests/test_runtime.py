@@ -53,3 +53,19 @@ def test_meta_model_materialises_and_trains():
             assert first_err > 0       # the step changed the weights (compared against the old ones)
             for k, v in ref.state_dict().items():
                 assert torch.allclose(state[k], v, atol=1e-6), (mode, k)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_accumulation_over_micro_batches(world):
+    for per_mode in run(jobs.accumulation_all, world, timeout=120):
+        for mode, (err, twice) in per_mode.items():
+            assert err < 1e-6, (mode, err)
+            # one bucket per mode here: the second forward's gradients reach it before it is
+            # sent in zero1 (sent when backward ends); the eager modes refuse with a clear error
+            if isinstance(twice, str):
+                assert "second gradient in one backward" in twice and "once per forward" in twice
+            else:
+                assert twice < 1e-5, (mode, twice)
+            if mode == "zero1":
+                assert not isinstance(twice, str)
