@@ -50,7 +50,9 @@ def graph_text(gm: fx.GraphModule) -> str:
         typ = _type(node.meta.get(meta.VAL)) or ("module" if node.op == "get_attr" else "")
         head = f"{node.name}: {typ}"
         lay = node.meta.get(meta.LAYOUT)
-        if lay is not None:
+        if isinstance(lay, tuple):   # a multi-output node: one layout per output
+            head += "  (" + ", ".join(str(x) for x in lay) + ")"
+        elif lay is not None:
             head += f"  {lay}"
         args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
         body = f"self.{node.target}" if node.op == "get_attr" else f"{_target(node)}({args})"

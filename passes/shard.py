@@ -7,7 +7,10 @@ pointwise ops, moved by transpose/permute, carried through merged or split dims 
 view/reshape, turned ``Partial`` by a reduction over it). An op without a rule whose output
 dim cannot be matched is marked ``R`` with a warning naming it, so the gap is visible.
 
-This pass covers the data-parallel axis; the tensor-parallel rule registry extends it.
+This pass covers the data-parallel axis on the graph captured at this rank's batch slice
+(the batch always divides by dp, so the shard is even). The sharding-rule registry
+(``autopar.passes.rules``), written for the logical graph at global shapes, replaces these
+rules once capture keeps global shapes and a localize step rewrites size arguments per rank.
 """
 from __future__ import annotations
 
@@ -68,8 +71,12 @@ def _rule(node: fx.Node, dp: dict):
     if src is None:
         return Replicate()
     out, inp = _shape(node), _shape(src)
-    if isinstance(p, Partial):
-        return p if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.neg.default) else None
+    if isinstance(p, Partial):   # a sum of addends stays one under negation and a replicated factor
+        others = [dp.get(a, Replicate()) for a in node.all_input_nodes if a is not src and a.op != "get_attr"]
+        linear = node.target == aten.neg.default or (
+            node.target in (aten.mul.Tensor, aten.div.Tensor) and all(isinstance(o, Replicate) for o in others)
+            and (node.target == aten.mul.Tensor or src is node.args[0]))
+        return p if linear and p.op in ("sum", "avg") else None
     d = p.dim
     t = node.target
     if t in _REDUCTIONS:

@@ -1,0 +1,161 @@
+"""Sharding rules of elementwise ops, with broadcasting.
+
+Any output dim may be sharded: each input that has that dim at full size (aligned from the
+right, as broadcasting aligns) is sharded on it, an input that broadcasts along it (size 1 or
+missing) is replicated. ``Partial`` inputs pass through only where the op commutes with the
+reduction across ranks: sums through linear ops (add of two sums, scaling by a replicated
+factor, neg), averages also through adding a replicated term, max/min through monotone ops
+(a decreasing one swaps them). Anything else, e.g. ``gelu(a0 + a1)``, is not ``gelu(a0) +
+gelu(a1)``, so no Partial strategy is offered.
+
+Dropout: a Shard strategy is right when each rank draws its own mask, a Replicate one when
+all ranks draw the same; arranging the RNG that way is the lowering's job.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import (PARTIALS, R, OpInfo, Strategy, TensorMeta, arg, like_out, register,
+                       replicated, shardable_dims)
+from autopar.placement import Partial, Shard
+
+aten = torch.ops.aten
+_FLIP = {"max": "min", "min": "max", "sum": "sum", "avg": "avg"}
+
+
+def _tensor_positions(info: OpInfo) -> list:
+    return ([i for i, a in enumerate(info.args) if isinstance(a, TensorMeta)]
+            + [k for k, a in info.kwargs.items() if isinstance(a, TensorMeta)])
+
+
+def _partial(info: OpInfo, kind: str, at, out: str | None = None) -> Strategy:
+    """Inputs at argument positions ``at`` hold P(kind), the other tensors R -> P(out or kind)."""
+    ins = tuple(Partial(kind) if i in at else R for i in _tensor_positions(info))
+    return Strategy(ins, like_out(info, Partial(out or kind)))
+
+
+def elementwise(info: OpInfo) -> list:
+    """All-Replicate, and one Shard strategy per output dim (broadcast inputs replicated)."""
+    out = info.out[0] if isinstance(info.out, tuple) else info.out
+    found = [replicated(info)]
+    ins = [info.args[i] if isinstance(i, int) else info.kwargs[i] for i in _tensor_positions(info)]
+    for od in shardable_dims(out.shape):
+        placements = []
+        for t in ins:
+            d = od - (out.ndim - t.ndim)
+            placements.append(Shard(d) if d >= 0 and t.shape[d] == out.shape[od] else R)
+        found.append(Strategy(tuple(placements), like_out(info, Shard(od))))
+    return found
+
+
+@register(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
+def add_sub(info: OpInfo) -> list:
+    found = elementwise(info)
+    if _tensor_positions(info) == [0]:      # x +- constant: avg, max, min shift with it
+        return found + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
+    found += [_partial(info, k, {0, 1}) for k in ("sum", "avg")]
+    found += [_partial(info, "avg", {0}), _partial(info, "avg", {1})]
+    found += [_partial(info, k, {0}) for k in ("max", "min")]
+    sign = arg(info, 2, "alpha", 1) * (-1 if info.target == aten.sub.Tensor else 1)
+    if sign != 0:                            # x + sign*y: y's max/min, flipped when sign < 0
+        found += [_partial(info, k, {1}, k if sign > 0 else _FLIP[k]) for k in ("max", "min")]
+    return found
+
+
+@register(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+def mul_div(info: OpInfo) -> list:
+    found = elementwise(info)
+    if _tensor_positions(info) == [0]:      # scaling by a constant c
+        c = info.args[1]
+        found += [_partial(info, k, {0}) for k in ("sum", "avg")]
+        if isinstance(c, (int, float)) and c != 0:
+            found += [_partial(info, k, {0}, k if c > 0 else _FLIP[k]) for k in ("max", "min")]
+        return found
+    factors = ({0}, {1}) if info.target == aten.mul.Tensor else ({0},)   # x / y: only x
+    return found + [_partial(info, k, at) for k in ("sum", "avg") for at in factors]
+
+
+@register(aten.neg.default)
+def neg(info: OpInfo) -> list:
+    return elementwise(info) + [_partial(info, k, {0}, _FLIP[k]) for k in _FLIP]
+
+
+@register(aten.exp.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default)
+def monotone(info: OpInfo) -> list:
+    """Non-decreasing on all reals: f(max_i a_i) = max_i f(a_i)."""
+    return elementwise(info) + [_partial(info, k, {0}) for k in ("max", "min")]
+
+
+@register(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+          aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype,
+          aten.to.dtype_layout)
+def identity(info: OpInfo) -> list:
+    """Copies and casts keep every placement; a Partial only between floating dtypes (see
+    ``_cast_partials``)."""
+    return elementwise(info) + _cast_partials(info)
+
+
+def _cast_partials(info: OpInfo) -> list:
+    """Rounding is monotone, so max/min pass through any floating cast; a sum or average
+    only through one that loses no precision (rounded addends need not sum to the rounded
+    sum)."""
+    src, dst = info.args[0].dtype, info.out.dtype
+    if not (src.is_floating_point and dst.is_floating_point):
+        return []
+    kinds = _FLIP if torch.promote_types(src, dst) == dst else ("max", "min")
+    return [_partial(info, k, {0}) for k in kinds]
+
+
+@register(aten.type_as.default)
+def type_as(info: OpInfo) -> list:
+    """x cast to other's dtype: only other's dtype is read, so other keeps x's shard when
+    they have the same shape and is replicated otherwise."""
+    x, other = info.args[0], info.args[1]
+    found = [replicated(info)] + [Strategy((Shard(d), Shard(d) if x.shape == other.shape else R),
+                                           Shard(d)) for d in shardable_dims(x.shape)]
+    return found + _cast_partials(info)
+
+
+@register(aten._assert_tensor_metadata.default)
+def assert_metadata(info: OpInfo) -> list:
+    """A check of dtype (and, when given, global size and stride) with no output: it runs
+    on any placement that leaves the checked properties as they are."""
+    x = info.args[0]
+    found = [Strategy((p,), R) for p in (R,) + (PARTIALS if x.dtype.is_floating_point else ())]
+    if arg(info, 1, "size") is None and arg(info, 2, "stride") is None:
+        found += [Strategy((Shard(d),), R) for d in shardable_dims(x.shape)]
+    return found
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(info: OpInfo) -> list:
+    """Filled positions hold the fill value on every rank: right for avg/max/min, and for a
+    sum only when the value is 0."""
+    found = elementwise(info) + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
+    if info.target == aten.masked_fill.Scalar and info.args[2] == 0:
+        found.append(_partial(info, "sum", {0}))
+    return found
+
+
+@register(aten.where.self)
+def where(info: OpInfo) -> list:
+    """Condition replicated; both branches reduced alike, or (avg/max/min) one with R."""
+    found = elementwise(info)
+    branches = {1, 2} & set(_tensor_positions(info))
+    if branches == {1, 2}:
+        found += [_partial(info, k, {1, 2}) for k in _FLIP]
+    found += [_partial(info, k, {b}) for k in ("avg", "max", "min") for b in branches]
+    return found
+
+
+register(  # elementwise, no Partial passes through
+    aten.rsub.Scalar, aten.rsqrt.default, aten.sqrt.default, aten.log.default,
+    aten.reciprocal.default, aten.abs.default, aten.sin.default, aten.cos.default,
+    aten.erf.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.gelu.default,
+    aten.silu.default, aten.dropout.default, aten.native_dropout.default,
+    aten.maximum.default, aten.minimum.default, aten.logical_not.default,
+    aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar,
+    aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor, aten.gt.Scalar, aten.gt.Tensor,
+    aten.ge.Scalar, aten.ge.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default,
+)(elementwise)
