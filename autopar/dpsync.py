@@ -7,8 +7,9 @@ pass inserted for ddp and ZeRO-1/2/3:
                                           backward hands its gradient to the reducer
     dp_release(full, sync, name)          ZeRO-3: the gathered parameter's last forward use;
                                           what backward needs of it is gathered again
-    dp_grad_sync(value, owner, sync, name) ddp / ZeRO-1/2: identity forward; backward hands the
-                                          gradient of ``value`` to the reducer for ``owner``
+    dp_bucket_sync(sync, k, values, owners) ddp / ZeRO-1/2: identity forward on bucket k's
+                                          parameters; backward reduces their gradients (one node
+                                          per bucket: autograd runs it once all are ready)
 
 ZeRO-3 gathers a unit (one numbered layer) at a time: the first use of a unit in forward
 gathers all of it and prefetches the next; saved-tensor hooks swap the gathered tensors
@@ -33,7 +34,7 @@ from torch.autograd import Variable
 
 from .comm import AxisComm, ShardSpec
 
-__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_grad_sync"]
+__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync"]
 
 
 class _Bucket:
@@ -199,69 +200,86 @@ class DataParallelSync(nn.Module):
 
     # ---- gradients ---------------------------------------------------------------------
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
-        """A parameter's full local gradient is ready (called from autograd)."""
+        """ZeRO-3: one parameter's full local gradient is ready (from autograd); its bucket
+        goes out once every member's is."""
         if not self._in_backward:
             self._begin_backward()
         bi, j = self.bucket_of[name]
-        b, st, spec = self.buckets[bi], self._state[bi], self.specs[name]
-        off, size, n = b.offsets[j], b.sizes[j], self.comm.size
-        again = name in st["ready"]   # a backward through two forwards of the module
-        if again and st["work"] is not None:
-            raise RuntimeError(
-                f"{name} received a second gradient in one backward after its bucket was sent: this "
-                "backward runs through two forwards of the compiled module. Call backward once per "
-                "forward (gradients accumulate across backward calls), as with DDP.")
-        if self.mode == "zero1":
-            buf = self._persistent[bi].view(n, b.width)
-            buf[:, off:off + size].add_(spec.padded_chunks(grad), alpha=1.0 / n)
-        else:
-            if st["buf"] is None:   # every member writes its whole segment (padding included)
-                st["buf"] = grad.new_empty(n * b.width if self.sharded else b.width)
-            seg = st["buf"].view(n, b.width)[:, off:off + size] if self.sharded else st["buf"][off:off + size]
-            new = spec.padded_chunks(grad) if self.sharded else grad.reshape(-1)
-            seg.add_(new) if again else seg.copy_(new)
-        st["ready"].add(name)
+        pending = self._state[bi]["grads"]
+        pending[j] = grad if pending[j] is None else pending[j] + grad   # two forwards, one backward
         self.events.append(("ready", name))
+        if all(g is not None for g in pending):
+            self._state[bi]["grads"] = [None] * len(pending)
+            self.add_bucket(bi, pending)
+
+    def add_bucket(self, bi: int, grads: list) -> None:
+        """Every gradient of bucket ``bi`` is ready (full, local; None = no gradient)."""
+        if not self._in_backward:
+            self._begin_backward()
+        if self._state[bi]["work"] is not None:
+            raise RuntimeError(
+                f"{', '.join(self.buckets[bi].names)} received a second gradient in one backward after "
+                "their bucket was sent: this backward runs through two forwards of the compiled module. "
+                "Call backward once per forward (gradients accumulate across backward calls), as with DDP.")
+        self._fill(bi, grads)
+        if len(grads) > 1 or self.mode != "zero3":
+            self.events.extend(("ready", name) for name in self.buckets[bi].names)
         if self.eager:
             self._launch_ready()
+
+    def _fill(self, bi: int, grads: list) -> None:
+        """Add the bucket's gradients to its flat buffer: rank-major padded chunks when sharded."""
+        b, st, n = self.buckets[bi], self._state[bi], self.comm.size
+        full = [g if g is not None else torch.zeros(self.specs[m].shape, dtype=self._params[m].dtype)
+                for m, g in zip(b.names, grads)]
+        if self.sharded:
+            flat = torch.cat([self.specs[m].padded_chunks(g) for m, g in zip(b.names, full)], dim=1).view(-1)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in full])
+        if self.mode == "zero1":
+            self._persistent[bi].add_(flat, alpha=1.0 / n)
+        elif st["buf"] is None:
+            st["buf"] = flat
+        else:
+            st["buf"].add_(flat)
+        st["ready"] = True
 
     def _begin_backward(self):
         self._in_backward = True
         self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests and explain
-        self._state = [{"buf": None, "ready": set(), "work": None, "out": None} for _ in self.buckets]
+        self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names)}
+                       for b in self.buckets]
         self._next = 0
         if self.mode == "zero1":
             self._prepare_persistent()
         Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch_ready(self, force: bool = False):
+        """Send ready buckets strictly in order (every rank issues the same collectives)."""
         while self._next < len(self.buckets):
-            b, st = self.buckets[self._next], self._state[self._next]
-            if not force and len(st["ready"]) < len(b.names):
-                return
-            label = f"grads, bucket {self._next}"
-            if self.mode == "zero1":
-                buf = self._persistent[self._next]
-            else:   # members without a gradient this backward send zeros: ranks stay in step
-                if st["buf"] is None:
-                    dtype = self._params[b.names[0]].dtype
-                    st["buf"] = torch.zeros(self.comm.size * b.width if self.sharded else b.width, dtype=dtype)
-                for name, off, size in zip(b.names, b.offsets, b.sizes):
-                    if name not in st["ready"]:
-                        seg = st["buf"].view(self.comm.size, b.width)[:, off:off + size] if self.sharded \
-                            else st["buf"][off:off + size]
-                        seg.zero_()
-                buf = st["buf"]
+            bi, st = self._next, self._state[self._next]
+            if not st["ready"]:
+                if not force:
+                    return
+                self._fill(bi, st["grads"])   # members without a gradient send zeros
+            buf = self._persistent[bi] if self.mode == "zero1" else st["buf"]
+            label = f"grads, bucket {bi}"
             if self.sharded:
-                st["out"] = buf.new_empty(b.width)
+                st["out"] = buf.new_empty(self.buckets[bi].width)
                 st["work"] = self.comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True,
                                                            phase="backward")
             else:
                 st["work"] = self.comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
-            self.events.append(("launch", self._next))
+            self.events.append(("launch", bi))
             self._next += 1
 
     def _finish_backward(self):
+        late = [n for st, b in zip(self._state, self.buckets) if st["work"] is not None
+                for n, g in zip(b.names, st["grads"]) if g is not None]
+        if late:
+            self._state, self._in_backward = [], False
+            raise RuntimeError(f"{', '.join(late)} received a second gradient in one backward after their "
+                               "bucket was sent: call backward once per forward of the compiled module")
         self._launch_ready(force=True)
         n = self.comm.size
         with torch.no_grad():
@@ -332,19 +350,26 @@ class _Zero3Gather(torch.autograd.Function):
         return None, None, None
 
 
-class _GradSync(torch.autograd.Function):
-    """forward: identity on the full parameter / backward: bucketed all-reduce (ddp) or
-    reduce-scatter (ZeRO-1/2) of its gradient into ``owner.grad`` (reducer)."""
+class _BucketSync(torch.autograd.Function):
+    """forward: identity on a bucket's full parameters / backward: one bucketed all-reduce (ddp)
+    or reduce-scatter (ZeRO-1/2) of their gradients into the owners' ``.grad`` (reducer). One
+    autograd node per bucket: autograd runs it when every member's gradient is ready."""
 
     @staticmethod
-    def forward(ctx, value, owner, sync, name):
-        ctx.sync, ctx.name = sync, name
-        return value.detach()
+    def forward(ctx, sync, bucket, n_values, *tensors):
+        ctx.sync, ctx.bucket, ctx.n_tensors = sync, bucket, len(tensors)
+        return tuple(v.detach() for v in tensors[:n_values])
 
     @staticmethod
-    def backward(ctx, g):
-        ctx.sync.add_grad(ctx.name, g)
-        return None, None, None, None
+    def backward(ctx, *grads):
+        ctx.sync.add_bucket(ctx.bucket, list(grads))
+        return (None, None, None) + (None,) * ctx.n_tensors
+
+
+def dp_bucket_sync(sync: DataParallelSync, bucket: int, values: list, owners: list) -> tuple:
+    """The bucket's parameters as forward reads them (``values``: ddp's parameters, ZeRO-1/2's
+    replicas); their gradients go, reduced, to ``owners`` (ZeRO-1/2's shards)."""
+    return _BucketSync.apply(sync, bucket, len(values), *values, *owners)
 
 
 def dp_gather(shard: torch.Tensor, sync: DataParallelSync, name: str) -> torch.Tensor:
@@ -353,7 +378,3 @@ def dp_gather(shard: torch.Tensor, sync: DataParallelSync, name: str) -> torch.T
 
 def dp_release(full: torch.Tensor, sync: DataParallelSync, name: str) -> None:
     sync.release(full)
-
-
-def dp_grad_sync(value: torch.Tensor, owner: torch.Tensor, sync: DataParallelSync, name: str) -> torch.Tensor:
-    return _GradSync.apply(value, owner, sync, name)

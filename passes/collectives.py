@@ -5,10 +5,10 @@ For the data-parallel axis every consumer needs its parameters whole (``dp:R``):
     zero3      the stored ``S(0)`` shard is all-gathered right before its first use
                (``dp_gather``) and released after its last forward use (``dp_release``);
                backward gathers again what it reads and reduce-scatters the gradient
-    zero1/2    forward reads the full replica; ``dp_grad_sync`` routes the gradient to a
-               bucketed reduce-scatter into the rank's shard (ZeRO-2: as soon as the bucket
-               is ready; ZeRO-1: when backward ends)
-    ddp        ``dp_grad_sync`` routes the gradient to a bucketed all-reduce
+    zero1/2    forward reads the full replicas; one ``dp_bucket_sync`` node per gradient
+               bucket reduce-scatters their gradients into the rank's shards (ZeRO-2: as
+               soon as the bucket is ready; ZeRO-1: when backward ends)
+    ddp        one ``dp_bucket_sync`` node per bucket all-reduces its gradients
 
 It also fixes the units of communication: ZeRO-3 gathers parameters a unit at a time (one
 numbered layer, ``ctx.gather_units``) and reduces each unit's gradients together; the other
@@ -17,13 +17,15 @@ modes bucket gradients in reverse order of first use, the order they become read
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from autopar import meta
 from autopar.comm import CommInfo, ShardSpec, ring_bytes
 from autopar.context import CompileContext
-from autopar.dpsync import dp_gather, dp_grad_sync, dp_release
+from autopar.dpsync import dp_bucket_sync, dp_gather, dp_release
 from autopar.placement import Layout, Replicate
 
 SYNC = "sync_dp"        # attribute holding the DataParallelSync of the emitted module
@@ -93,58 +95,82 @@ def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str
 
 def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g = gm.graph
-    position = {nd: i for i, nd in enumerate(g.nodes)}
-    mode, n = ctx.plan.dp, ctx.mesh.axis_size("dp")
     specs = shard_specs(ctx)
-    params = [nd for nd in g.nodes if nd.op == "get_attr" and nd.meta.get(meta.PARAM) in specs]
-    order = [nd.meta[meta.PARAM] for nd in params]
-    if mode == "zero3":
+    position = {nd: i for i, nd in enumerate(g.nodes)}
+    used = [nd for nd in g.nodes if nd.op == "get_attr" and nd.meta.get(meta.PARAM) in specs and nd.users]
+    used.sort(key=lambda nd: min(position[u] for u in nd.users))     # order of first use
+    params = {nd.meta[meta.PARAM]: nd for nd in used}
+    order = list(params)
+    if ctx.plan.dp == "zero3":
         ctx.gather_units = _gather_units(order, ctx, specs)
         ctx.grad_buckets = [list(reversed(u)) for u in reversed(ctx.gather_units)]
     else:
         ctx.grad_buckets = _size_buckets(order, ctx, specs)
-    bucket_of = {name: i for i, b in enumerate(ctx.grad_buckets) for name in b}
-    unit_of = {name: i for i, u in enumerate(ctx.gather_units) for name in u}
-    whole = Layout.replicated(ctx.mesh.names)
-    grad_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
-    first = next(iter(g.nodes))
     gm.add_submodule(SYNC, torch.nn.Module())   # stand-in: emit binds the DataParallelSync
-    with g.inserting_before(first):
+    with g.inserting_before(next(iter(g.nodes))):
         sync = g.get_attr(SYNC)
-    for pnode in params:
-        name = pnode.meta[meta.PARAM]
-        spec, info = specs[name], ctx.params[name]
-        padded = n * spec.chunk_numel * info.dtype.itemsize if mode != "ddp" else spec.numel * info.dtype.itemsize
-        grad_info = CommInfo(grad_kind, "dp", ring_bytes(grad_kind, padded, n), "backward",
-                             f"bucket {bucket_of[name]}")
-        users = list(pnode.users)
-        anchor = min(users, key=position.__getitem__) if users else pnode
-        with g.inserting_before(anchor):
-            if mode == "zero3":
-                new = g.call_function(dp_gather, (pnode, sync, name))
-                new.meta[meta.COMM] = _unit_info(ctx.gather_units, unit_of[name], name, specs, ctx, n,
-                                                 bucket_of[name])
-            elif mode == "ddp":
-                new = g.call_function(dp_grad_sync, (pnode, pnode, sync, name))
-                new.meta[meta.COMM] = grad_info
-            else:
-                _stand_in_buffer(gm, f"{REPLICAS}.{name}", pnode.meta.get(meta.VAL))
-                replica = g.get_attr(f"{REPLICAS}.{name}")
-                replica.meta[meta.LAYOUT] = whole
-                replica.meta[meta.VAL] = pnode.meta.get(meta.VAL)
-                new = g.call_function(dp_grad_sync, (replica, pnode, sync, name))
-                new.meta[meta.COMM] = grad_info
-        new.meta[meta.VAL] = pnode.meta.get(meta.VAL)
-        new.meta[meta.LAYOUT] = whole
-        for u in users:
-            u.replace_input_with(pnode, new)
-        if mode == "zero3" and users:
-            last = max(users, key=position.__getitem__)
-            with g.inserting_after(last):
-                g.call_function(dp_release, (new, sync, name))
+    if ctx.plan.dp == "zero3":
+        _insert_gathers(gm, ctx, params, specs, sync)
+    else:
+        _insert_bucket_syncs(gm, ctx, params, specs, sync)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _insert_gathers(gm, ctx, params, specs, sync) -> None:
+    """ZeRO-3: gather each parameter before its first use, release it after its last."""
+    g, n = gm.graph, ctx.mesh.axis_size("dp")
+    position = {nd: i for i, nd in enumerate(g.nodes)}
+    bucket_of = {name: i for i, b in enumerate(ctx.grad_buckets) for name in b}
+    unit_of = {name: i for i, u in enumerate(ctx.gather_units) for name in u}
+    for name, pnode in params.items():
+        users = list(pnode.users)
+        with g.inserting_before(min(users, key=position.__getitem__)):
+            full = g.create_node("call_function", dp_gather, (pnode, sync, name), name=f"{pnode.name}_full")
+        full.meta.update({meta.VAL: pnode.meta.get(meta.VAL), meta.LAYOUT: Layout.replicated(ctx.mesh.names),
+                          meta.COMM: _unit_info(ctx.gather_units, unit_of[name], name, specs, ctx, n,
+                                                bucket_of[name])})
+        for u in users:
+            u.replace_input_with(pnode, full)
+        with g.inserting_after(max(users, key=position.__getitem__)):
+            g.call_function(dp_release, (full, sync, name))
+
+
+def _insert_bucket_syncs(gm, ctx, params, specs, sync) -> None:
+    """ddp / ZeRO-1/2: one node per gradient bucket, before the first use of any member; it
+    hands forward the full parameters (ZeRO-1/2: the replicas) and reduces their gradients."""
+    g, mode, n = gm.graph, ctx.plan.dp, ctx.mesh.axis_size("dp")
+    position = {nd: i for i, nd in enumerate(g.nodes)}
+    whole = Layout.replicated(ctx.mesh.names)
+    kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
+    for k, bucket in enumerate(ctx.grad_buckets):
+        users = {m: list(params[m].users) for m in bucket}
+        anchor = min((u for us in users.values() for u in us), key=position.__getitem__)
+        values, owners = [], []
+        with g.inserting_before(anchor):
+            for m in bucket:
+                if mode == "ddp":
+                    values.append(params[m])
+                    continue
+                _stand_in_buffer(gm, f"{REPLICAS}.{m}", params[m].meta[meta.VAL])
+                replica = g.get_attr(f"{REPLICAS}.{m}")
+                replica.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: whole})
+                values.append(replica)
+                owners.append(params[m])
+            node = g.create_node("call_function", dp_bucket_sync, (sync, k, values, owners), name=f"bucket_{k}")
+            nbytes = sum((specs[m].n * specs[m].chunk_numel if mode != "ddp" else specs[m].numel)
+                         * ctx.params[m].dtype.itemsize for m in bucket)
+            node.meta.update({meta.VAL: tuple(params[m].meta[meta.VAL] for m in bucket),
+                              meta.LAYOUT: tuple(whole for _ in bucket),
+                              meta.COMM: CommInfo(kind, "dp", ring_bytes(kind, nbytes, n), "backward",
+                                                  f"bucket {k}: {', '.join(bucket)}")})
+            for i, m in enumerate(bucket):
+                item = g.create_node("call_function", operator.getitem, (node, i),
+                                     name=f"{params[m].name}_{'synced' if mode == 'ddp' else 'full'}")
+                item.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: whole})
+                for u in users[m]:
+                    u.replace_input_with(params[m], item)
 
 
 def _unit_info(units, k, name, specs, ctx, n, bucket) -> CommInfo:

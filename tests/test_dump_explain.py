@@ -21,6 +21,7 @@ def test_dump_and_explain(tmp_path, mode):
     coll = open(files[2]).read()
     assert "dp:S(0)" in coll and "dp:R" in coll and "B/rank" in coll
     if mode == "zero3":
+        assert "blocks_0_qkv_weight_full: f32[96, 32]  dp:R" in coll
         assert "dp_gather(blocks_0_qkv_weight, sync_dp, 'blocks.0.qkv.weight')" in coll
         # block 0 is one unit: its 12 parameters, 50,816 B padded, (N-1)/N of it per rank
         assert "forward all_gather[dp] 25,408 B/rank; unit 1 (12 params); prefetches unit 2" in coll

@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar import meta
-from autopar.dpsync import dp_gather, dp_grad_sync, dp_release
+from autopar.dpsync import dp_bucket_sync, dp_gather, dp_release
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
 from autopar.placement import Partial, Replicate, Shard
 
@@ -35,7 +35,7 @@ def test_collectives_inserted_per_mode(mode):
     n_params = 6
     if mode == "zero3":
         gathers, releases = _calls(dm, dp_gather), _calls(dm, dp_release)
-        assert len(gathers) == len(releases) == n_params and not _calls(dm, dp_grad_sync)
+        assert len(gathers) == len(releases) == n_params and not _calls(dm, dp_bucket_sync)
         order = list(dm.module.graph.nodes)
         for g in gathers:   # each gather right before its consumer, released right after
             (user,) = [u for u in g.users if u.target is not dp_release]
@@ -44,13 +44,18 @@ def test_collectives_inserted_per_mode(mode):
             assert order.index(rel) == order.index(user) + 1 or order[order.index(rel) - 1].target is dp_release
             assert g.meta[meta.LAYOUT]["dp"] == Replicate() and g.args[0].meta[meta.LAYOUT]["dp"] == Shard(0)
     else:
-        syncs = _calls(dm, dp_grad_sync)
-        assert len(syncs) == n_params and not _calls(dm, dp_gather)
-        for s in syncs:
-            assert s.meta[meta.COMM].kind == ("all_reduce" if mode == "ddp" else "reduce_scatter")
-            assert s.meta[meta.COMM].phase == "backward"
-            if mode != "ddp":   # forward reads the full replica, the gradient goes to the shard
-                assert s.args[0].target.startswith("replicas.") and s.args[1].op == "get_attr"
+        (s,) = _calls(dm, dp_bucket_sync)      # 6 small parameters: one bucket
+        assert not _calls(dm, dp_gather)
+        assert s.meta[meta.COMM].kind == ("all_reduce" if mode == "ddp" else "reduce_scatter")
+        assert s.meta[meta.COMM].phase == "backward"
+        sync, k, values, owners = s.args
+        assert k == 0 and len(values) == n_params
+        if mode == "ddp":
+            assert [v.target for v in values] == dm.ctx.grad_buckets[0] and owners == []
+        else:   # forward reads the full replicas, the gradients go to the shards
+            assert all(v.target.startswith("replicas.") for v in values)
+            assert [o.target for o in owners] == dm.ctx.grad_buckets[0]
+        assert len(s.users) == n_params    # one getitem per parameter feeds its consumers
 
 
 def test_layouts_follow_the_batch_shard_through_the_gpt():
