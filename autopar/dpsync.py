@@ -300,6 +300,10 @@ class DataParallelSync(nn.Module):
                         p.grad.add_(g)
         self._state = []
         self._in_backward = False
+        # ZeRO-3: a unit re-gathered for a saved tensor that backward never unpacked would
+        # otherwise stay whole until the next forward
+        self._bwd.clear()
+        self._pending.clear()
 
     # ZeRO-1: the full-gradient buffer persists; the rank's own section doubles as its shard
     # gradients. Local gradients enter pre-divided by N; the own section keeps whatever it
