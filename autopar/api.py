@@ -58,7 +58,8 @@ def _check_axes(plan: Plan, mesh: Mesh) -> None:
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,
             plan: Union[Plan, str] = "auto") -> DistributedModule:
     """Compile ``model`` for ``mesh``. ``example_inputs`` (and ``example_kwargs``) are one
-    global batch; the graph is captured on this rank's data-parallel slice of it."""
+    global batch: the graph is captured at its shapes (the logical program), and this rank's
+    module runs on its data-parallel slice."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     plan, reason = _resolve_plan(plan, mesh)
@@ -66,15 +67,18 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.notes.append(f"plan: {reason}")
     n, i = mesh.axis_size("dp"), mesh.coordinate("dp")
-    args, kwargs = pytree.tree_map(
-        lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t,
-        (tuple(example_inputs), dict(example_kwargs or {})))
-    tensors = [t for t in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(t, torch.Tensor)]
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    local = pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     ctx.global_batch = tensors[0].shape[0] if tensors and tensors[0].dim() else None
 
-    gm = capture(model, args, kwargs, ctx)
+    gm = capture(model, args, kwargs, ctx)         # the logical graph, at global shapes
+    # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
+    ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
+                             for x in pytree.tree_leaves(local))
     ctx.snapshots.append(("capture", graph_text(gm)))
-    for p in (passes.shard, passes.collectives):   # layouts first: collectives read them
+    # layouts first: collectives and localize read them; localize last, on the final graph
+    for p in (passes.shard, passes.collectives, passes.localize):
         gm = p(gm, ctx)
         ctx.snapshots.append((p.__name__, graph_text(gm)))
     dm = emit(gm, model, ctx)

@@ -8,3 +8,4 @@ LAYOUT = "autopar_layout"   # autopar.placement.Layout of the node's output
 PARAM = "autopar_param"     # canonical parameter name (original model's qualified name) of a get_attr
 COMM = "autopar_comm"       # autopar.comm.CommInfo of a collective node (kind, axis, bytes)
 SOURCE = "stack_trace"      # torch.export's source location of the node
+STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pass chose for a node

@@ -2,5 +2,6 @@
 by ``autopar.compile``."""
 from .shard import shard
 from .collectives import collectives
+from .localize import localize
 
-__all__ = ["shard", "collectives"]
+__all__ = ["shard", "collectives", "localize"]

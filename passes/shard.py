@@ -1,141 +1,115 @@
 """shard: annotate every node with its layout, one placement per mesh axis.
 
-Parameters take the layout the plan stores them in (ZeRO-3: ``dp:S(0)``, else ``dp:R``);
-inputs are this rank's slice of the batch (``dp:S(0)``). The batch shard is then followed
-through the graph by small per-op-family rules that say where the sharded dim goes (kept by
-pointwise ops, moved by transpose/permute, carried through merged or split dims by
-view/reshape, turned ``Partial`` by a reduction over it). An op without a rule whose output
-dim cannot be matched is marked ``R`` with a warning naming it, so the gap is visible.
+The graph is the logical one, at global shapes. Parameters take the layout the plan stores
+them in (ZeRO-3: ``dp:S(0)``, else ``dp:R``); inputs are split along the batch
+(``dp:S(0)``). The batch shard is then followed through the graph with the sharding-rule
+registry (``autopar.passes.rules``): each node takes the first strategy of its op that
+accepts its inputs as they are laid out; that strategy's output placement is the node's
+layout, and the strategy itself is kept in ``node.meta`` for the localize pass.
 
-This pass covers the data-parallel axis on the graph captured at this rank's batch slice
-(the batch always divides by dp, so the shard is even). The sharding-rule registry
-(``autopar.passes.rules``), written for the logical graph at global shapes, replaces these
-rules once capture keeps global shapes and a localize step rewrites size arguments per rank.
+Consumers see parameters whole in every dp mode (the collectives pass gathers ZeRO-3's
+shards before use), so data parallelism never moves activations: an op that cannot run on
+the batch shard as it is laid out is an error that names it, not a silent change of the
+program. Tensor parallelism will choose among the strategies instead of matching them.
 """
 from __future__ import annotations
-
-import logging
-import math
-import operator
 
 import torch
 from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
-from autopar.placement import Layout, Partial, Replicate, Shard
+from autopar.placement import Layout, Replicate, Shard
+from autopar.passes.rules import OpInfo, format_placement, strategies_for
 
-log = logging.getLogger("autopar")
-aten = torch.ops.aten
-
-_REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "avg", aten.sum.default: "sum",
-               aten.mean.default: "avg", aten.amax.default: "max", aten.amin.default: "min"}
-_LOSS = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.mse_loss.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-          aten.flatten.using_ints, aten.unflatten.int, aten.expand.default}
+R = Replicate()
 
 
-def _shape(x):
-    v = x.meta.get(meta.VAL) if isinstance(x, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+def _is_value(val) -> bool:
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
 
 
-def _sharded_input(node: fx.Node, dp: dict):
-    """(arg node, placement) of the first tensor input that is not Replicate on the axis.
-    Parameters are skipped: every dp mode hands consumers the whole parameter."""
-    for a in node.all_input_nodes:
-        if a.op == "get_attr":
-            continue
-        p = dp.get(a)
-        if p is not None and not isinstance(p, Replicate):
-            return a, p
-    return None, None
+def input_nodes(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor inputs in the order strategies list them (args, then kwargs; lists
+    walked; a multi-output value counts once)."""
+    found = []
+
+    def walk(v):
+        if isinstance(v, fx.Node):
+            if _is_value(v.meta.get(meta.VAL)):
+                found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    for v in list(node.args) + list(node.kwargs.values()):
+        walk(v)
+    return found
 
 
-def _map_view(in_shape, out_shape, d):
-    """Output dim that starts where input dim ``d`` starts, if the view keeps ``d`` outermost
-    in it (merged with inner dims, or split with its leading factor kept)."""
-    prefix, acc = math.prod(in_shape[:d]), 1
-    for od, size in enumerate(out_shape):
-        if acc == prefix and size != 1:
-            return od if size % in_shape[d] == 0 or in_shape[d] % size == 0 else None
-        acc *= size
-        if acc > prefix:
+def _matches(required, current) -> bool:
+    if isinstance(required, tuple):
+        return all(r is None or _matches(r, c) for r, c in zip(required, current))
+    return required == current
+
+
+def _replicated(p) -> bool:
+    return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
+
+
+def _choose(node: fx.Node, placed: dict, n: int):
+    """The strategy ``node`` runs in on the data-parallel axis (None: everything replicated
+    and the op has no rule)."""
+    # every dp mode hands consumers the whole parameter (ZeRO-3 gathers it first)
+    current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in input_nodes(node))
+    strategies = strategies_for(OpInfo.from_node(node, n), n)
+    if strategies is None:
+        if all(_replicated(p) for p in current):
             return None
-    return None
-
-
-def _rule(node: fx.Node, dp: dict):
-    """Placement of ``node``'s output on the data-parallel axis."""
-    src, p = _sharded_input(node, dp)
-    if src is None:
-        return Replicate()
-    out, inp = _shape(node), _shape(src)
-    if isinstance(p, Partial):   # a sum of addends stays one under negation and a replicated factor
-        others = [dp.get(a, Replicate()) for a in node.all_input_nodes if a is not src and a.op != "get_attr"]
-        linear = node.target == aten.neg.default or (
-            node.target in (aten.mul.Tensor, aten.div.Tensor) and all(isinstance(o, Replicate) for o in others)
-            and (node.target == aten.mul.Tensor or src is node.args[0]))
-        return p if linear and p.op in ("sum", "avg") else None
-    d = p.dim
-    t = node.target
-    if t in _REDUCTIONS:
-        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(len(inp))
-        dims = [x % len(inp) for x in dims]
-        if d in dims:
-            return Partial(_REDUCTIONS[t])
-        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return Shard(d if keep else d - sum(1 for x in dims if x < d))
-    if t in _LOSS:
-        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-        return {0: Shard(d), 1: Partial("avg"), 2: Partial("sum")}[reduction]
-    if t in (aten.transpose.int, aten.t.default):
-        a, b = (node.args[1], node.args[2]) if t == aten.transpose.int else (0, 1)
-        a, b = a % len(inp), b % len(inp)
-        return Shard(b if d == a else a if d == b else d)
-    if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(inp)
-        return Shard(d) if dim != d else None   # every piece keeps the batch shard
-    if t == aten.permute.default:
-        return Shard([x % len(inp) for x in node.args[1]].index(d))
-    if t in _VIEWS and out is not None:
-        od = _map_view(inp, out, d)
-        return Shard(od) if od is not None else None
-    if t == aten.embedding.default:   # (weight, indices): indices dims lead the output
-        return Shard(d) if src is node.args[1] else None
-    if out is not None and len(out) >= len(inp):   # pointwise, broadcasting, matmul-like, sdpa
-        od = d + len(out) - len(inp)
-        if t in (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default,
-                 aten.addmm.default, aten.scaled_dot_product_attention.default):
-            od = d  # leading (batch) dims keep their place
-        if od < len(out) and out[od] == inp[d]:
-            return Shard(od)
-    return None
+        raise NotImplementedError(
+            f"autopar has no sharding rule for {node.target} (node {node.name}), which reads the "
+            "batch shard; add a rule in passes/rules/ so that data parallelism knows whether the "
+            "op can run on a slice of the batch")
+    for s in strategies:
+        if _matches(s.inputs, current):
+            return s
+    raise ValueError(
+        f"node {node.name} ({node.target}) cannot run on its inputs as data parallelism lays them "
+        f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op mixes samples "
+        "of the batch (a batch-wide statistic?) or splits the batch unevenly. Make the batch "
+        "divide by dp, or keep the op out of the data-parallel model.")
 
 
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    axes = ctx.mesh.names
+    axes, n = ctx.mesh.names, ctx.mesh.axis_size("dp")
     zero3 = ctx.plan.dp == "zero3"
-    dp: dict[fx.Node, object] = {}
+    placed: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         val = node.meta.get(meta.VAL)
+        if not _is_value(val):
+            continue
         if node.op == "get_attr":
             info = ctx.params.get(node.meta.get(meta.PARAM, ""))
-            dp[node] = Shard(0) if zero3 and info is not None and not info.is_buffer else Replicate()
+            placed[node] = Shard(0) if zero3 and info is not None and info.requires_grad \
+                and not info.is_buffer else R
         elif node.op == "placeholder":
-            dp[node] = Shard(0) if isinstance(val, torch.Tensor) and val.dim() > 0 else Replicate()
-        elif node.op == "call_function" and node.target is operator.getitem:
-            dp[node] = dp.get(node.args[0], Replicate())
+            placed[node] = Shard(0) if isinstance(val, torch.Tensor) and val.dim() > 0 else R
         elif node.op == "call_function":
-            if not isinstance(val, (torch.Tensor, tuple, list)):
-                continue
-            p = _rule(node, dp)
-            if p is None:
-                log.warning("autopar: no layout rule maps the batch shard through %s (node %s); "
-                            "marking it replicated", node.target, node.name)
-                p = Replicate()
-            dp[node] = p
+            s = _choose(node, placed, n)
+            if s is None:
+                placed[node] = R if isinstance(val, torch.Tensor) else tuple(R for _ in val)
+            else:
+                placed[node] = s.output
+                node.meta[meta.STRATEGY] = {"dp": s}
         else:
             continue
-        node.meta[meta.LAYOUT] = Layout(tuple((a, dp[node] if a == "dp" else Replicate()) for a in axes))
+        node.meta[meta.LAYOUT] = _layout(placed[node], axes)
     return gm
+
+
+def _layout(p, axes):
+    """The node's Layout (a tuple of them for a multi-output node)."""
+    if isinstance(p, tuple):
+        return tuple(_layout(x, axes) for x in p)
+    return Layout(tuple((a, p if a == "dp" else R) for a in axes))

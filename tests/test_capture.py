@@ -27,8 +27,11 @@ def test_gpt_captures_aten_ops_with_shapes_and_explicit_parameters():
     for n in g.nodes:
         if n.op == "call_function" and isinstance(n.meta.get(meta.VAL), torch.Tensor):
             assert n.meta[meta.LAYOUT] is not None
-        if n.op in ("placeholder",):
-            assert tuple(n.meta[meta.VAL].shape) == (2, c.seq)   # this rank's half of the batch
+        if n.op in ("placeholder",):   # the logical graph: the global batch, split along dp
+            assert tuple(n.meta[meta.VAL].shape) == (4, c.seq) and str(n.meta[meta.LAYOUT]) == "dp:S(0)"
+    assert dm.ctx.input_shapes == ((2, c.seq),)                   # this rank's half of the batch
+    views = [n for n in g.nodes if n.target is torch.ops.aten.view.default]
+    assert views and all(n.args[1][0] == 2 and n.meta[meta.VAL].shape[0] == 4 for n in views)
     params = [n for n in g.nodes if n.op == "get_attr" and meta.PARAM in n.meta]
     assert len(params) == len(list(TinyGPT(c).parameters()))
 

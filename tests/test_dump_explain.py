@@ -17,7 +17,8 @@ def test_dump_and_explain(tmp_path, mode):
     res = run(jobs.dump_and_explain, 2, mode, str(tmp_path), timeout=120)
     before, after, files = res[0]
     names = [os.path.basename(f) for f in files]
-    assert names == ["00_capture.txt", "01_shard.txt", "02_collectives.txt", "03_emit.py", "explain.txt"]
+    assert names == ["00_capture.txt", "01_shard.txt", "02_collectives.txt", "03_localize.txt", "04_emit.py",
+                     "explain.txt"]
     coll = open(files[2]).read()
     assert "dp:S(0)" in coll and "dp:R" in coll and "B/rank" in coll
     if mode == "zero3":
@@ -26,7 +27,7 @@ def test_dump_and_explain(tmp_path, mode):
         # block 0 is one unit: its 12 parameters, 50,816 B padded, (N-1)/N of it per rank
         assert "forward all_gather[dp] 25,408 B/rank; unit 1 (12 params); prefetches unit 2" in coll
         assert "part of unit 1, gathered with blocks.0.ln1.weight" in coll
-    compile(open(files[3]).read(), "03_emit.py", "exec")     # the emitted code is real Python
+    compile(open(files[4]).read(), "04_emit.py", "exec")     # the emitted code is real Python
     assert "measured: no step run yet" in before
     formula = "3*Psi*(N - 1)/N" if mode == "zero3" else "2*Psi*(N - 1)/N"
     assert formula in after and "measured since the counters were last reset" in after
