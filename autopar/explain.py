@@ -6,6 +6,7 @@ bytes it moves per rank, so a plan can be debugged by reading (and diffing) the 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import fx
@@ -135,6 +136,9 @@ def explain(dm) -> str:
 def dump(dm, path: str) -> list[str]:
     """Write every pass's graph, the emitted code and explain() under ``path``."""
     os.makedirs(path, exist_ok=True)
+    for old in os.listdir(path):   # a previous dump's files, so the folder shows this compile only
+        if re.fullmatch(r"\d\d_\w+\.(txt|py)|explain\.txt", old):
+            os.remove(os.path.join(path, old))
     written = []
     for i, (name, text) in enumerate(dm.ctx.snapshots):
         fn = os.path.join(path, f"{i:02d}_{name}.{'py' if name == 'emit' else 'txt'}")
