@@ -85,8 +85,9 @@ def explain(dm) -> str:
             what = node.args[-1] if isinstance(node.args[-1], str) else node.name   # the parameter
             lines.append(f"  {what:<28} {node.meta[meta.COMM]}")
     kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
-    for i, b in enumerate(sync.buckets):
-        lines.append(f"  bucket {i:<21} backward {kind}[dp] of {len(b.names)} gradients: {', '.join(b.names)}")
+    if mode == "zero3":   # the other modes' buckets are graph nodes, listed above
+        for i, b in enumerate(sync.buckets):
+            lines.append(f"  bucket {i:<21} backward {kind}[dp] of {len(b.names)} gradients: {', '.join(b.names)}")
     if mode in ("zero1", "zero2"):
         lines.append(f"  optimizer step             all_gather[dp] of the updated shards, {len(sync.buckets)} buckets")
     # volume against the formula
@@ -115,21 +116,28 @@ def explain(dm) -> str:
     lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
     mem = zero_memory_bytes(mode)
     lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
-    params = sum(p.numel() * p.element_size() for p in dm.parameters())
-    reps = sum(t.numel() * t.element_size() for t in sync._replicas.values())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in dm.parameters() if p.grad is not None)
-    grads += sum(t.numel() * t.element_size() for t in sync._persistent.values())
-    if mode == "zero1":
-        grads -= sum(p.grad.numel() * p.grad.element_size() for p in dm.parameters() if p.grad is not None)
+    seen: set = set()
+
+    def held(tensors) -> int:   # bytes of storages not counted yet (shards can be views of replicas)
+        total = 0
+        for t in tensors:
+            st = t.untyped_storage()
+            if t.device.type != "meta" and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total
+
+    params = held(list(dm.parameters()) + list(sync._replicas.values()))
+    grads = held([p.grad for p in dm.parameters() if p.grad is not None] + list(sync._persistent.values()))
     opt = dm._optimizer() if dm._optimizer is not None else None
-    held = f"  held now: parameters {_mb(params + reps)}, gradients {_mb(grads)}"
+    line = f"  held now: parameters {_mb(params)}, gradients {_mb(grads)}"
     if opt is not None:
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        held += f", optimizer state {_mb(state)}; total {_mb(params + reps + grads + state)}"
+        line += f", optimizer state {_mb(state)}; total {_mb(params + grads + state)}"
     else:
-        held += " (no dm.optimizer(...) built yet)"
-    lines.append(held)
+        line += " (no dm.optimizer(...) built yet)"
+    lines.append(line)
     return "\n".join(lines)
 
 
