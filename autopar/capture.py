@@ -8,10 +8,9 @@ Tied weights (one tensor under two names) become one canonical ``get_attr``.
 """
 from __future__ import annotations
 
+import operator
 import os
 import traceback
-from typing import Any
-
 import torch
 from torch import fx, nn
 
@@ -85,7 +84,7 @@ def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileConte
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
             continue
-        t = _resolve(gm, node.target)
+        t = operator.attrgetter(node.target)(gm)
         if not isinstance(t, torch.Tensor) or id(t) not in first_name:
             continue  # a lifted constant: stays as it is
         name = first_name[id(t)]
@@ -107,13 +106,6 @@ def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileConte
         if not node.users:
             gm.graph.erase_node(node)
             ctx.notes.append(f"parameter {name} is not used by forward")
-
-
-def _resolve(gm: nn.Module, target: str) -> Any:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext) -> fx.GraphModule:

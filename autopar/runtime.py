@@ -8,6 +8,7 @@ original model is kept: every tensor is copied (ZeRO-3 copies only this rank's r
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from typing import Any
 
@@ -24,10 +25,9 @@ from .dpsync import DataParallelSync
 __all__ = ["DistributedModule", "emit"]
 
 
-def _resolve(obj, target: str):
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _attr(obj, dotted: str):
+    """``obj.a.b.c`` for ``"a.b.c"``: parameters and buffers under their qualified names."""
+    return operator.attrgetter(dotted)(obj)
 
 
 def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "DistributedModule":
@@ -42,7 +42,7 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
     replicas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, info in ctx.params.items():
-            full = _resolve(model, name).detach()
+            full = _attr(model, name).detach()
             if name not in specs:                       # buffers and frozen parameters: copied
                 root[name] = full.clone() if info.is_buffer else nn.Parameter(full.clone(), requires_grad=False)
                 continue
@@ -56,9 +56,9 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
                 root[f"{REPLICAS}.{name}"] = replicas[name]
             shards[name] = root[name] = shard
         for node in gm.graph.nodes:    # lifted constants of the captured graph
-            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC,) \
+            if node.op == "get_attr" and node.target not in root and node.target != SYNC \
                     and not node.target.startswith(REPLICAS + "."):
-                root[node.target] = _resolve(gm, node.target)
+                root[node.target] = _attr(gm, node.target)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
     root[SYNC] = sync
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
@@ -142,7 +142,7 @@ class DistributedModule(nn.Module):
         out = {}
         with torch.no_grad():
             for name, info in self.ctx.params.items():
-                local = self.module.get_parameter(name) if name in self._sync.specs else _resolve(self.module, name)
+                local = self.module.get_parameter(name) if name in self._sync.specs else _attr(self.module, name)
                 full = self._full(name, local) if name in self._sync.specs else local.detach().clone()
                 for key in (name,) + info.aliases:
                     out[key] = full
@@ -178,7 +178,7 @@ class DistributedModule(nn.Module):
                     else:
                         p.copy_(spec.local_of(full) if spec.n > 1 else full)
                 else:
-                    _resolve(self.module, name).copy_(full)
+                    _attr(self.module, name).copy_(full)
         self._sync.record_versions()
 
     def to_empty(self, *, device="cpu") -> "DistributedModule":
@@ -190,7 +190,7 @@ class DistributedModule(nn.Module):
             # leaving the meta device makes new Parameter objects: point the sync at them
             self._sync._params[name] = self.module.get_parameter(name)
             if self.plan.dp in ("zero1", "zero2"):   # the shards are views of the new replicas again
-                replica = _resolve(self.module, f"{REPLICAS}.{name}")
+                replica = _attr(self.module, f"{REPLICAS}.{name}")
                 self.module.get_parameter(name).data = spec.local_of(replica)
                 self._sync._replicas[name] = replica
         self._sync.record_versions()
