@@ -34,7 +34,7 @@ from torch.autograd import Variable
 
 from .comm import AxisComm, ShardSpec
 
-__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync"]
+__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync", "dp_local_chunk"]
 
 
 class _Bucket:
@@ -382,3 +382,12 @@ def dp_gather(shard: torch.Tensor, sync: DataParallelSync, name: str) -> torch.T
 
 def dp_release(full: torch.Tensor, sync: DataParallelSync, name: str) -> None:
     sync.release(full)
+
+
+def dp_local_chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s ceil-chunk of a replicated ``x`` along ``dim`` (Replicate -> Shard, no
+    communication; backward is narrow's: the gradient of this rank's part)."""
+    size = x.shape[dim]
+    chunk = -(-size // n)
+    lo = min(index * chunk, size)
+    return x.narrow(dim, lo, min(lo + chunk, size) - lo)

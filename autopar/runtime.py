@@ -62,11 +62,35 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
     root[SYNC] = sync
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
+    for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest
+        if name != SYNC and not _has_attr(out, name):
+            _set_attr(out, name, value)
     if REPLICAS in dict(out.named_children()):
         for mod in out.get_submodule(REPLICAS).modules():
             for bname, buf in list(mod._buffers.items()):
                 mod.register_buffer(bname, buf, persistent=False)
     return DistributedModule(out, ctx, sync, stats)
+
+
+def _has_attr(mod: nn.Module, dotted: str) -> bool:
+    try:
+        _attr(mod, dotted)
+        return True
+    except AttributeError:
+        return False
+
+
+def _set_attr(mod: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    """Register ``value`` at ``dotted`` (a parameter, or a buffer), making the submodules."""
+    *path, leaf = dotted.split(".")
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
 
 
 class DistributedModule(nn.Module):

@@ -154,8 +154,10 @@ def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask
 
 
 def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int = 3, lr: float = 1e-3,
-           rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5) -> ParityReport:
-    """Train ``model_fn()`` for ``steps`` AdamW steps on the global batch on one device and
+           rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5,
+           optimizer=torch.optim.AdamW, **optimizer_kwargs) -> ParityReport:
+    """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
+    otherwise, with ``optimizer_kwargs``) on the global batch on one device and
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
     (gathered) and parameters after every step.
 
@@ -171,8 +173,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     ref = model_fn()
     dm = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=inputs, plan=plan)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
-    opt = dm.optimizer(torch.optim.AdamW, lr=lr)
+    opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
+    opt = dm.optimizer(optimizer, lr=lr, **optimizer_kwargs)
     names = dict(ref.named_parameters())
     noisy = {k: torch.ones_like(p, dtype=torch.bool) for k, p in names.items()}
     moved = {k: torch.zeros_like(p, dtype=torch.bool) for k, p in names.items()}

@@ -25,8 +25,9 @@ from torch import fx
 from autopar import meta
 from autopar.comm import CommInfo, ShardSpec, ring_bytes
 from autopar.context import CompileContext
-from autopar.dpsync import dp_bucket_sync, dp_gather, dp_release
-from autopar.placement import Layout, Replicate
+from autopar.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
+from autopar.passes.shard import input_nodes
+from autopar.placement import Layout, Replicate, Shard
 
 SYNC = "sync_dp"        # attribute holding the DataParallelSync of the emitted module
 REPLICAS = "replicas"   # ZeRO-1/2: submodule holding the full parameter replicas
@@ -106,6 +107,7 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         ctx.grad_buckets = [list(reversed(u)) for u in reversed(ctx.gather_units)]
     else:
         ctx.grad_buckets = _size_buckets(order, ctx, specs)
+    _insert_local_slices(gm, ctx)
     gm.add_submodule(SYNC, torch.nn.Module())   # stand-in: emit binds the DataParallelSync
     with g.inserting_before(next(iter(g.nodes))):
         sync = g.get_attr(SYNC)
@@ -116,6 +118,25 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def _insert_local_slices(gm, ctx) -> None:
+    """Where a node's strategy wants a replicated activation sharded (a mask built for the
+    whole batch meeting this rank's slice), slice it locally: no communication, and plain
+    autograd backward (the gradient is this rank's part, as data parallelism's is)."""
+    n, index = ctx.mesh.axis_size("dp"), ctx.mesh.coordinate("dp")
+    for node in list(gm.graph.nodes):
+        strategy = node.meta.get(meta.STRATEGY, {}).get("dp")
+        if strategy is None:
+            continue
+        for src, want in zip(input_nodes(node), strategy.inputs):
+            have = src.meta.get(meta.LAYOUT)
+            if not isinstance(want, Shard) or not isinstance(have, Layout) or have["dp"] != Replicate():
+                continue
+            with gm.graph.inserting_before(node):
+                part = gm.graph.call_function(dp_local_chunk, (src, want.dim, n, index))
+            part.meta.update({meta.VAL: src.meta[meta.VAL], meta.LAYOUT: have.replace("dp", want)})
+            node.replace_input_with(src, part)
 
 
 def _insert_gathers(gm, ctx, params, specs, sync) -> None:

@@ -8,9 +8,10 @@ accepts its inputs as they are laid out; that strategy's output placement is the
 layout, and the strategy itself is kept in ``node.meta`` for the localize pass.
 
 Consumers see parameters whole in every dp mode (the collectives pass gathers ZeRO-3's
-shards before use), so data parallelism never moves activations: an op that cannot run on
-the batch shard as it is laid out is an error that names it, not a silent change of the
-program. Tensor parallelism will choose among the strategies instead of matching them.
+shards before use), so data parallelism never moves activations: a replicated tensor that
+meets the batch shard (a mask built for the whole batch) is sliced locally, and an op that
+cannot run on the batch shard otherwise is an error that names it, not a silent change of
+the program. Tensor parallelism will choose among the strategies instead of matching them.
 """
 from __future__ import annotations
 
@@ -58,11 +59,20 @@ def _replicated(p) -> bool:
     return all(_replicated(x) for x in p) if isinstance(p, tuple) else p == R
 
 
+def _free(required, current) -> bool:
+    """``current`` becomes ``required`` without communication: a replicated input that the
+    op wants sharded is sliced locally (the collectives pass inserts the slice)."""
+    return isinstance(required, Shard) and current == R
+
+
 def _choose(node: fx.Node, placed: dict, n: int):
     """The strategy ``node`` runs in on the data-parallel axis (None: everything replicated
-    and the op has no rule)."""
+    and the op has no rule). A strategy that matches its inputs as they are laid out wins;
+    otherwise one that needs only local slices of replicated inputs."""
     # every dp mode hands consumers the whole parameter (ZeRO-3 gathers it first)
-    current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in input_nodes(node))
+    ins = input_nodes(node)
+    current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in ins)
+    sliceable = tuple(a.op != "get_attr" for a in ins)   # parameters are never sliced
     strategies = strategies_for(OpInfo.from_node(node, n), n)
     if strategies is None:
         if all(_replicated(p) for p in current):
@@ -71,9 +81,11 @@ def _choose(node: fx.Node, placed: dict, n: int):
             f"autopar has no sharding rule for {node.target} (node {node.name}), which reads the "
             "batch shard; add a rule in passes/rules/ so that data parallelism knows whether the "
             "op can run on a slice of the batch")
-    for s in strategies:
-        if _matches(s.inputs, current):
-            return s
+    for slicing in (False, True):
+        for s in strategies:
+            if all(_matches(r, c) or (slicing and ok and _free(r, c))
+                   for r, c, ok in zip(s.inputs, current, sliceable)):
+                return s
     raise ValueError(
         f"node {node.name} ({node.target}) cannot run on its inputs as data parallelism lays them "
         f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op mixes samples "
