@@ -18,4 +18,4 @@ from .runtime import DistributedModule
 from . import testing
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
-           "Layout", "CaptureError", "testing"]
+           "Layout", "CaptureError", "testing", "passes", "cost"]

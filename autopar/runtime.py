@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from . import meta
 from .comm import AxisComm, CommStats, ShardSpec
 from .context import CompileContext
 from .dpsync import DataParallelSync

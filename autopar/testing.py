@@ -15,6 +15,7 @@ import gc
 import io
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -61,7 +62,6 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
              for r in range(world_size)]
     for p in procs:
         p.start()
-    import time
     deadline = time.monotonic() + timeout + 30
     results, errors = {}, {}
     while len(results) + len(errors) < world_size:

@@ -396,7 +396,7 @@ def profiled_build(name: str, batches, collect: bool = True) -> tuple[Impl, dict
 # ---- one rank ----------------------------------------------------------------------------------
 
 def rank_main(steps: int, warmup: int, collect: bool = True) -> dict:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     cfg = GPTConfig(**CONFIG)
     batches = [gpt_batch(cfg, GLOBAL_BATCH, seed=s) for s in range(N_BATCHES)]
     out = {"rank": rank}
