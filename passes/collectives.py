@@ -10,6 +10,9 @@ For the data-parallel axis every consumer needs its parameters whole (``dp:R``):
                soon as the bucket is ready; ZeRO-1: when backward ends)
     ddp        one ``dp_bucket_sync`` node per bucket all-reduces its gradients
 
+A replicated activation that a node's strategy wants sharded (a mask built for the whole
+batch, meeting this rank's slice) is sliced locally (``dp_local_chunk``, no communication).
+
 It also fixes the units of communication: ZeRO-3 gathers parameters a unit at a time (one
 numbered layer, ``ctx.gather_units``) and reduces each unit's gradients together; the other
 modes bucket gradients in reverse order of first use, the order they become ready
