@@ -347,3 +347,14 @@ def hf_parity_all():
 # step's gradients by 1e-3 relative. 1e-6 keeps noise below 1e-3 lr, while a gradient of 1e-5
 # still takes a full Adam step, so the comparison tests the implementation, not the noise.
 HF_ADAM_EPS = 1e-6
+
+
+def parity_world8():
+    """Eight ranks: the 7-row layer leaves rank 7 without rows (an empty shard)."""
+    mesh = autopar.Mesh(dp=dist.get_world_size())
+    x, y = mlp_batch(16)
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    out = {("mlp", m): parity(TinyMLP, mesh, autopar.Plan(dp=m), (x,), y, mse) for m in MODES}
+    out[("gpt", "zero3")] = parity(lambda: TinyGPT(c), mesh, autopar.Plan(dp="zero3"), (tok,), tgt, lm_loss)
+    return out

@@ -37,3 +37,12 @@ def test_parity(reports, model, mode):
         noise = per_rank[0][(model, mode)].noise_by_param
         assert noise.get("blocks.0.qkv.bias", 0) >= 32 and noise.get("blocks.1.qkv.bias", 0) >= 32, noise
         assert sum(v for k, v in noise.items() if not k.endswith("qkv.bias")) <= 100, noise
+
+
+@pytest.mark.timeout(400)
+def test_parity_at_world_size_8():
+    per_rank = run(jobs.parity_world8, 8, timeout=300)
+    for r in per_rank:
+        for key, rep in r.items():
+            assert rep.ok, (key, rep.rank, rep.output_err, rep.loss_err, rep.grad_err, rep.param_err,
+                            rep.noise_param_err, rep.messages)
