@@ -69,8 +69,6 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     n, i = mesh.axis_size("dp"), mesh.coordinate("dp")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     local = pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    ctx.global_batch = tensors[0].shape[0] if tensors and tensors[0].dim() else None
 
     gm = capture(model, args, kwargs, ctx)         # the logical graph, at global shapes
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against

@@ -79,15 +79,14 @@ class CommStats:
 class AxisComm(nn.Module):
     """One mesh axis's process group, as seen by this rank, with the owner's byte counter.
 
-    An ``nn.Module`` without parameters so a graph can hold it as ``self.comm_dp``: the
-    collectives in the emitted code name their axis explicitly.
+    An ``nn.Module`` without parameters, so that the module which owns it (the dp axis's
+    ``DataParallelSync``, held by the graph as ``self.sync_dp``) carries it as a submodule.
     """
 
     def __init__(self, axis: str, size: int, index: int, group, stats: CommStats):
         super().__init__()
         self.axis, self.size, self.index, self.group = axis, size, index, group
         self.stats = stats
-        self.phase = "forward"
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, size={self.size}, index={self.index}"
@@ -98,7 +97,7 @@ class AxisComm(nn.Module):
                                "inspected and dumped but not run; build the Mesh inside torchrun")
 
     def _phase(self) -> str:
-        return "backward" if torch._C._current_autograd_node() is not None else self.phase
+        return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""

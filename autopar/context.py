@@ -8,7 +8,7 @@ named fields here so that nothing lives in global state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -43,7 +43,6 @@ class CompileContext:
     out_spec: Any = None
     input_shapes: tuple = ()        # per-rank shapes of the flat tensor inputs
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
-    global_batch: Optional[int] = None
     snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
     grad_buckets: list = field(default_factory=list)  # set by the collectives pass
     gather_units: list = field(default_factory=list)  # ZeRO-3, set by the collectives pass
