@@ -50,9 +50,9 @@ def _check_axes(plan: Plan, mesh: Mesh) -> None:
         if axis not in used and size > 1:
             raise ValueError(f"{mesh} has axis {axis}={size}, which {plan} gives no role; "
                              f"set the plan's {axis} field or make the axis size 1")
-    if plan.tp or plan.pp_schedule is not None:
-        raise NotImplementedError(f"{plan}: tensor and pipeline parallelism are not built yet; "
-                                  "use a data-parallel plan (Plan(dp='ddp'|'zero1'|'zero2'|'zero3'))")
+    if plan.pp_schedule is not None:
+        raise NotImplementedError(f"{plan}: pipeline parallelism is not built yet; use data and "
+                                  "tensor parallelism (Plan(dp=..., tp=True, sp=...))")
 
 
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,

@@ -46,4 +46,12 @@ class CompileContext:
     snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
     grad_buckets: list = field(default_factory=list)  # set by the collectives pass
     gather_units: list = field(default_factory=list)  # ZeRO-3, set by the collectives pass
+    tp_params: dict = field(default_factory=dict)     # name -> tpcomm.TPParam, set by the shard pass
     notes: list = field(default_factory=list)        # lines for explain()
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        """The parameter's shape on this rank's slice of the ``tp`` axis (before ZeRO)."""
+        info, tp = self.params[name], self.tp_params.get(name)
+        if tp is None:
+            return info.shape
+        return tp.local_shape(info.shape, self.mesh.axis_size("tp"), self.mesh.coordinate("tp"))

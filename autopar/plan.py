@@ -10,6 +10,8 @@ import ast
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .placement import parse_placement
+
 __all__ = ["Plan", "DP_MODES", "PP_SCHEDULES"]
 
 DP_MODES = ("ddp", "zero1", "zero2", "zero3")
@@ -26,6 +28,11 @@ class Plan:
     """Tensor (Megatron) parallelism over the ``tp`` axis."""
     sp: bool = False
     """Sequence parallelism of the pointwise regions between tensor-parallel blocks (needs tp)."""
+    tp_layout: tuple = ()
+    """Overrides of the tensor-parallel layout: ``((name pattern, placement), ...)``, e.g.
+    ``(("*.fc.weight", "S(0)"), ("head.weight", "R"))``; patterns match parameter names (as in
+    ``model.named_parameters()``) with fnmatch, placements are ``S(<dim>)`` or ``R``. The
+    layout of everything else is found from the graph around them."""
     pp_schedule: Optional[str] = None
     """Pipeline schedule over the ``pp`` axis: one of ``gpipe``, ``1f1b``, ``interleaved``,
     ``zero_bubble``; None means no pipeline."""
@@ -44,6 +51,18 @@ class Plan:
         if self.sp and not self.tp:
             raise ValueError("Plan(sp=True) needs tp=True: sequence parallelism shards the regions "
                              "between tensor-parallel blocks")
+        if isinstance(self.tp_layout, list):
+            object.__setattr__(self, "tp_layout", tuple(tuple(x) for x in self.tp_layout))
+        for item in self.tp_layout:
+            if not (isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                raise TypeError(f"Plan tp_layout takes ((name pattern, placement), ...) pairs of strings, "
+                                f"got {item!r}; e.g. tp_layout=(('*.fc.weight', 'S(0)'),)")
+            if item[1].strip().startswith("P"):
+                raise ValueError(f"Plan tp_layout {item!r}: a parameter is stored whole (R) or split "
+                                 "(S(dim)), not Partial")
+            parse_placement(item[1])
+        if self.tp_layout and not self.tp:
+            raise ValueError("Plan(tp_layout=...) needs tp=True")
         if self.pp_schedule is not None and self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) is unknown; expected one of "
                              f"{PP_SCHEDULES} or None")

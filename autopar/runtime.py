@@ -30,18 +30,20 @@ def _attr(obj, dotted: str):
 
 
 def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "DistributedModule":
-    from autopar.passes.collectives import REPLICAS, SYNC, shard_specs
+    from autopar.passes.collectives import COMM_TP, REPLICAS, SYNC, shard_specs
     mode = ctx.plan.dp
     specs = shard_specs(ctx)
     stats = CommStats()
-    comm = AxisComm("dp", ctx.mesh.axis_size("dp"), ctx.mesh.coordinate("dp"),
-                    ctx.mesh.group("dp") if "dp" in ctx.mesh.axes else None, stats)
+    comm = _axis_comm(ctx, "dp", stats)
+    tp_comm = _axis_comm(ctx, "tp", stats) if ctx.plan.tp else None
     root: dict[str, Any] = {}
     shards: dict[str, nn.Parameter] = {}
     replicas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, info in ctx.params.items():
             full = _attr(model, name).detach()
+            if name in ctx.tp_params:                   # this rank's slice along tp (a copy if interleaved)
+                full = ctx.tp_params[name].local_of(full, tp_comm.size, tp_comm.index)
             if name not in specs:                       # buffers and frozen parameters: copied
                 root[name] = full.clone() if info.is_buffer else nn.Parameter(full.clone(), requires_grad=False)
                 continue
@@ -55,20 +57,28 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
                 root[f"{REPLICAS}.{name}"] = replicas[name]
             shards[name] = root[name] = shard
         for node in gm.graph.nodes:    # lifted constants of the captured graph
-            if node.op == "get_attr" and node.target not in root and node.target != SYNC \
+            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC, COMM_TP) \
                     and not node.target.startswith(REPLICAS + "."):
                 root[node.target] = _attr(gm, node.target)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
     root[SYNC] = sync
+    if tp_comm is not None:
+        root[COMM_TP] = tp_comm
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
     for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest
-        if name != SYNC and not _has_attr(out, name):
+        if name not in (SYNC, COMM_TP) and not _has_attr(out, name):
             _set_attr(out, name, value)
     if REPLICAS in dict(out.named_children()):
         for mod in out.get_submodule(REPLICAS).modules():
             for bname, buf in list(mod._buffers.items()):
                 mod.register_buffer(bname, buf, persistent=False)
-    return DistributedModule(out, ctx, sync, stats)
+    return DistributedModule(out, ctx, sync, stats, tp_comm)
+
+
+def _axis_comm(ctx: CompileContext, axis: str, stats: CommStats) -> AxisComm:
+    mesh = ctx.mesh
+    return AxisComm(axis, mesh.axis_size(axis), mesh.coordinate(axis),
+                    mesh.group(axis) if axis in mesh.axes else None, stats)
 
 
 def _has_attr(mod: nn.Module, dotted: str) -> bool:
@@ -97,7 +107,7 @@ class DistributedModule(nn.Module):
     data-parallel slice; gradients land reduced (and sharded, for ZeRO) after backward."""
 
     def __init__(self, module: fx.GraphModule, ctx: CompileContext, sync: DataParallelSync,
-                 stats: CommStats):
+                 stats: CommStats, tp_comm: AxisComm | None = None):
         super().__init__()
         self.module = module
         self.ctx = ctx
@@ -105,6 +115,7 @@ class DistributedModule(nn.Module):
         self.mesh = ctx.mesh
         self.comm_stats = stats
         self._sync = sync
+        self._tp = tp_comm              # the tp axis (None without tensor parallelism)
         self._names = list(sync.specs)  # trainable parameters, canonical names
         self._optimizer = None
 
@@ -153,12 +164,21 @@ class DistributedModule(nn.Module):
 
     # ---- full views (collectives: every rank must call) ---------------------------------
     def _full(self, name: str, local: torch.Tensor | None) -> torch.Tensor | None:
-        spec: ShardSpec = self._sync.specs[name]
-        if spec.n == 1 or local is None:
-            return None if local is None else local.detach().clone()
-        out = local.new_empty(spec.n * spec.chunk_numel)
-        self._sync.comm.all_gather_flat(out, spec.padded_local(local.detach()), label=f"full {name}")
-        return spec.unpad(out).clone()
+        """The whole tensor from this rank's piece: gathered over dp (ZeRO), then over tp."""
+        if local is None:
+            return None
+        spec: ShardSpec | None = self._sync.specs.get(name)
+        if spec is None or spec.n == 1:
+            whole = local.detach().clone()
+        else:
+            out = local.new_empty(spec.n * spec.chunk_numel)
+            self._sync.comm.all_gather_flat(out, spec.padded_local(local.detach()), label=f"full {name}",
+                                            phase="state")
+            whole = spec.unpad(out).clone()
+        tp = self.ctx.tp_params.get(name)
+        if tp is not None and tp.sharded and self._tp is not None:
+            whole = tp.gather(whole, self._tp, self.ctx.params[name].shape)
+        return whole
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original model's names (tied names each present)."""
@@ -166,7 +186,7 @@ class DistributedModule(nn.Module):
         with torch.no_grad():
             for name, info in self.ctx.params.items():
                 local = self.module.get_parameter(name) if name in self._sync.specs else _attr(self.module, name)
-                full = self._full(name, local) if name in self._sync.specs else local.detach().clone()
+                full = self._full(name, local)
                 for key in (name,) + info.aliases:
                     out[key] = full
         return out
@@ -193,6 +213,8 @@ class DistributedModule(nn.Module):
                 if tuple(full.shape) != info.shape:
                     raise ValueError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, "
                                      f"expected {info.shape}")
+                if name in self.ctx.tp_params and self._tp is not None:
+                    full = self.ctx.tp_params[name].local_of(full, self._tp.size, self._tp.index)
                 if name in self._sync.specs:
                     p = self.module.get_parameter(name)
                     spec = self._sync.specs[name]
@@ -222,16 +244,24 @@ class DistributedModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the true global norm over all shards; returns that norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sharded = self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1
+        groups = []
+        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
+            groups.append(self._sync.comm.group)
+        if self._tp is not None and self._tp.size > 1:
+            groups.append(self._tp.group)
         if norm_type == math.inf:
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0))
             total = local.clone().float()
-            if sharded:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._sync.comm.group)
+            for group in groups:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            total = sum((g.float().pow(norm_type).sum() for g in grads), torch.tensor(0.0))
-            if sharded:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._sync.comm.group)
+            # a tensor replicated along tp is counted once: on the axis's first rank
+            first = self._tp is None or self._tp.index == 0
+            counted = [p.grad for name, p in self.module.named_parameters() if p.grad is not None
+                       and (first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded)]
+            total = sum((g.float().pow(norm_type).sum() for g in counted), torch.tensor(0.0))
+            for group in groups:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             total = total.pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

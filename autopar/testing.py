@@ -190,8 +190,9 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
         loss.backward()
         rep.output_err = max(rep.output_err, _scaled_err(out.detach(), dm.shard_batch(out_ref.detach()), rtol, atol))
         gl = loss.detach().clone()
-        dist.all_reduce(gl, group=dm._sync.comm.group)
-        gl /= mesh.axis_size("dp")
+        if mesh.axis_size("dp") > 1:
+            dist.all_reduce(gl, group=dm._sync.comm.group)
+            gl /= mesh.axis_size("dp")
         rep.losses.append(float(gl))
         rep.ref_losses.append(float(loss_ref.detach()))
         rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), rtol, atol))

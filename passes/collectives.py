@@ -30,9 +30,11 @@ from autopar.comm import CommInfo, ShardSpec, ring_bytes
 from autopar.context import CompileContext
 from autopar.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
 from autopar.passes.shard import input_nodes
-from autopar.placement import Layout, Replicate, Shard
+from autopar.passes.rules import local_size
+from autopar.placement import Layout, Partial, Replicate, Shard
 
 SYNC = "sync_dp"        # attribute holding the DataParallelSync of the emitted module
+COMM_TP = "comm_tp"     # attribute holding the AxisComm of the tp axis
 REPLICAS = "replicas"   # ZeRO-1/2: submodule holding the full parameter replicas
 
 
@@ -40,7 +42,7 @@ def shard_specs(ctx: CompileContext) -> dict[str, ShardSpec]:
     """How every trainable parameter is split over ``dp`` (ddp: N=1, nothing split)."""
     n = ctx.mesh.axis_size("dp") if ctx.plan.dp != "ddp" else 1
     index = ctx.mesh.coordinate("dp") if n > 1 else 0
-    return {name: ShardSpec(info.shape, n, index)
+    return {name: ShardSpec(ctx.local_shape(name), n, index)
             for name, info in ctx.params.items() if not info.is_buffer and info.requires_grad}
 
 
@@ -111,6 +113,8 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     else:
         ctx.grad_buckets = _size_buckets(order, ctx, specs)
     _insert_local_slices(gm, ctx)
+    if ctx.plan.tp:
+        _insert_tp_redistributions(gm, ctx)
     gm.add_submodule(SYNC, torch.nn.Module())   # stand-in: emit binds the DataParallelSync
     with g.inserting_before(next(iter(g.nodes))):
         sync = g.get_attr(SYNC)
@@ -128,6 +132,8 @@ def _insert_local_slices(gm, ctx) -> None:
     whole batch meeting this rank's slice), slice it locally: no communication, and plain
     autograd backward (the gradient is this rank's part, as data parallelism's is)."""
     n, index = ctx.mesh.axis_size("dp"), ctx.mesh.coordinate("dp")
+    if "dp" not in ctx.mesh.axes:
+        return
     for node in list(gm.graph.nodes):
         strategy = node.meta.get(meta.STRATEGY, {}).get("dp")
         if strategy is None:
@@ -152,7 +158,7 @@ def _insert_gathers(gm, ctx, params, specs, sync) -> None:
         users = list(pnode.users)
         with g.inserting_before(min(users, key=position.__getitem__)):
             full = g.create_node("call_function", dp_gather, (pnode, sync, name), name=f"{pnode.name}_full")
-        full.meta.update({meta.VAL: pnode.meta.get(meta.VAL), meta.LAYOUT: Layout.replicated(ctx.mesh.names),
+        full.meta.update({meta.VAL: pnode.meta.get(meta.VAL), meta.LAYOUT: _whole_dp(pnode, ctx),
                           meta.COMM: _unit_info(ctx.gather_units, unit_of[name], name, specs, ctx, n,
                                                 bucket_of[name])})
         for u in users:
@@ -166,7 +172,6 @@ def _insert_bucket_syncs(gm, ctx, params, specs, sync) -> None:
     hands forward the full parameters (ZeRO-1/2: the replicas) and reduces their gradients."""
     g, mode, n = gm.graph, ctx.plan.dp, ctx.mesh.axis_size("dp")
     position = {nd: i for i, nd in enumerate(g.nodes)}
-    whole = Layout.replicated(ctx.mesh.names)
     kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     for k, bucket in enumerate(ctx.grad_buckets):
         users = {m: list(params[m].users) for m in bucket}
@@ -179,22 +184,30 @@ def _insert_bucket_syncs(gm, ctx, params, specs, sync) -> None:
                     continue
                 _stand_in_buffer(gm, f"{REPLICAS}.{m}", params[m].meta[meta.VAL])
                 replica = g.get_attr(f"{REPLICAS}.{m}")
-                replica.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: whole})
+                replica.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: _whole_dp(params[m], ctx)})
                 values.append(replica)
                 owners.append(params[m])
             node = g.create_node("call_function", dp_bucket_sync, (sync, k, values, owners), name=f"bucket_{k}")
             nbytes = sum((specs[m].n * specs[m].chunk_numel if mode != "ddp" else specs[m].numel)
                          * ctx.params[m].dtype.itemsize for m in bucket)
             node.meta.update({meta.VAL: tuple(params[m].meta[meta.VAL] for m in bucket),
-                              meta.LAYOUT: tuple(whole for _ in bucket),
+                              meta.LAYOUT: tuple(_whole_dp(params[m], ctx) for m in bucket),
                               meta.COMM: CommInfo(kind, "dp", ring_bytes(kind, nbytes, n), "backward",
                                                   f"bucket {k}: {', '.join(bucket)}")})
             for i, m in enumerate(bucket):
                 item = g.create_node("call_function", operator.getitem, (node, i),
                                      name=f"{params[m].name}_{'synced' if mode == 'ddp' else 'full'}")
-                item.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: whole})
+                item.meta.update({meta.VAL: params[m].meta[meta.VAL], meta.LAYOUT: _whole_dp(params[m], ctx)})
                 for u in users[m]:
                     u.replace_input_with(params[m], item)
+
+
+def _whole_dp(pnode: fx.Node, ctx: CompileContext) -> Layout:
+    """A parameter's layout once data parallelism hands it over whole (its tp placement kept)."""
+    lay = pnode.meta.get(meta.LAYOUT)
+    if not isinstance(lay, Layout):
+        return Layout.replicated(ctx.mesh.names)
+    return lay.replace("dp", Replicate()) if "dp" in ctx.mesh.axes else lay
 
 
 def _unit_info(units, k, name, specs, ctx, n, bucket) -> CommInfo:
@@ -222,3 +235,104 @@ def _has(gm, path):
         return True
     except AttributeError:
         return False
+
+
+# ---- tensor parallelism --------------------------------------------------------------------
+
+def _dp_local_shape(node: fx.Node, ctx: CompileContext) -> tuple:
+    shape = list(node.meta[meta.VAL].shape)
+    lay = node.meta.get(meta.LAYOUT)
+    if isinstance(lay, Layout) and "dp" in ctx.mesh.axes and isinstance(lay["dp"], Shard):
+        d = lay["dp"].dim
+        shape[d] = local_size(shape[d], ctx.mesh.axis_size("dp"), ctx.mesh.coordinate("dp"))
+    return tuple(shape)
+
+
+def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """Where a node's tp strategy needs an input laid out otherwise than it is, insert the
+    redistribution (one per producer and target layout, shared by its consumers); where a
+    replicated input is read by per-rank compute, insert Megatron's ``f`` (``tp_copy``) so
+    that backward sums the ranks' gradient addends. Outputs are made whole along tp."""
+    from autopar.tpcomm import tp_all_reduce, tp_copy, tp_gather, tp_reduce_scatter, tp_split
+    from autopar.passes.tensor_parallel import _varying
+    g, t = gm.graph, ctx.mesh.axis_size("tp")
+    gm.add_submodule(COMM_TP, torch.nn.Module())     # stand-in: emit binds the AxisComm
+    with g.inserting_before(next(iter(g.nodes))):
+        comm = g.get_attr(COMM_TP)
+    made: dict = {}
+
+    def new(fn, args, src, placement, kind, why, nbytes, name):
+        node = g.create_node("call_function", fn, args, name=name)
+        lay = src.meta[meta.LAYOUT].replace("tp", placement)
+        node.meta.update({meta.VAL: src.meta[meta.VAL], meta.LAYOUT: lay})
+        if kind:
+            node.meta[meta.COMM] = CommInfo(kind, "tp", ring_bytes(kind, nbytes, t), "forward", why)
+        return node
+
+    def convert(src, have, want, varying, consumer):
+        key = (src, want, varying)
+        if key in made:
+            return made[key]
+        val = src.meta[meta.VAL]
+        shape = _dp_local_shape(src, ctx)
+        nbytes = float(torch.Size(shape).numel() * val.dtype.itemsize)
+        grad = val.dtype.is_floating_point
+        why = f"{consumer.name} needs {want}"
+        with g.inserting_before(consumer):   # the first consumer: the others come later
+            if have == want:
+                out = src
+                if want == Replicate() and varying and grad and (src.op != "get_attr" or _trainable(src, ctx)):
+                    out = new(tp_copy, (src, comm), src, want, "", "", 0, f"{src.name}_f")
+                    out.meta[meta.COMM] = CommInfo("all_reduce", "tp", ring_bytes("all_reduce", nbytes, t),
+                                                   "backward", f"f: {consumer.name} computes per rank, so "
+                                                   "the gradient is a sum over tp")
+            elif have == Replicate() and isinstance(want, Shard):
+                out = new(tp_split, (src, comm, want.dim, shape[want.dim]), src, want, "", "", 0,
+                          f"{src.name}_split")
+                out.meta[meta.COMM] = CommInfo("all_gather", "tp", ring_bytes("all_gather", nbytes, t),
+                                               "backward", f"local slice for {why}; backward all-gathers")
+            elif isinstance(have, Shard) and want == Replicate():
+                out = new(tp_gather, (src, comm, have.dim, shape[have.dim], varying), src, want,
+                          "all_gather", why + ("; backward reduce-scatters" if varying else ""), nbytes,
+                          f"{src.name}_gather")
+            elif have == Partial() and want == Replicate():
+                out = new(tp_all_reduce, (src, comm), src, want, "all_reduce", why + " (g)", nbytes,
+                          f"{src.name}_allreduce")
+                if varying and grad:
+                    made[key] = out
+                    return convert(out, want, want, varying, consumer)
+            elif have == Partial() and isinstance(want, Shard):
+                out = new(tp_reduce_scatter, (src, comm, want.dim, shape[want.dim]), src, want,
+                          "reduce_scatter", why + "; backward all-gathers", nbytes, f"{src.name}_scatter")
+            elif isinstance(have, Shard) and isinstance(want, Shard):
+                whole = convert(src, have, Replicate(), False, consumer)
+                made[key] = convert(whole, Replicate(), want, varying, consumer)
+                return made[key]
+            else:
+                raise ValueError(f"{consumer.name} needs {src.name} as {want} along tp, but it is {have}; "
+                                 "autopar has no redistribution between them")
+        made[key] = out
+        return out
+
+    for node in list(g.nodes):
+        s = node.meta.get(meta.STRATEGY, {}).get("tp")
+        if s is None:
+            continue
+        varying = _varying(s)
+        for src, want in zip(input_nodes(node), s.inputs):
+            lay = src.meta.get(meta.LAYOUT)
+            if not isinstance(lay, Layout) or want is None or isinstance(want, tuple):
+                continue
+            out = convert(src, lay["tp"], want, varying, node)
+            if out is not src:
+                node.replace_input_with(src, out)
+    output = next(n for n in g.nodes if n.op == "output")
+    for src in output.all_input_nodes:
+        lay = src.meta.get(meta.LAYOUT)
+        if isinstance(lay, Layout) and lay["tp"] != Replicate():
+            output.replace_input_with(src, convert(src, lay["tp"], Replicate(), False, output))
+
+
+def _trainable(node: fx.Node, ctx: CompileContext) -> bool:
+    info = ctx.params.get(node.meta.get(meta.PARAM, ""))
+    return info is not None and info.requires_grad and not info.is_buffer

@@ -13,7 +13,9 @@ from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
-from autopar.passes.rules import LOCALIZERS, OpInfo, localize as localize_args
+from dataclasses import replace
+
+from autopar.passes.rules import LOCALIZERS, OpInfo, localize as localize_args, shrink
 
 
 def _merge(orig, new):
@@ -26,16 +28,24 @@ def _merge(orig, new):
     return new
 
 
+AXIS_ORDER = ("dp", "tp")   # the tp axis splits what is local to dp (as the shard pass chose)
+
+
 def localize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         chosen = node.meta.get(meta.STRATEGY)
         if not chosen or node.target not in LOCALIZERS:
             continue
-        for axis, strategy in chosen.items():
-            n = ctx.mesh.axis_size(axis)
-            args, kwargs = localize_args(OpInfo.from_node(node, n), strategy, n, ctx.mesh.coordinate(axis))
-            node.args = _merge(node.args, tuple(args))
-            node.kwargs = {k: _merge(node.kwargs.get(k), v) for k, v in kwargs.items()}
+        info = OpInfo.from_node(node)
+        for axis in AXIS_ORDER:
+            if axis not in chosen:
+                continue
+            n, index, strategy = ctx.mesh.axis_size(axis), ctx.mesh.coordinate(axis), chosen[axis]
+            info = info.with_n(n)
+            args, kwargs = localize_args(info, strategy, n, index)
+            info = shrink(replace(info, args=tuple(args), kwargs=dict(kwargs)), strategy, n, index)
+        node.args = _merge(node.args, tuple(info.args))
+        node.kwargs = {k: _merge(node.kwargs.get(k), v) for k, v in info.kwargs.items()}
     gm.graph.lint()
     gm.recompile()
     return gm

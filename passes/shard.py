@@ -94,6 +94,16 @@ def _choose(node: fx.Node, placed: dict, n: int):
 
 
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    from autopar.passes import tensor_parallel
+    if ctx.plan.tp:     # parameter placements along tp first: they may move row-parallel biases
+        tensor_parallel.decide(gm, ctx)
+    _shard_dp(gm, ctx)
+    if ctx.plan.tp:
+        tensor_parallel.annotate(gm, ctx)
+    return gm
+
+
+def _shard_dp(gm: fx.GraphModule, ctx: CompileContext) -> None:
     axes, n = ctx.mesh.names, ctx.mesh.axis_size("dp")
     zero3 = ctx.plan.dp == "zero3"
     placed: dict[fx.Node, object] = {}
@@ -117,7 +127,6 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         else:
             continue
         node.meta[meta.LAYOUT] = _layout(placed[node], axes)
-    return gm
 
 
 def _layout(p, axes):

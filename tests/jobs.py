@@ -358,3 +358,26 @@ def parity_world8():
     out = {("mlp", m): parity(TinyMLP, mesh, autopar.Plan(dp=m), (x,), y, mse) for m in MODES}
     out[("gpt", "zero3")] = parity(lambda: TinyGPT(c), mesh, autopar.Plan(dp="zero3"), (tok,), tgt, lm_loss)
     return out
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+
+def tp_mesh(tp: int):
+    world = dist.get_world_size()
+    return autopar.Mesh(dp=world // tp, tp=tp) if world > tp else autopar.Mesh(tp=tp)
+
+
+def parity_tp(tp: int, sp: bool, modes=("ddp",), models=("mlp", "gpt")):
+    """MLP and GPT under tensor (and sequence) parallelism, with each dp mode in ``modes``."""
+    mesh = tp_mesh(tp)
+    out = {}
+    x, y = mlp_batch()
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    for mode in modes:
+        plan = autopar.Plan(dp=mode, tp=True, sp=sp)
+        if "mlp" in models:
+            out[("mlp", mode)] = parity(TinyMLP, mesh, plan, (x,), y, mse)
+        if "gpt" in models:
+            out[("gpt", mode)] = parity(lambda: TinyGPT(c), mesh, plan, (tok,), tgt, lm_loss)
+    return out

@@ -9,8 +9,8 @@ by brute force on small tensors. Usage::
         print(s)                             # e.g. "S(0),R -> S(0)"
 """
 from .registry import (LOCALIZERS, RULES, OpInfo, Strategy, TensorMeta, format_placement, local_size, localize,
-                       register, register_localize, strategies_for, tensor_inputs)
+                       register, register_localize, shrink, strategies_for, tensor_inputs)
 from . import attention, embedding, factory, loss, matrix, pointwise, reduction, view  # noqa: F401
 
 __all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "register", "format_placement",
-           "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs"]
+           "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs", "shrink"]

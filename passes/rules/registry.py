@@ -34,7 +34,7 @@ from autopar.placement import Partial, Placement, Replicate, Shard
 
 __all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "register",
            "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs",
-           "format_placement"]
+           "format_placement", "shrink"]
 
 R = Replicate()
 PARTIALS = tuple(Partial(op) for op in ("sum", "avg", "max", "min"))
@@ -317,3 +317,33 @@ def local_shape(shape, placement, n: int, index: int) -> tuple:
 
 def prod(xs) -> int:
     return math.prod(xs)
+
+
+def shrink(info: OpInfo, strategy: Strategy, n: int, index: int) -> OpInfo:
+    """``info`` as rank ``index`` of ``n`` sees it under ``strategy``: every tensor input and
+    the output at its local shape. Rules and localizers of a second mesh axis read this, so
+    that axes compose (the tp axis splits what is local to the dp axis)."""
+    placements = iter(strategy.inputs)
+
+    def tmeta(m, p):
+        return TensorMeta(local_shape(m.shape, p, n, index), m.dtype) if isinstance(m, TensorMeta) else m
+
+    def walk(v):
+        if isinstance(v, TensorMeta):
+            return tmeta(v, next(placements))
+        if isinstance(v, tuple) and any(isinstance(x, TensorMeta) for x in v):
+            p = next(placements)
+            return tuple(tmeta(m, q) for m, q in zip(v, p))
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    args = tuple(walk(a) for a in info.args)
+    kwargs = {k: walk(v) for k, v in info.kwargs.items()}
+    out = info.out
+    if isinstance(out, tuple):
+        outp = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,) * len(out)
+        out = tuple(tmeta(m, p) for m, p in zip(out, outp))
+    else:
+        out = tmeta(out, strategy.output)
+    return replace(info, args=args, kwargs=kwargs, out=out)

@@ -156,3 +156,18 @@ def localize_unflatten(info, strategy, n, index):
     dim = norm_dim(arg(info, 1, "dim"), info.args[0].ndim)
     k = len(arg(info, 2, "sizes"))
     return with_arg(info, 2, "sizes", _local_out(info, strategy, n, index)[dim:dim + k])
+
+
+@register_localize(aten.split.Tensor, aten.split_with_sizes.default)
+def localize_split(info, strategy, n, index):
+    """A split along the sharded dim happens only on an interleaved (grouped) shard, which the
+    tensor-parallel pass sets up for fused projections: every part is split evenly, so each
+    rank's part is ``size / n``."""
+    x = info.args[0]
+    dim = norm_dim(arg(info, 2, "dim", 0), x.ndim)
+    if strategy.inputs[0] != Shard(dim):
+        return info.args, dict(info.kwargs)
+    name = "split_size" if info.target == aten.split.Tensor else "split_sizes"
+    sizes = arg(info, 1, name)
+    local = [s // n for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // n
+    return with_arg(info, 1, name, local)

@@ -1,0 +1,447 @@
+"""Tensor (and sequence) parallelism: the ``tp`` placement of every node, found from the graph.
+
+Two walks over the graph in topological order share one chooser:
+
+``decide`` finds how each parameter is stored along ``tp`` (Megatron's layout), with no
+knowledge of module names. A *parameter matmul* is a ``linear`` / ``addmm`` / ``mm`` /
+``matmul`` whose second operand is a 2-D parameter:
+
+  * reading its activation whole (replicated, or sequence-sharded under SP, gathered
+    first) it becomes **column-parallel**: the weight split along its output features, the
+    output sharded along its last dim. If the output is split into equal parts (a fused
+    ``q, k, v`` projection) the weight is stored interleaved, so each part stays sharded;
+  * reading an activation sharded along the dim it contracts it becomes **row-parallel**:
+    the weight split along its input features, the output ``P(sum)``. Its bias moves after
+    the product (``linear(x, W) + b``), so that it is added once, after the reduction.
+
+Between the two, every node takes the strategy of the rule registry that needs the least
+communication, so the column shard flows through pointwise ops (GeLU, SwiGLU's product),
+the head split ``b,s,h -> b,s,nh,hd``, attention over heads and the merge back: the
+reduction is deferred to the row-parallel product, and only a consumer that needs the
+whole value (the residual add, LayerNorm) makes it an all-reduce. A parameter read by more
+than one node (a tied embedding and LM head) stays replicated, as do parameters no matmul
+splits (norms, embeddings, biases of row-parallel layers).
+
+``annotate`` then walks again with every parameter's placement fixed and records each
+node's strategy and layout; the collectives pass inserts the redistributions.
+
+With ``Plan(sp=True)`` the pointwise regions between tensor-parallel blocks (norms, bias
+and residual adds, dropout) take ``Shard(seq)`` (the dim before the features): the row
+product's ``P(sum)`` becomes a reduce-scatter there and the column product's input an
+all-gather.
+
+A user can fix any parameter's placement by name pattern (``Plan(tp_layout=...)``); the
+walk then works around it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import fx
+
+from autopar import meta
+from autopar.context import CompileContext
+from autopar.placement import Layout, Partial, Replicate, Shard, parse_placement
+from autopar.tpcomm import TPParam
+from autopar.passes.rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
+from autopar.passes.rules.registry import replicated
+from autopar.passes.rules.view import _groups
+
+log = logging.getLogger("autopar")
+aten = torch.ops.aten
+R = Replicate()
+INF = float("inf")
+SP_BONUS = 1e18
+
+VIEWLIKE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+            aten.contiguous.default, aten.clone.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
+
+
+def _sp_op(target) -> bool:
+    """Ops of the pointwise regions sequence parallelism shards along the sequence."""
+    rule = RULES.get(target)
+    return target in _NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
+
+
+@dataclass(frozen=True)
+class ParamMatmul:
+    act: fx.Node
+    weight: fx.Node
+    bias: Optional[fx.Node]
+    out_dim: int      # the weight's output-feature dim
+    in_dim: int       # the weight's input-feature dim
+    k: int            # the activation's contracted dim
+
+
+def _param_name(node, ctx) -> Optional[str]:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        name = node.meta.get(meta.PARAM)
+        info = ctx.params.get(name)
+        if info is not None and not info.is_buffer:
+            return name
+    return None
+
+
+def param_matmul(node: fx.Node, ctx: CompileContext) -> Optional[ParamMatmul]:
+    t, a = node.target, node.args
+    if t == aten.linear.default:
+        x, w, b, out_dim, in_dim = a[0], a[1], (a[2] if len(a) > 2 else node.kwargs.get("bias")), 0, 1
+    elif t == aten.addmm.default and not node.kwargs:
+        b, x, w, out_dim, in_dim = a[0], a[1], a[2], 1, 0
+    elif t in (aten.mm.default, aten.matmul.default):
+        x, w, b, out_dim, in_dim = a[0], a[1], None, 1, 0
+    else:
+        return None
+    if _param_name(w, ctx) is None or w.meta[meta.VAL].dim() != 2 or not isinstance(x, fx.Node):
+        return None
+    if b is not None and _param_name(b, ctx) is None:
+        return None
+    return ParamMatmul(x, w, b, out_dim, in_dim, x.meta[meta.VAL].dim() - 1)
+
+
+def _is_value(val) -> bool:
+    return isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+
+
+def _varying(s: Strategy) -> bool:
+    """Ranks compute different things: a replicated input's gradient is then a sum of addends."""
+    def nonrep(p):
+        return any(nonrep(x) for x in p) if isinstance(p, tuple) else p is not None and p != R
+    return nonrep(s.inputs) or nonrep(s.output)
+
+
+def _nbytes(m) -> float:
+    n = 1
+    for s in m.shape:
+        n *= s
+    return float(n * m.dtype.itemsize)
+
+
+class _Walk:
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, decide: bool):
+        from autopar.passes.shard import input_nodes
+        self.input_nodes = input_nodes
+        self.gm, self.ctx, self.decide = gm, ctx, decide
+        self.t = ctx.mesh.axis_size("tp")
+        self.sp = ctx.plan.sp
+        self.params: dict[str, TPParam] = {} if decide else dict(ctx.tp_params)
+        self.pl: dict[fx.Node, object] = {}
+        self.grouped: dict[fx.Node, int] = {}
+        self.rows: list[tuple[fx.Node, ParamMatmul]] = []
+        self.warned: set = set()
+        uses: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            name = _param_name(node, ctx)
+            if name is not None:
+                uses[name] = uses.get(name, 0) + len(node.users)
+        self.multi_use = {n for n, k in uses.items() if k > 1}
+        if decide:
+            self._apply_overrides()
+
+    # -- parameters ------------------------------------------------------------------------
+    def _apply_overrides(self):
+        for pattern, text in self.ctx.plan.tp_layout:
+            hits = [n for n in self.ctx.params if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise ValueError(f"Plan tp_layout pattern {pattern!r} matches no parameter; parameters are "
+                                 f"named as in model.named_parameters(), e.g. {next(iter(self.ctx.params), '?')!r}")
+            for name in hits:
+                self.params[name] = TPParam(parse_placement(text), 1, f"Plan tp_layout {pattern!r}")
+
+    def undecided(self, name: Optional[str]) -> bool:
+        return self.decide and name is not None and name not in self.params
+
+    def fix(self, name: str, placement, reason: str, groups: int = 1):
+        if name not in self.params:
+            self.params[name] = TPParam(placement, groups, reason)
+
+    # -- the walk --------------------------------------------------------------------------
+    def run(self):
+        for node in list(self.gm.graph.nodes):
+            val = node.meta.get(meta.VAL)
+            if not _is_value(val):
+                continue
+            if node.op == "placeholder":
+                self.pl[node] = R
+            elif node.op == "get_attr":
+                name = _param_name(node, self.ctx)
+                self.pl[node] = self.params[name].placement if name in self.params else R
+            elif node.op == "call_function":
+                s = self.choose(node)
+                for a, p in zip(self.input_nodes(node), s.inputs):   # parameters a matmul fixed
+                    name = _param_name(a, self.ctx)
+                    if self.undecided(name) and p is not None:
+                        self.fix(name, p, f"read as {p} by {node.name}")
+                        self.pl[a] = p
+                self.pl[node] = s.output
+                node.meta.setdefault(meta.STRATEGY, {})["tp"] = s
+        return self
+
+    def _info(self, node) -> OpInfo:
+        info = OpInfo.from_node(node, self.t)
+        dp = node.meta.get(meta.STRATEGY, {}).get("dp")
+        if dp is not None:
+            mesh = self.ctx.mesh
+            info = shrink(info, dp, mesh.axis_size("dp"), mesh.coordinate("dp"))
+        return info
+
+    def choose(self, node: fx.Node) -> Strategy:
+        info = self._info(node)
+        ins = self.input_nodes(node)
+        cur = [self.pl.get(a, R) for a in ins]
+        strategies = strategies_for(info, self.t)
+        if strategies is None:
+            if any(p != R and not isinstance(p, tuple) for p in cur) and node.target not in self.warned:
+                self.warned.add(node.target)
+                msg = (f"no sharding rule for {node.target} (node {node.name}): its inputs are made whole "
+                       f"along tp and it runs replicated; add a rule in passes/rules/ to keep it sharded")
+                log.warning("autopar: %s", msg)
+                self.ctx.notes.append(f"warning: {msg}")
+            return replicated(info)
+        pm = param_matmul(node, self.ctx)
+        if pm is not None and self.decide:
+            s = self._decide_matmul(node, pm, info, strategies, ins, cur)
+            if s is not None:
+                return s
+        if pm is not None and not self.decide:
+            wp = self.params.get(_param_name(pm.weight, self.ctx))
+            if wp is not None and wp.groups > 1:
+                self.grouped[node] = wp.groups
+        if node.target in SPLITS and ins and self.grouped.get(ins[0]):
+            s = self._grouped_split(node, info, cur[0], self.grouped[ins[0]])
+            if s is not None:
+                return s
+        best, best_cost = None, INF
+        for s in strategies:
+            c = self.cost(node, s, ins, cur, info)
+            if c < best_cost:
+                best, best_cost = s, c
+        if best is None:
+            raise ValueError(f"node {node.name} ({node.target}) has no tp strategy reachable from its inputs "
+                             f"({', '.join(format_placement(p) for p in cur)}); this is a bug in autopar's "
+                             "redistribution table")
+        if node.target in VIEWLIKE and ins and self.grouped.get(ins[0]) and best.output == cur[0]:
+            self.grouped[node] = self.grouped[ins[0]]
+        self._check_head_split(node, info, cur, best)
+        return best
+
+    def cost(self, node, s: Strategy, ins, cur, info) -> float:
+        total, varying = 0.0, _varying(s)
+        metas = tensor_inputs(info)
+        for a, want, have, m in zip(ins, s.inputs, cur, metas):
+            if isinstance(want, tuple) or isinstance(have, tuple):
+                if any(w is not None and w != h for w, h in zip(want, have)):
+                    return INF
+                continue
+            if self.grouped.get(a) and want != have:
+                return INF            # an interleaved shard is only ever split into its parts
+            name = _param_name(a, self.ctx)
+            if name is not None:
+                if self.undecided(name):
+                    if isinstance(want, Partial) or (want != R and name in self.multi_use):
+                        return INF
+                    continue
+                if want != have:
+                    return INF
+                if varying and want == R and self.ctx.params[name].requires_grad:
+                    total += 2 * _nbytes(m)          # the weight-gradient all-reduce (f)
+                continue
+            total += self.convert_cost(have, want, _nbytes(m), m.dtype.is_floating_point)
+        if total < INF and self.sp and self._sp_preferred(node, s, ins, cur, info):
+            total -= SP_BONUS
+        return total
+
+    def convert_cost(self, have, want, nbytes: float, grad: bool) -> float:
+        if have == want:
+            return 0.0
+        f = nbytes * (self.t - 1) / self.t
+        if isinstance(want, Partial) or (isinstance(have, Partial) and have != Partial("sum")):
+            return INF
+        if have == R:
+            return f if grad else 0.0                  # local slice; backward all-gathers
+        if isinstance(have, Shard) and want == R:
+            return 2 * f if grad else f
+        if isinstance(have, Partial):
+            if want == R:
+                return 2 * f
+            return 2 * f if self.sp else INF           # reduce-scatter: sequence parallelism only
+        return 3 * f                                   # shard -> other shard: gather and slice
+
+    def _sp_preferred(self, node, s, ins, cur, info) -> bool:
+        out = info.out[0] if isinstance(info.out, tuple) else info.out
+        if not _sp_op(node.target) or not out.dtype.is_floating_point or out.ndim < 2:
+            return False
+        outp = s.output[0] if isinstance(s.output, tuple) else s.output
+        if outp != Shard(out.ndim - 2):
+            return False
+        # never pull a tensor-parallel shard (heads, features) onto the sequence
+        return not any(isinstance(h, Shard) and h != w for h, w in zip(cur, s.inputs)
+                       if not isinstance(h, tuple))
+
+    # -- Megatron's choices ----------------------------------------------------------------
+    def _decide_matmul(self, node, pm: ParamMatmul, info, strategies, ins, cur) -> Optional[Strategy]:
+        wname = _param_name(pm.weight, self.ctx)
+        bname = _param_name(pm.bias, self.ctx) if pm.bias is not None else None
+        if not self.undecided(wname):
+            return None
+        if wname in self.multi_use or (bname is not None and bname in self.multi_use):
+            self.fix(wname, R, f"read by more than one node (tied): kept whole")
+            return None
+        act = cur[ins.index(pm.act)]
+        wshape = pm.weight.meta[meta.VAL].shape
+        pos = {a: i for i, a in enumerate(ins)}
+        if act == Shard(pm.k):   # row-parallel
+            want = {pos[pm.act]: Shard(pm.k), pos[pm.weight]: Shard(pm.in_dim)}
+            s = self._find(strategies, want, Partial())
+            if s is not None:
+                self.fix(wname, Shard(pm.in_dim), f"row-parallel: {node.name} contracts the dim its input "
+                                                   f"is split along")
+                if bname is not None:
+                    self.fix(bname, R, f"bias of row-parallel {node.name}: added once, after the reduction")
+                self.rows.append((node, pm))
+                return s
+            return None
+        groups = self._groups_after(node, wshape[pm.out_dim])
+        part = wshape[pm.out_dim] // groups
+        if part < self.t:
+            self.fix(wname, R, f"{part} output features: fewer than tp={self.t}")
+            return None
+        if groups > 1 and part % self.t:
+            raise ValueError(
+                f"{node.name} is a fused projection whose output is split into {groups} parts of {part} "
+                f"features, which do not divide by tp={self.t}; use a tp size that divides {part}, or keep "
+                f"{wname} whole with Plan(tp_layout=(({wname!r}, 'R'),))")
+        out_ndim = info.out.ndim
+        want = {pos[pm.act]: R, pos[pm.weight]: Shard(pm.out_dim)}
+        if pm.bias is not None:
+            want[pos[pm.bias]] = Shard(0)
+        s = self._find(strategies, want, Shard(out_ndim - 1))
+        if s is None:
+            return None
+        why = f"column-parallel: {node.name} splits its output features"
+        self.fix(wname, Shard(pm.out_dim), why + (f" (fused x{groups}, interleaved)" if groups > 1 else ""), groups)
+        if bname is not None:
+            self.fix(bname, Shard(0), why, groups)
+        if groups > 1:
+            self.grouped[node] = groups
+        return s
+
+    @staticmethod
+    def _find(strategies, want: dict, output) -> Optional[Strategy]:
+        for s in strategies:
+            if s.output == output and all(s.inputs[i] == p for i, p in want.items()):
+                return s
+        return None
+
+    def _groups_after(self, node, size: int) -> int:
+        """g if the product's output is split along its last dim into g equal parts (through
+        views that keep that dim), else 1."""
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                uval = u.meta.get(meta.VAL)
+                if u.target in VIEWLIKE and isinstance(uval, torch.Tensor) and uval.shape[-1] == size:
+                    todo.append(u)
+                elif u.target in SPLITS:
+                    g = _split_parts(u, size)
+                    if g > 1:
+                        return g
+        return 1
+
+    def _grouped_split(self, node, info, have, groups) -> Optional[Strategy]:
+        x = info.args[0]
+        d = _split_dim(node, x.ndim)
+        if have != Shard(d) or _split_parts(node, node.args[0].meta[meta.VAL].shape[d]) != groups:
+            return None
+        return Strategy((Shard(d),), tuple(Shard(d) for _ in info.out))
+
+    def _check_head_split(self, node, info, cur, s):
+        """A reshape that splits the tp-sharded dim into (n, ...) with n not dividing by tp
+        (an odd number of attention heads) cannot keep it sharded: say so."""
+        if not self.decide or node.target not in RESHAPES or not isinstance(cur[0], Shard) or s.inputs[0] != R:
+            return
+        a, b = info.args[0].shape, info.out.shape
+        d = cur[0].dim
+        for ga, gb in _groups(a, b):
+            if ga[0] == d and len(gb) > 1:
+                lead = b[gb[0]]
+                raise ValueError(
+                    f"tensor parallelism splits dim {d} (size {a[d]}) of {node.args[0].name} over tp={self.t}, "
+                    f"and {node.name} reshapes it into {tuple(b[i] for i in gb)}: the leading {lead} "
+                    f"(attention heads) does not divide by tp={self.t}. Use a tp size that divides {lead}, "
+                    "or keep the projections whole with Plan(tp_layout=...)")
+
+
+def _split_dim(node, ndim) -> int:
+    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return d % ndim
+
+
+def _split_parts(node, size) -> int:
+    val = node.args[0].meta.get(meta.VAL)
+    if not isinstance(val, torch.Tensor) or _split_dim(node, val.dim()) != val.dim() - 1:
+        return 0
+    arg = node.args[1] if len(node.args) > 1 else None
+    if node.target == aten.chunk.default:
+        return arg if size % arg == 0 else 0
+    if node.target == aten.split.Tensor:
+        return size // arg if size % arg == 0 else 0
+    return len(arg) if len(set(arg)) == 1 else 0
+
+
+def _split_bias(gm: fx.GraphModule, node: fx.Node, pm: ParamMatmul) -> None:
+    """``linear(x, W, b)`` -> ``linear(x, W) + b`` (``addmm`` -> ``mm + b``): the bias of a
+    row-parallel product is added after the reduction, once."""
+    if pm.bias is None:
+        return
+    g = gm.graph
+    if node.target == aten.linear.default:
+        node.args = (pm.act, pm.weight)
+        node.kwargs = {}
+    else:
+        node.target = aten.mm.default
+        node.args = (pm.act, pm.weight)
+    with g.inserting_after(node):
+        add = g.call_function(aten.add.Tensor, (node, pm.bias))
+    node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    add.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.SOURCE, "nn_module_stack")})
+
+
+def decide(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """Fix ``ctx.tp_params`` (every parameter's tp placement) from the graph, and move the bias
+    of each row-parallel product after it."""
+    w = _Walk(gm, ctx, decide=True).run()
+    for node in gm.graph.nodes:          # the decide walk's strategies are provisional
+        node.meta.get(meta.STRATEGY, {}).pop("tp", None)
+    for name in ctx.params:
+        w.params.setdefault(name, TPParam(R, 1, "no product splits it"))
+    ctx.tp_params = w.params
+    for node, pm in w.rows:
+        _split_bias(gm, node, pm)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def annotate(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """Each node's tp strategy and layout, parameters placed as ``decide`` fixed them."""
+    w = _Walk(gm, ctx, decide=False).run()
+    for node, p in w.pl.items():
+        lay = node.meta.get(meta.LAYOUT)
+        if isinstance(lay, tuple):
+            ps = p if isinstance(p, tuple) else (p,) * len(lay)
+            node.meta[meta.LAYOUT] = tuple(x.replace("tp", q if q is not None else R) for x, q in zip(lay, ps))
+        elif isinstance(lay, Layout):
+            node.meta[meta.LAYOUT] = lay.replace("tp", p)
