@@ -75,8 +75,9 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
                              for x in pytree.tree_leaves(local))
     ctx.snapshots.append(("capture", graph_text(gm)))
-    # layouts first: collectives and localize read them; localize last, on the final graph
-    for p in (passes.shard, passes.collectives, passes.localize):
+    # layouts first: collectives and localize read them; localize on the final graph, then the
+    # sequence-parallel regions become one node each (they hold localized ops)
+    for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel):
         gm = p(gm, ctx)
         ctx.snapshots.append((p.__name__, graph_text(gm)))
     dm = emit(gm, model, ctx)

@@ -78,6 +78,8 @@ def explain(dm) -> str:
     psi_pad = sum(s.n * s.chunk_numel for s in sync.specs.values()) if mode != "ddp" else psi
     lines.append(f"\nparameters: Ψ = {psi:,} trainable elements in {len(sync.specs)} tensors"
                  + (f" ({psi_pad:,} with padding to {n} equal shards)" if psi_pad != psi else ""))
+    if dm.plan.tp:
+        lines += _tp_section(dm)
     # collectives in the graph and in backward
     lines.append("\ncollectives (per step, this rank):")
     for node in dm.module.graph.nodes:
@@ -139,6 +141,24 @@ def explain(dm) -> str:
         line += " (no dm.optimizer(...) built yet)"
     lines.append(line)
     return "\n".join(lines)
+
+
+def _tp_section(dm) -> list:
+    from autopar.cost import tp_layer_comm_elements
+    t = dm.mesh.axis_size("tp")
+    out = [f"\ntensor parallel over tp={t}" + (" with sequence parallelism" if dm.plan.sp else "")
+           + ": parameter layouts found from the graph"]
+    for name, p in dm.ctx.tp_params.items():
+        if p.sharded or p.reason.startswith(("read by more", "Plan")):
+            out.append(f"  {name:<36} {str(p):<22} {p.reason}")
+    whole = sum(1 for p in dm.ctx.tp_params.values() if not p.sharded)
+    out.append(f"  ({whole} other parameters replicated: norms, embeddings, biases added after a reduction)")
+    out.append(f"  per transformer layer per step: {tp_layer_comm_elements(dm.plan.sp)} elements "
+               "(2 collectives of b·s·h forward, 2 backward)")
+    by = {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "tp"}
+    for (axis, k, phase), v in sorted(by.items()):
+        out.append(f"    measured {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
+    return out
 
 
 def dump(dm, path: str) -> list[str]:

@@ -60,6 +60,8 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
             if node.op == "get_attr" and node.target not in root and node.target not in (SYNC, COMM_TP) \
                     and not node.target.startswith(REPLICAS + "."):
                 root[node.target] = _attr(gm, node.target)
+            elif node.op == "call_module":     # fused regions (sequence parallelism)
+                root[node.target] = gm.get_submodule(node.target)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
     root[SYNC] = sync
     if tp_comm is not None:

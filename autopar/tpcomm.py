@@ -53,7 +53,7 @@ def _gather(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) ->
     x = x.contiguous()
     out = x.new_empty((n * c,) + tuple(x.shape[1:]))
     comm.all_gather_flat(out.view(-1), x.view(-1), label=label)
-    return out[:size].movedim(0, dim)
+    return out[:size].movedim(0, dim).contiguous()   # views downstream need it dense
 
 
 def _scatter(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _scatter(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) -
     out = x.new_empty((c,) + tuple(x.shape[1:]))
     comm.reduce_scatter_flat(out.view(-1), x.view(-1), label=label)
     lo, hi = chunk_range(size, n, comm.index)
-    return out[:hi - lo].movedim(0, dim)
+    return out[:hi - lo].movedim(0, dim).contiguous()
 
 
 def _local(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 ``cost`` depends on nothing distributed: it speaks of sizes, ranks and dtypes.
 """
-from .formulas import (N, PSI, dp_comm_elements, zero_memory_bytes, evaluate)
+from .formulas import (B, H, N, PSI, S, T, dp_comm_elements, evaluate, tp_layer_comm_elements,
+                       zero_memory_bytes)
 
-__all__ = ["N", "PSI", "dp_comm_elements", "zero_memory_bytes", "evaluate"]
+__all__ = ["N", "PSI", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements",
+           "zero_memory_bytes", "evaluate"]

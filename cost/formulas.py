@@ -10,7 +10,10 @@ import sympy as sp
 
 PSI, N = sp.symbols("Psi N", positive=True)
 
-__all__ = ["PSI", "N", "dp_comm_elements", "zero_memory_bytes", "evaluate"]
+B, S, H, T = sp.symbols("b s h t", positive=True)
+
+__all__ = ["PSI", "N", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements",
+           "zero_memory_bytes", "evaluate"]
 
 
 def dp_comm_elements(mode: str) -> sp.Expr:
@@ -22,6 +25,18 @@ def dp_comm_elements(mode: str) -> sp.Expr:
     """
     k = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[mode]
     return k * PSI * (N - 1) / N
+
+
+def tp_layer_comm_elements(sp_: bool = False) -> sp.Expr:
+    """Elements each rank sends per transformer layer per training step on the tp axis.
+
+    Megatron tensor parallelism (Shoeybi et al., "Megatron-LM", 2019, section 3: f and g):
+    2 all-reduces of the b·s·h activations in forward, 2 in backward, each 2(t−1)/t·bsh on a
+    ring: 8·b·s·h·(t−1)/t. Sequence parallelism (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", 2022, section 4.2.2) replaces each
+    all-reduce by a reduce-scatter and an all-gather of (t−1)/t·bsh each: the same volume.
+    """
+    return 8 * B * S * H * (T - 1) / T
 
 
 def zero_memory_bytes(mode: str, param_bytes: int = 4, grad_bytes: int = 4,

@@ -3,5 +3,6 @@ by ``autopar.compile``."""
 from .shard import shard
 from .collectives import collectives
 from .localize import localize
+from .sequence_parallel import sequence_parallel
 
-__all__ = ["shard", "collectives", "localize"]
+__all__ = ["shard", "collectives", "localize", "sequence_parallel"]

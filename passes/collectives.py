@@ -260,6 +260,7 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
     with g.inserting_before(next(iter(g.nodes))):
         comm = g.get_attr(COMM_TP)
     made: dict = {}
+    carries = _carries_grad(g, ctx)
 
     def new(fn, args, src, placement, kind, why, nbytes, name):
         node = g.create_node("call_function", fn, args, name=name)
@@ -281,7 +282,7 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
         with g.inserting_before(consumer):   # the first consumer: the others come later
             if have == want:
                 out = src
-                if want == Replicate() and varying and grad and (src.op != "get_attr" or _trainable(src, ctx)):
+                if want == Replicate() and varying and grad and src in carries:
                     out = new(tp_copy, (src, comm), src, want, "", "", 0, f"{src.name}_f")
                     out.meta[meta.COMM] = CommInfo("all_reduce", "tp", ring_bytes("all_reduce", nbytes, t),
                                                    "backward", f"f: {consumer.name} computes per rank, so "
@@ -333,6 +334,21 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
             output.replace_input_with(src, convert(src, lay["tp"], Replicate(), False, output))
 
 
-def _trainable(node: fx.Node, ctx: CompileContext) -> bool:
-    info = ctx.params.get(node.meta.get(meta.PARAM, ""))
-    return info is not None and info.requires_grad and not info.is_buffer
+def _carries_grad(g: fx.Graph, ctx: CompileContext) -> set:
+    """Nodes whose value can carry a gradient: trainable parameters, floating inputs (the
+    caller may pass one that requires grad) and what is computed from them. A replicated
+    tensor outside this set (a rotary table, a mask) needs no ``f``."""
+    out = set()
+    for node in g.nodes:
+        val = node.meta.get(meta.VAL)
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if node.op == "get_attr":
+            info = ctx.params.get(node.meta.get(meta.PARAM, ""))
+            if info is not None and info.requires_grad and not info.is_buffer:
+                out.add(node)
+        elif node.op == "placeholder":
+            if floating:
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out

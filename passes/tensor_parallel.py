@@ -225,12 +225,19 @@ class _Walk:
             c = self.cost(node, s, ins, cur, info)
             if c < best_cost:
                 best, best_cost = s, c
+        if best is None and any(self.grouped.get(a) for a in ins):
+            raise ValueError(
+                f"node {node.name} ({node.target}) reads the output of a fused projection that tensor "
+                "parallelism stores interleaved (each rank a slice of every part); only splitting it into "
+                "its equal parts along the last dim is supported. Keep the projection whole with "
+                "Plan(tp_layout=((<its weight name>, 'R'),)) or split the weight in the model")
         if best is None:
             raise ValueError(f"node {node.name} ({node.target}) has no tp strategy reachable from its inputs "
                              f"({', '.join(format_placement(p) for p in cur)}); this is a bug in autopar's "
                              "redistribution table")
-        if node.target in VIEWLIKE and ins and self.grouped.get(ins[0]) and best.output == cur[0]:
-            self.grouped[node] = self.grouped[ins[0]]
+        g = max((self.grouped.get(a, 0) for a in ins), default=0)
+        if g:   # still interleaved: only the split into its parts may read it (cost() forbids moves)
+            self.grouped[node] = g
         self._check_head_split(node, info, cur, best)
         return best
 
@@ -279,6 +286,12 @@ class _Walk:
     def _sp_preferred(self, node, s, ins, cur, info) -> bool:
         out = info.out[0] if isinstance(info.out, tuple) else info.out
         if not _sp_op(node.target) or not out.dtype.is_floating_point or out.ndim < 2:
+            return False
+        dp = node.meta.get(meta.STRATEGY, {}).get("dp")
+        if self.decide or dp is None or dp.output != Shard(0):
+            # only activations of the batch (not position tables, rotary cos/sin); decide()
+            # runs before the dp walk and needs no SP choice: SP never changes a parameter's
+            # placement
             return False
         outp = s.output[0] if isinstance(s.output, tuple) else s.output
         if outp != Shard(out.ndim - 2):

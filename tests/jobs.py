@@ -381,3 +381,36 @@ def parity_tp(tp: int, sp: bool, modes=("ddp",), models=("mlp", "gpt")):
         if "gpt" in models:
             out[("gpt", mode)] = parity(lambda: TinyGPT(c), mesh, plan, (tok,), tgt, lm_loss)
     return out
+
+
+def hf_parity_tp(modes=("ddp",), sps=(False, True)):
+    """Hugging Face GPT-2 (fused c_attn, Conv1D addmm) and Llama (grouped-query attention,
+    rotary embeddings, RMSNorm, SwiGLU) on Mesh(dp=2, tp=2), tensor and sequence parallel."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 97, (8, 17), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    mesh = autopar.Mesh(dp=2, tp=2)
+    return {(name, mode, sp): parity(lambda: hf_model(name), mesh, autopar.Plan(dp=mode, tp=True, sp=sp),
+                                     (x,), y, lm_loss, eps=HF_ADAM_EPS)
+            for name in ("gpt2", "llama") for mode in modes for sp in sps}
+
+
+def tp_volume(sp: bool):
+    """Bytes the tp axis moved in one training step of the GPT with 1 and with 2 layers: their
+    difference is one layer's traffic. Also the batch, sequence and width for the formula."""
+    t = dist.get_world_size()
+    out = {}
+    for layers in (1, 2):
+        c = GPTConfig(layers=layers)
+        tok, tgt = gpt_batch(c, 8)
+        torch.manual_seed(0)
+        dm = autopar.compile(TinyGPT(c), autopar.Mesh(tp=t), example_inputs=(tok,),
+                             plan=autopar.Plan(tp=True, sp=sp))
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        _step(dm, opt, (tok,), tgt, lm_loss)
+        dm.comm_stats.reset()
+        _step(dm, opt, (tok,), tgt, lm_loss)
+        out[layers] = {"total": dm.comm_stats.total(axis="tp"), "bytes": dict(dm.comm_stats.bytes),
+                       "calls": dict(dm.comm_stats.calls)}
+    out["bsh"] = (8, c.seq, c.dim)
+    return out

@@ -1,0 +1,178 @@
+"""Tensor and sequence parallelism: parity on real processes, the collectives one block gets,
+the bytes they move, and the errors for layouts that cannot be split.
+
+Parity tolerance is ``autopar.testing.parity``'s (fp32, scaled error <= 1 at rtol 1e-4, atol
+1e-5, 1e-6 for gradients): tensor parallelism sums the same products in another order (each
+rank a part of every contraction, then an all-reduce), which leaves relative differences
+of about 1e-6.
+"""
+import pytest
+import torch
+
+import autopar
+from autopar import meta
+from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
+from autopar.testing import run
+
+import jobs
+
+
+def _check(reports, label):
+    for r in reports:
+        for key, rep in r.items():
+            assert rep.ok, (f"{label} {key} rank {rep.rank}: output {rep.output_err:.3g} loss {rep.loss_err:.3g} "
+                            f"grad {rep.grad_err:.3g} param {rep.param_err:.3g} noise {rep.noise_param_err:.3g} "
+                            f"{rep.messages}")
+            assert len(rep.losses) == 3 and rep.ref_losses[-1] < rep.ref_losses[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)], ids=["tp2", "tp4"])
+def test_parity_tensor_parallel(world, tp, sp):
+    _check(run(jobs.parity_tp, world, tp, sp, timeout=300), f"tp={tp} sp={sp}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_parity_dp2_tp2_every_dp_mode(sp):
+    _check(run(jobs.parity_tp, 4, 2, sp, jobs.MODES, timeout=500), f"dp=2 x tp=2 sp={sp}")
+
+
+@pytest.mark.timeout(600)
+def test_hf_models_dp2_tp2():
+    """Hugging Face GPT-2 (fused c_attn through Conv1D's addmm, split into q, k, v) and Llama
+    (grouped-query attention, rotary embeddings, RMSNorm, SwiGLU), tp and tp+sp."""
+    _check(run(jobs.hf_parity_tp, 4, ("ddp",), (False, True), timeout=500), "hf dp=2 x tp=2")
+
+
+# ---- the graph ------------------------------------------------------------------------------
+
+def _compile(model, inputs, plan, **mesh):
+    return autopar.compile(model, autopar.Mesh(virtual=True, rank=0, **mesh), example_inputs=inputs, plan=plan)
+
+
+def _tp_nodes(dm):
+    return [n for n in dm.module.graph.nodes if n.op == "call_function"
+            and getattr(n.target, "__name__", "").startswith("tp_")]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_megatron_block_collectives(layers):
+    """tp: per block exactly 2 all-reduces in forward (after the attention and MLP row
+    products) and their conjugates in backward (Megatron's f before the qkv and fc column
+    products); nothing else moves: the tied LM head stays replicated."""
+    c = GPTConfig(layers=layers)
+    tok, _ = gpt_batch(c, 8)
+    dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=2)
+    kinds = sorted(n.target.__name__ for n in _tp_nodes(dm))
+    assert kinds == sorted(["tp_all_reduce"] * 2 * layers + ["tp_copy"] * 2 * layers), kinds
+    tp = dm.ctx.tp_params
+    for i in range(layers):
+        assert str(tp[f"blocks.{i}.qkv.weight"]) == "S(0) interleaved x3"
+        assert str(tp[f"blocks.{i}.fc.weight"]) == "S(0)"
+        assert str(tp[f"blocks.{i}.proj.weight"]) == str(tp[f"blocks.{i}.out.weight"]) == "S(1)"
+        assert str(tp[f"blocks.{i}.proj.bias"]) == "R"          # added once, after the all-reduce
+    assert str(tp["wte.weight"]) == "R"                         # tied to the head: kept whole
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_sequence_parallel_block_collectives(layers):
+    """tp+sp: per block 2 reduce-scatters (the row products' P(sum) onto the sequence shard)
+    and 2 all-gathers (before the column products; backward reduce-scatters); the only
+    other traffic is entering and leaving the sequence-parallel region (the embeddings'
+    slices, the gather before the replicated head) and the gradient all-reduce of the
+    replicated norm and bias parameters that now see a slice of the sequence."""
+    c = GPTConfig(layers=layers)
+    tok, _ = gpt_batch(c, 8)
+    dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True, sp=True), tp=2)
+    nodes = _tp_nodes(dm)
+    by = {}
+    for n in nodes:
+        by.setdefault(n.target.__name__, []).append(n)
+    assert len(by["tp_reduce_scatter"]) == 2 * layers
+    varying_gathers = [n for n in by["tp_gather"] if n.args[4]]
+    assert len(varying_gathers) == 2 * layers          # before qkv and fc
+    assert len(by["tp_gather"]) == 2 * layers + 1      # + before the (tied, replicated) head
+    assert len(by["tp_split"]) == 2                    # token and position embeddings enter SP
+    assert "tp_all_reduce" not in by
+    params = {n.args[0].name for n in by["tp_copy"]}
+    assert all("weight" in p or "bias" in p for p in params), params
+    assert len(by["tp_copy"]) == 6 * layers + 2        # ln1, ln2 (w, b), proj and out biases; ln_f
+    # each pointwise region between the collectives is one node of the graph
+    fused = [n for n in dm.module.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in fused] == [f"sp_region_{k}" for k in range(2 * layers + 1)]
+    ops = [[m.target.__name__ for m in dm.module.get_submodule(n.target).graph.nodes if m.op == "call_function"]
+           for n in fused]
+    assert ops[0] == ["add.Tensor", "layer_norm.default"]                          # embeddings, ln1
+    assert ops[1] == ["add.Tensor", "add.Tensor", "layer_norm.default"]            # bias, residual, ln2
+    assert all(n.meta[meta.LAYOUT] for n in fused)
+
+
+def test_explain_and_dump_show_tp_layouts(tmp_path):
+    c = GPTConfig(layers=1)
+    tok, _ = gpt_batch(c, 8)
+    dm = _compile(TinyGPT(c), (tok,), autopar.Plan(dp="zero3", tp=True, sp=True), dp=2, tp=2)
+    files = dm.dump(str(tmp_path))
+    text = open(next(f for f in files if f.endswith("02_collectives.txt"))).read()
+    assert "dp:S(0) tp:S(1)" in text                     # layouts on both axes
+    assert "reduce_scatter[tp]" in text and "needs S(1)" in text    # the collective and its reason
+    assert "column-parallel" in dm.explain() and "row-parallel" in dm.explain()
+
+
+# ---- bytes ----------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_bytes_per_layer(t, sp):
+    """One layer moves 4 collectives of b*s*h elements per step (2 forward, 2 backward):
+    tp: 4 all-reduces, each 2(t-1)/t*b*s*h*4 bytes; tp+sp: 4 all-gathers and 4 reduce-scatters,
+    each (t-1)/t*b*s*h*4 bytes; the same 8(t-1)/t*b*s*h*4 bytes. SP adds the gradient
+    all-reduce of the 6 replicated norm/bias vectors of h the layer reads on a slice."""
+    r = run(jobs.tp_volume, t, sp, timeout=240)[0]
+    b, s, h = r["bsh"]
+    per_layer = r[2]["total"] - r[1]["total"]
+    expected = 8 * (t - 1) / t * b * s * h * 4
+    if sp:
+        expected += 6 * 2 * (t - 1) / t * h * 4
+    assert per_layer == pytest.approx(expected, rel=0, abs=1e-6)
+    kinds = {k for (a, k, p) in r[2]["bytes"] if a == "tp"}
+    assert kinds == ({"all_reduce"} if not sp else {"all_reduce", "all_gather", "reduce_scatter"})
+
+
+# ---- what cannot be split -------------------------------------------------------------------
+
+def test_heads_that_do_not_divide_are_an_error():
+    c = GPTConfig(heads=2, dim=32)
+    tok, _ = gpt_batch(c, 8)
+    with pytest.raises(ValueError, match=r"leading 2 \(attention heads\) does not divide by tp=4"):
+        _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=4)
+
+
+def test_fused_projection_parts_that_do_not_divide_are_an_error():
+    c = GPTConfig(heads=3, dim=30)    # qkv parts of 30 features over tp=4
+    tok, _ = gpt_batch(c, 8)
+    with pytest.raises(ValueError, match="fused projection .* do not divide by tp=4"):
+        _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=4)
+
+
+def test_uneven_features_split_unevenly():
+    """A 7-feature layer over tp=2: ranks hold 4 and 3 rows (the ceil convention)."""
+    x = torch.randn(8, 16)
+    dm = _compile(TinyMLP(), (x,), autopar.Plan(tp=True), tp=2)
+    assert dm.module.get_parameter("fc2.weight").shape == (7, 16)   # row-parallel: input features
+    dm1 = autopar.compile(TinyMLP(), autopar.Mesh(tp=2, virtual=True, rank=1), example_inputs=(x,),
+                          plan=autopar.Plan(tp=True))
+    assert dm1.module.get_parameter("fc3.weight").shape == (8, 7)
+    assert dm.module.get_parameter("fc1.weight").shape == (16, 16)
+
+
+def test_user_override_by_name_pattern():
+    x = torch.randn(8, 16)
+    dm = _compile(TinyMLP(), (x,), autopar.Plan(tp=True, tp_layout=(("fc1.*", "R"),)), tp=2)
+    tp = dm.ctx.tp_params
+    assert str(tp["fc1.weight"]) == "R"
+    assert str(tp["fc2.weight"]) == "S(0)"      # fc2 now reads a whole input: column-parallel
+    with pytest.raises(ValueError, match="matches no parameter"):
+        _compile(TinyMLP(), (x,), autopar.Plan(tp=True, tp_layout=(("nope.*", "R"),)), tp=2)
