@@ -78,6 +78,8 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     # layouts first: collectives and localize read them; localize on the final graph, then the
     # sequence-parallel regions become one node each (they hold localized ops)
     for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel):
+        if p is passes.sequence_parallel and not plan.sp:
+            continue
         gm = p(gm, ctx)
         ctx.snapshots.append((p.__name__, graph_text(gm)))
     dm = emit(gm, model, ctx)

@@ -414,3 +414,41 @@ def tp_volume(sp: bool):
                        "calls": dict(dm.comm_stats.calls)}
     out["bsh"] = (8, c.seq, c.dim)
     return out
+
+
+def saved_activation_bytes(fn, exclude) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs, leaving
+    out the storages in ``exclude`` (parameters: saved by reference, not activations)."""
+    seen, total = set(exclude), [0]
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total[0] += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+def tp_activation_memory():
+    """Per-layer bytes saved for backward (the difference between the GPT with 2 and with 1
+    layers), on one device and per rank under tp and tp+sp."""
+    t = dist.get_world_size()
+    out = {}
+    for layers in (1, 2):
+        c = GPTConfig(layers=layers)
+        tok, _ = gpt_batch(c, 8)
+        torch.manual_seed(0)
+        ref = TinyGPT(c)
+        params = {p.untyped_storage().data_ptr() for p in ref.parameters()}
+        out[("single", layers)] = saved_activation_bytes(lambda: ref(tok), params)
+        for name, sp in (("tp", False), ("tp+sp", True)):
+            dm = autopar.compile(TinyGPT(c), autopar.Mesh(tp=t), example_inputs=(tok,),
+                                 plan=autopar.Plan(tp=True, sp=sp))
+            params = {p.untyped_storage().data_ptr() for p in dm.parameters()}
+            out[(name, layers)] = saved_activation_bytes(lambda: dm(tok), params)
+    out["sbh"] = (c.seq, 8, c.dim)
+    return {k: (out[(k, 2)] - out[(k, 1)]) for k in ("single", "tp", "tp+sp")} | {"sbh": out["sbh"]}
