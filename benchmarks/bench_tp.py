@@ -86,11 +86,14 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def saved_bytes(fn) -> int:
-    seen, total = set(), [0]
+def saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves in ``fn`` (parameters left out; a DTensor
+    counts its local tensor)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    seen, total = {p.untyped_storage().data_ptr() for p in local}, [0]
 
     def pack(t):
-        st = t.untyped_storage()
+        st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             total[0] += st.nbytes()
@@ -160,7 +163,7 @@ def rank_main(steps: int, warmup: int) -> dict:
         params[impl.name] = impl.param_bytes()
         if impl.name.startswith("autopar"):
             impl.m.comm_stats.reset()
-            act[impl.name], logits = saved_bytes(lambda: impl.m(tokens))
+            act[impl.name], logits = saved_bytes(lambda: impl.m(tokens), impl.m.parameters())
             loss_fn(logits, targets).backward()
             impl.opt.zero_grad()
             calls[impl.name] = sum(v for k, v in impl.m.comm_stats.calls.items() if k[0] == "tp")
@@ -168,7 +171,7 @@ def rank_main(steps: int, warmup: int) -> dict:
         else:
             mode = CommDebugMode()
             with mode:
-                act[impl.name], logits = saved_bytes(lambda: impl.m(tokens))
+                act[impl.name], logits = saved_bytes(lambda: impl.m(tokens), impl.m.parameters())
                 loss_fn(logits, targets).backward()
             impl.opt.zero_grad()
             calls[impl.name] = mode.get_total_counts()

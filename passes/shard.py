@@ -11,7 +11,10 @@ Consumers see parameters whole in every dp mode (the collectives pass gathers Ze
 shards before use), so data parallelism never moves activations: a replicated tensor that
 meets the batch shard (a mask built for the whole batch) is sliced locally, and an op that
 cannot run on the batch shard otherwise is an error that names it, not a silent change of
-the program. Tensor parallelism will choose among the strategies instead of matching them.
+the program. With ``Plan(tp=True)`` the tp axis is placed by passes/tensor_parallel.py, which
+chooses among the strategies (least communication) instead of matching them: first the
+parameters' placements (``decide``, before the dp walk: it may move row-parallel biases),
+then every node's (``annotate``, on the dp-local shapes).
 """
 from __future__ import annotations
 

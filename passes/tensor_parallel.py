@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -307,7 +306,7 @@ class _Walk:
         if not self.undecided(wname):
             return None
         if wname in self.multi_use or (bname is not None and bname in self.multi_use):
-            self.fix(wname, R, f"read by more than one node (tied): kept whole")
+            self.fix(wname, R, "read by more than one node (tied): kept whole")
             return None
         act = cur[ins.index(pm.act)]
         wshape = pm.weight.meta[meta.VAL].shape

@@ -176,3 +176,26 @@ def test_user_override_by_name_pattern():
     assert str(tp["fc2.weight"]) == "S(0)"      # fc2 now reads a whole input: column-parallel
     with pytest.raises(ValueError, match="matches no parameter"):
         _compile(TinyMLP(), (x,), autopar.Plan(tp=True, tp_layout=(("nope.*", "R"),)), tp=2)
+
+
+# ---- activation memory ----------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("t", [2, 4])
+def test_activation_memory_per_layer(t):
+    """Bytes saved for backward per layer per rank (saved-tensor hooks, distinct storages;
+    one layer = the GPT with 2 layers minus with 1), against Korthikanti et al. 2022 (section
+    4.2): tensor parallelism keeps the tensors outside the tensor-parallel regions whole —
+    here, in fp32 with no dropout, the two LayerNorm inputs and the two column-product inputs,
+    4·s·b·h·4 bytes — and divides the rest by t.
+
+    Sequence parallelism divides the LayerNorm inputs too. Korthikanti also keeps the
+    column products' inputs as sequence shards and all-gathers them again in backward;
+    autopar does not yet, so autograd saves the two gathered inputs whole (2·s·b·h·4 bytes):
+    the test pins that figure exactly, and that SP saves less than TP."""
+    r = run(jobs.tp_activation_memory, t, timeout=240)[0]
+    s, b, h = r["sbh"]
+    single, whole4, whole2 = r["single"], 4 * s * b * h * 4, 2 * s * b * h * 4
+    assert r["tp"] == pytest.approx(whole4 + (single - whole4) / t, rel=0.10)
+    assert r["tp+sp"] == pytest.approx(whole2 + (single - whole2) / t, rel=0.01)
+    assert r["tp+sp"] < r["tp"]
