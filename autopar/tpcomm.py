@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import AxisComm
+from .comm import AxisComm, all_reduce, copy_to_axis
 from .placement import Replicate, Shard
 
 __all__ = ["TPParam", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
@@ -74,31 +74,6 @@ def _local(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor
     return x.narrow(dim, lo, hi - lo)
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        out = x.clone()
-        comm.all_reduce_(out, label="partial sum -> R")
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        ctx.comm.all_reduce_(g, label="grad of R read by per-rank compute")
-        return g, None
-
-
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, size, partial_grad):
@@ -135,13 +110,14 @@ class _Split(torch.autograd.Function):
 
 
 def tp_all_reduce(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """P(sum) -> R; backward is the identity."""
-    return _AllReduce.apply(x, comm)
+    """P(sum) -> R; backward is the identity (``comm.all_reduce``)."""
+    return all_reduce(x, comm)
 
 
 def tp_copy(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """A replicated tensor read by per-rank compute; backward sums the ranks' gradient addends."""
-    return _Copy.apply(x, comm)
+    """A replicated tensor read by per-rank compute; backward sums the ranks' gradient addends
+    (``comm.copy_to_axis``)."""
+    return copy_to_axis(x, comm)
 
 
 def tp_gather(x: torch.Tensor, comm: AxisComm, dim: int, size: int, partial_grad: bool) -> torch.Tensor:

@@ -254,7 +254,7 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
     replicated input is read by per-rank compute, insert Megatron's ``f`` (``tp_copy``) so
     that backward sums the ranks' gradient addends. Outputs are made whole along tp."""
     from autopar.tpcomm import tp_all_reduce, tp_copy, tp_gather, tp_reduce_scatter, tp_split
-    from autopar.passes.tensor_parallel import _varying
+    from autopar.passes.tensor_parallel import varying as _varying
     g, t = gm.graph, ctx.mesh.axis_size("tp")
     gm.add_submodule(COMM_TP, torch.nn.Module())     # stand-in: emit binds the AxisComm
     with g.inserting_before(next(iter(g.nodes))):

@@ -20,13 +20,13 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_parti
 from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Shard
-from autopar.passes.tensor_parallel import _sp_op
+from autopar.passes.tensor_parallel import sp_op
 
 PREFIX = "sp_region_"
 
 
 def _member(node: fx.Node) -> bool:
-    if node.op != "call_function" or not _sp_op(node.target):
+    if node.op != "call_function" or not sp_op(node.target):
         return False
     val, lay = node.meta.get(meta.VAL), node.meta.get(meta.LAYOUT)
     return (isinstance(val, torch.Tensor) and isinstance(lay, Layout) and "tp" in dict(lay.placements)

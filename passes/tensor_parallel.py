@@ -50,6 +50,7 @@ from autopar.tpcomm import TPParam
 from autopar.passes.rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
 from autopar.passes.rules.registry import replicated
 from autopar.passes.rules.view import _groups
+from autopar.passes.shard import _is_value, input_nodes
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -64,7 +65,7 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
 
 
-def _sp_op(target) -> bool:
+def sp_op(target) -> bool:
     """Ops of the pointwise regions sequence parallelism shards along the sequence."""
     rule = RULES.get(target)
     return target in _NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
@@ -106,12 +107,7 @@ def param_matmul(node: fx.Node, ctx: CompileContext) -> Optional[ParamMatmul]:
     return ParamMatmul(x, w, b, out_dim, in_dim, x.meta[meta.VAL].dim() - 1)
 
 
-def _is_value(val) -> bool:
-    return isinstance(val, torch.Tensor) or (
-        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
-
-
-def _varying(s: Strategy) -> bool:
+def varying(s: Strategy) -> bool:
     """Ranks compute different things: a replicated input's gradient is then a sum of addends."""
     def nonrep(p):
         return any(nonrep(x) for x in p) if isinstance(p, tuple) else p is not None and p != R
@@ -127,8 +123,6 @@ def _nbytes(m) -> float:
 
 class _Walk:
     def __init__(self, gm: fx.GraphModule, ctx: CompileContext, decide: bool):
-        from autopar.passes.shard import input_nodes
-        self.input_nodes = input_nodes
         self.gm, self.ctx, self.decide = gm, ctx, decide
         self.t = ctx.mesh.axis_size("tp")
         self.sp = ctx.plan.sp
@@ -176,7 +170,7 @@ class _Walk:
                 self.pl[node] = self.params[name].placement if name in self.params else R
             elif node.op == "call_function":
                 s = self.choose(node)
-                for a, p in zip(self.input_nodes(node), s.inputs):   # parameters a matmul fixed
+                for a, p in zip(input_nodes(node), s.inputs):   # parameters a matmul fixed
                     name = _param_name(a, self.ctx)
                     if self.undecided(name) and p is not None:
                         self.fix(name, p, f"read as {p} by {node.name}")
@@ -195,7 +189,7 @@ class _Walk:
 
     def choose(self, node: fx.Node) -> Strategy:
         info = self._info(node)
-        ins = self.input_nodes(node)
+        ins = input_nodes(node)
         cur = [self.pl.get(a, R) for a in ins]
         strategies = strategies_for(info, self.t)
         if strategies is None:
@@ -241,7 +235,7 @@ class _Walk:
         return best
 
     def cost(self, node, s: Strategy, ins, cur, info) -> float:
-        total, varying = 0.0, _varying(s)
+        total, is_varying = 0.0, varying(s)
         metas = tensor_inputs(info)
         for a, want, have, m in zip(ins, s.inputs, cur, metas):
             if isinstance(want, tuple) or isinstance(have, tuple):
@@ -258,7 +252,7 @@ class _Walk:
                     continue
                 if want != have:
                     return INF
-                if varying and want == R and self.ctx.params[name].requires_grad:
+                if is_varying and want == R and self.ctx.params[name].requires_grad:
                     total += 2 * _nbytes(m)          # the weight-gradient all-reduce (f)
                 continue
             total += self.convert_cost(have, want, _nbytes(m), m.dtype.is_floating_point)
@@ -284,7 +278,7 @@ class _Walk:
 
     def _sp_preferred(self, node, s, ins, cur, info) -> bool:
         out = info.out[0] if isinstance(info.out, tuple) else info.out
-        if not _sp_op(node.target) or not out.dtype.is_floating_point or out.ndim < 2:
+        if not sp_op(node.target) or not out.dtype.is_floating_point or out.ndim < 2:
             return False
         dp = node.meta.get(meta.STRATEGY, {}).get("dp")
         if self.decide or dp is None or dp.output != Shard(0):
