@@ -120,14 +120,15 @@ class AxisComm(nn.Module):
         return dist.reduce_scatter_single(out, inp.contiguous(), op=dist.ReduceOp.SUM,
                                           group=self.group, async_op=async_op)
 
-    def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
-        """In-place sum over the axis."""
+    def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None,
+                    op=dist.ReduceOp.SUM):
+        """In-place reduction (a sum unless ``op`` says otherwise) over the axis."""
         self._check()
         self.stats.record(self.axis, "all_reduce", phase or self._phase(), label,
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
         if self.size == 1:
             return None
-        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
 
 
 # ---- dim-0 sharding with padding ----------------------------------------------------------

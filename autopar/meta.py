@@ -9,3 +9,4 @@ PARAM = "autopar_param"     # canonical parameter name (original model's qualifi
 COMM = "autopar_comm"       # autopar.comm.CommInfo of a collective node (kind, axis, bytes)
 SOURCE = "stack_trace"      # torch.export's source location of the node
 STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pass chose for a node
+LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocabulary parallelism)

@@ -17,6 +17,16 @@ of a ``P(sum)`` tensor is the whole gradient (each addend's).
                              P(sum) -> S(d)   backward: all-gather
     tp_split(x, d, size)     R -> S(d)        backward: all-gather (no forward communication)
 
+Two ops are lowered rather than run on their local pieces (vocabulary parallelism):
+
+    tp_vocab_embedding(w, idx, lo, hi)
+                             the table split along the vocabulary, S(0): each rank looks up
+                             the tokens in its rows [lo, hi) and zeros the rest -> P(sum)
+    tp_vocab_cross_entropy(logits, target, comm, lo, hi, reduction, ignore_index)
+                             logits split along the classes, S(1): the softmax's max and sum
+                             and the target's logit are all-reduced (three vectors of one
+                             value per row), never the logits -> R
+
 Shards follow the project's convention (``ceil(size/t)`` per rank, the last ranks hold
 fewer): collectives pad to equal chunks and cut the padding off.
 
@@ -30,12 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from .comm import AxisComm, all_reduce, copy_to_axis
 from .placement import Replicate, Shard
 
 __all__ = ["TPParam", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
-           "chunk_range"]
+           "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
 
 
 def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
@@ -133,6 +145,54 @@ def tp_reduce_scatter(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> t
 def tp_split(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor:
     """R -> S(dim) by taking this rank's slice; backward all-gathers the gradient."""
     return _Split.apply(x, comm, dim, size)
+
+
+def tp_vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Lookup in this rank's rows [lo, hi) of the table; other tokens give zeros (P(sum))."""
+    outside = (idx < lo) | (idx >= hi)
+    out = F.embedding((idx - lo).masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, comm, lo, hi, reduction, ignore_index):
+        logits = logits.float() if logits.dtype != torch.float32 else logits
+        m = logits.max(dim=-1).values if logits.shape[-1] else logits.new_full(logits.shape[:-1], -float("inf"))
+        comm.all_reduce_(m, label="vocab-parallel cross_entropy: max", op=dist.ReduceOp.MAX)
+        e = torch.exp(logits - m.unsqueeze(-1))
+        total = e.sum(dim=-1)
+        comm.all_reduce_(total, label="vocab-parallel cross_entropy: sum of exp")
+        valid = target != ignore_index
+        inside = valid & (target >= lo) & (target < hi)
+        local = (target - lo).masked_fill(~inside, 0)
+        picked = (logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m) * inside
+        comm.all_reduce_(picked, label="vocab-parallel cross_entropy: target logit")
+        losses = (torch.log(total) - picked) * valid
+        ctx.save_for_backward(e / total.unsqueeze(-1), local, inside, valid)
+        ctx.reduction = reduction
+        count = valid.sum()
+        ctx.count = count
+        if reduction == 0:
+            return losses
+        return losses.sum() / count if reduction == 1 else losses.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, inside, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
+        scale = g / ctx.count if ctx.reduction == 1 else g
+        if ctx.reduction == 0:
+            scale = g.unsqueeze(-1)
+        grad = grad * valid.unsqueeze(-1) * scale
+        return grad, None, None, None, None, None, None
+
+
+def tp_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: AxisComm, lo: int, hi: int,
+                           reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of ``(N, C)`` logits split along C (this rank: classes [lo, hi))."""
+    return _VocabCrossEntropy.apply(logits, target, comm, lo, hi, reduction, ignore_index)
 
 
 @dataclass(frozen=True)

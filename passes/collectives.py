@@ -327,11 +327,32 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
             out = convert(src, lay["tp"], want, varying, node)
             if out is not src:
                 node.replace_input_with(src, out)
+        if meta.LOWER in node.meta:
+            _lower_vocab_parallel(node, comm, ctx)
     output = next(n for n in g.nodes if n.op == "output")
     for src in output.all_input_nodes:
         lay = src.meta.get(meta.LAYOUT)
         if isinstance(lay, Layout) and lay["tp"] != Replicate():
             output.replace_input_with(src, convert(src, lay["tp"], Replicate(), False, output))
+
+
+def _lower_vocab_parallel(node: fx.Node, comm: fx.Node, ctx: CompileContext) -> None:
+    """Replace the op by its vocabulary-parallel form (autopar.tpcomm) for this rank's rows."""
+    from autopar.tpcomm import chunk_range, tp_vocab_cross_entropy, tp_vocab_embedding
+    t, r = ctx.mesh.axis_size("tp"), ctx.mesh.coordinate("tp")
+    if node.meta[meta.LOWER] == "vocab_embedding":
+        table, idx = node.args[:2]
+        lo, hi = chunk_range(table.meta[meta.VAL].shape[0], t, r)
+        node.target, node.args, node.kwargs = tp_vocab_embedding, (table, idx, lo, hi), {}
+        return
+    a = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+    logits, target, reduction, ignore = a[0], a[1], a[3], a[4]
+    lo, hi = chunk_range(logits.meta[meta.VAL].shape[1], t, r)
+    node.target, node.args, node.kwargs = tp_vocab_cross_entropy, (logits, target, comm, lo, hi, reduction, ignore), {}
+    rows = _dp_local_shape(logits, ctx)[0]
+    node.meta[meta.COMM] = CommInfo("all_reduce", "tp", 3 * ring_bytes("all_reduce", rows * 4.0, t), "forward",
+                                    "vocab-parallel cross_entropy: max, sum of exp and target logit per row "
+                                    "(3 all-reduces of one value per row; the logits stay split)")
 
 
 def _carries_grad(g: fx.Graph, ctx: CompileContext) -> set:

@@ -213,6 +213,9 @@ class _Walk:
             s = self._grouped_split(node, info, cur[0], self.grouped[ins[0]])
             if s is not None:
                 return s
+        s = self._vocab_parallel(node, info, cur)
+        if s is not None:
+            return s
         best, best_cost = None, INF
         for s in strategies:
             c = self.cost(node, s, ins, cur, info)
@@ -292,6 +295,49 @@ class _Walk:
         # never pull a tensor-parallel shard (heads, features) onto the sequence
         return not any(isinstance(h, Shard) and h != w for h, w in zip(cur, s.inputs)
                        if not isinstance(h, tuple))
+
+    # -- vocabulary parallelism ------------------------------------------------------------
+    def _vocab_parallel(self, node, info, cur) -> Optional[Strategy]:
+        """The two ops vocabulary parallelism lowers (autopar.tpcomm): the lookup in a table
+        split along the vocabulary (-> P(sum)), and the cross-entropy of logits split along
+        the classes (-> R, never gathering the logits)."""
+        if node.target == aten.embedding.default and (len(node.args) <= 2 or node.args[2] == -1):
+            table = node.args[0]
+            name = _param_name(table, self.ctx)
+            if self.undecided(name) and self._tied_to_loss(table):
+                self.fix(name, Shard(0), "vocab-parallel: the table is tied to the LM head, whose "
+                                         "logits feed cross_entropy in the graph")
+            vocab = info.args[0].shape[0]
+            if name in self.params and self.params[name].placement == Shard(0) and cur[1] == R:
+                if vocab < self.t or -(-vocab // self.t) * (self.t - 1) >= vocab:
+                    raise ValueError(f"{name}: a vocabulary of {vocab} rows leaves some of tp={self.t} "
+                                     "ranks without rows; keep the table whole (Plan tp_layout 'R')")
+                node.meta[meta.LOWER] = "vocab_embedding"
+                return Strategy((Shard(0), R), Partial())
+        if node.target == aten.cross_entropy_loss.default:
+            a = node.args
+            plain = (len(a) < 3 or a[2] is None) and (len(a) < 6 or a[5] == 0.0) and not node.kwargs
+            if plain and info.args[0].ndim == 2 and cur[0] == Shard(1) and cur[1] == R:
+                node.meta[meta.LOWER] = "vocab_cross_entropy"
+                return Strategy((Shard(1), R), R)
+        return None
+
+    def _tied_to_loss(self, table: fx.Node) -> bool:
+        """The table is read by one lookup and one parameter matmul (the tied LM head) whose
+        output reaches a cross_entropy through views: the loss is in the graph."""
+        users = list(table.users)
+        heads = [u for u in users if (pm := param_matmul(u, self.ctx)) is not None and pm.weight is table]
+        if len(users) != 2 or len(heads) != 1:
+            return False
+        todo = [heads[0]]
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u.target == aten.cross_entropy_loss.default and u.args[0] is n:
+                    return True
+                if u.target in VIEWLIKE:
+                    todo.append(u)
+        return False
 
     # -- Megatron's choices ----------------------------------------------------------------
     def _decide_matmul(self, node, pm: ParamMatmul, info, strategies, ins, cur) -> Optional[Strategy]:

@@ -452,3 +452,31 @@ def tp_activation_memory():
             out[(name, layers)] = saved_activation_bytes(lambda: dm(tok), params)
     out["sbh"] = (c.seq, 8, c.dim)
     return {k: (out[(k, 2)] - out[(k, 1)]) for k in ("single", "tp", "tp+sp")} | {"sbh": out["sbh"]}
+
+
+class GPTWithLoss(torch.nn.Module):
+    """The small GPT with its loss in the graph (what vocabulary parallelism needs)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.gpt = TinyGPT(c)
+
+    def forward(self, idx, targets):
+        return lm_loss(self.gpt(idx), targets)
+
+
+def parity_vocab_parallel():
+    """Tied embedding/LM head split along the vocabulary (67 rows: uneven over 2 and 4) and
+    the cross-entropy computed on the split logits; tp and tp+sp, tp = world size."""
+    t = dist.get_world_size()
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    out = {}
+    for sp in (False, True):
+        out[sp] = parity(lambda: GPTWithLoss(c), autopar.Mesh(tp=t), autopar.Plan(tp=True, sp=sp),
+                         (tok, tgt), tgt, lambda loss, _: loss)
+        torch.manual_seed(0)
+        dm = autopar.compile(GPTWithLoss(c), autopar.Mesh(tp=t), example_inputs=(tok, tgt),
+                             plan=autopar.Plan(tp=True, sp=sp))
+        out[("table", sp)] = tuple(dm.module.get_parameter("gpt.wte.weight").shape)
+    return out

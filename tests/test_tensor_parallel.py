@@ -199,3 +199,29 @@ def test_activation_memory_per_layer(t):
     assert r["tp"] == pytest.approx(whole4 + (single - whole4) / t, rel=0.10)
     assert r["tp+sp"] == pytest.approx(whole2 + (single - whole2) / t, rel=0.01)
     assert r["tp+sp"] < r["tp"]
+
+
+# ---- vocabulary parallelism -----------------------------------------------------------------
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("t", [2, 4])
+def test_vocab_parallel_parity(t):
+    """Loss in the graph: the tied table is split along its 67 rows (34/33 at t=2, 17/17/17/16
+    at t=4), the lookup and the cross-entropy are lowered, and training matches one device."""
+    reports = run(jobs.parity_vocab_parallel, t, timeout=300)
+    for sp in (False, True):
+        rows = [r[("table", sp)] for r in reports]
+        assert rows == [(len(range(67)[i * -(-67 // t):(i + 1) * -(-67 // t)]), 32) for i in range(t)]
+    _check([{k: v for k, v in r.items() if not isinstance(k, tuple)} for r in reports], f"vocab tp={t}")
+
+
+def test_vocab_parallel_never_gathers_logits():
+    c = GPTConfig(layers=2)
+    tok, tgt = gpt_batch(c, 8)
+    dm = _compile(jobs.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True), tp=2)
+    kinds = sorted(n.target.__name__ for n in _tp_nodes(dm))
+    assert "tp_gather" not in kinds, kinds
+    assert kinds.count("tp_vocab_embedding") == 1 and kinds.count("tp_vocab_cross_entropy") == 1
+    # the blocks' 2+2 per layer, the lookup's P(sum) all-reduce and f before the split head
+    assert kinds.count("tp_all_reduce") == 2 * 2 + 1 and kinds.count("tp_copy") == 2 * 2 + 1
+    assert str(dm.ctx.tp_params["gpt.wte.weight"]) == "S(0)"
