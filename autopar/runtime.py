@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from .comm import AxisComm, CommStats, ShardSpec
 from .context import CompileContext
 from .dpsync import DataParallelSync
+from .tpcomm import SavedRegather
 
 __all__ = ["DistributedModule", "emit"]
 
@@ -36,6 +37,8 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "Distribu
     stats = CommStats()
     comm = _axis_comm(ctx, "dp", stats)
     tp_comm = _axis_comm(ctx, "tp", stats) if ctx.plan.tp else None
+    if ctx.plan.sp:   # column inputs are saved as sequence shards, gathered again in backward
+        tp_comm.regather = SavedRegather()
     root: dict[str, Any] = {}
     shards: dict[str, nn.Parameter] = {}
     replicas: dict[str, torch.Tensor] = {}
@@ -125,7 +128,10 @@ class DistributedModule(nn.Module):
     def forward(self, *args, **kwargs):
         self._check_inputs(args, kwargs)
         with self._sync.forward_scope():
-            return self.module(*args, **kwargs)
+            if self._tp is None or getattr(self._tp, "regather", None) is None:
+                return self.module(*args, **kwargs)
+            with self._tp.regather.scope():
+                return self.module(*args, **kwargs)
 
     def _check_inputs(self, args, kwargs):
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))

@@ -37,6 +37,8 @@ local product gives each part's local shard.
 """
 from __future__ import annotations
 
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +92,11 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, size, partial_grad):
         ctx.comm, ctx.dim, ctx.size, ctx.partial = comm, dim, size, partial_grad
-        return _gather(x, comm, dim, size, f"S({dim}) -> R")
+        out = _gather(x, comm, dim, size, f"S({dim}) -> R")
+        regather = getattr(comm, "regather", None)
+        if partial_grad and regather is not None:
+            regather.note(out, x.detach(), comm, dim, size)
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -193,6 +199,66 @@ def tp_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Axi
                            reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of ``(N, C)`` logits split along C (this rank: classes [lo, hi))."""
     return _VocabCrossEntropy.apply(logits, target, comm, lo, hi, reduction, ignore_index)
+
+
+_TOKEN = object()
+
+
+class SavedRegather:
+    """Sequence parallelism's saved-activation saving (Korthikanti et al. 2022, section 4.2.2):
+    the input of a column product is all-gathered from sequence shards, and autograd would
+    save the gathered tensor for the weight gradient. Instead the shard is saved and
+    gathered again when backward needs it (one more all-gather of b·s·h per column input in
+    backward, counted like every other collective).
+
+    ``tp_gather`` notes each gathered tensor read by per-rank compute; ``scope`` installs the
+    saved-tensor hooks for one forward."""
+
+    def __init__(self):
+        self._live: dict[int, tuple] = {}
+
+    def note(self, out, shard, comm, dim, size) -> None:
+        if out.untyped_storage().nbytes():
+            self._live[out.untyped_storage().data_ptr()] = (weakref.ref(out), shard, comm, dim, size)
+
+    def _entry(self, t):
+        """The note of the gathered tensor ``t`` is, if any. An address only identifies a
+        storage while that storage lives: a note whose tensor is gone is stale (its memory may
+        hold another tensor now) and is dropped."""
+        ptr = t.untyped_storage().data_ptr()
+        entry = self._live.get(ptr)
+        if entry is not None and entry[0]() is None:
+            del self._live[ptr]
+            return None
+        return entry
+
+    @contextmanager
+    def scope(self):
+        """Saved-tensor hooks for one forward. Hooks do not nest (the innermost alone runs), so
+        these hand every tensor that is not theirs, and the shard they keep, to the hooks that
+        were active (ZeRO-3's, a profiler's, the caller's)."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = outer if outer is not None else (lambda t: t, lambda p: p)
+
+        def _pack(t):
+            entry = self._entry(t) if self._live else None
+            if entry is None:
+                return pack(t)
+            _, shard, comm, dim, size = entry
+            return (_TOKEN, pack(shard), comm, dim, size, t.size(), t.stride(), t.storage_offset())
+
+        def _unpack(p):
+            if isinstance(p, tuple) and p and p[0] is _TOKEN:
+                _, shard, comm, dim, size, shape, stride, offset = p
+                full = _gather(unpack(shard), comm, dim, size, "re-gather of a sequence-parallel input")
+                return full.as_strided(shape, stride, offset)
+            return unpack(p)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                yield
+        finally:
+            self._live.clear()
 
 
 @dataclass(frozen=True)

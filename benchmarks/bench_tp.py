@@ -90,12 +90,13 @@ def saved_bytes(fn, params) -> int:
     """Bytes of the distinct storages autograd saves in ``fn`` (parameters left out; a DTensor
     counts its local tensor)."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    seen, total = {p.untyped_storage().data_ptr() for p in local}, [0]
+    seen, total, held = {p.untyped_storage().data_ptr() for p in local}, [0], []
 
     def pack(t):
         st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
+            held.append(st)    # alive until the count is done, so no address is reused meanwhile
             total[0] += st.nbytes()
         return t
 

@@ -34,7 +34,9 @@ def tp_layer_comm_elements(sp_: bool = False) -> sp.Expr:
     2 all-reduces of the b·s·h activations in forward, 2 in backward, each 2(t−1)/t·bsh on a
     ring: 8·b·s·h·(t−1)/t. Sequence parallelism (Korthikanti et al., "Reducing Activation
     Recomputation in Large Transformer Models", 2022, section 4.2.2) replaces each
-    all-reduce by a reduce-scatter and an all-gather of (t−1)/t·bsh each: the same volume.
+    all-reduce by a reduce-scatter and an all-gather of (t−1)/t·bsh each: the same volume
+    (plus, as there, one all-gather per column input in backward when those inputs are kept
+    as sequence shards: 2·b·s·h·(t−1)/t more, not counted here).
     """
     return 8 * B * S * H * (T - 1) / T
 

@@ -419,12 +419,13 @@ def tp_volume(sp: bool):
 def saved_activation_bytes(fn, exclude) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``fn`` runs, leaving
     out the storages in ``exclude`` (parameters: saved by reference, not activations)."""
-    seen, total = set(exclude), [0]
+    seen, total, held = set(exclude), [0], []
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
+            held.append(st)    # alive until the count is done, so no address is reused meanwhile
             total[0] += st.nbytes()
         return t
 

@@ -129,13 +129,15 @@ def test_bytes_per_layer(t, sp):
     """One layer moves 4 collectives of b*s*h elements per step (2 forward, 2 backward):
     tp: 4 all-reduces, each 2(t-1)/t*b*s*h*4 bytes; tp+sp: 4 all-gathers and 4 reduce-scatters,
     each (t-1)/t*b*s*h*4 bytes; the same 8(t-1)/t*b*s*h*4 bytes. SP adds the gradient
-    all-reduce of the 6 replicated norm/bias vectors of h the layer reads on a slice."""
+    all-reduce of the 6 replicated norm/bias vectors of h the layer reads on a slice, and
+    the backward all-gather of the 2 column inputs it keeps as sequence shards (as Megatron's
+    sequence parallelism does, to divide their activation memory by t)."""
     r = run(jobs.tp_volume, t, sp, timeout=240)[0]
     b, s, h = r["bsh"]
     per_layer = r[2]["total"] - r[1]["total"]
     expected = 8 * (t - 1) / t * b * s * h * 4
     if sp:
-        expected += 6 * 2 * (t - 1) / t * h * 4
+        expected += 6 * 2 * (t - 1) / t * h * 4 + 2 * (t - 1) / t * b * s * h * 4
     assert per_layer == pytest.approx(expected, rel=0, abs=1e-6)
     kinds = {k for (a, k, p) in r[2]["bytes"] if a == "tp"}
     assert kinds == ({"all_reduce"} if not sp else {"all_reduce", "all_gather", "reduce_scatter"})
@@ -187,17 +189,14 @@ def test_activation_memory_per_layer(t):
     one layer = the GPT with 2 layers minus with 1), against Korthikanti et al. 2022 (section
     4.2): tensor parallelism keeps the tensors outside the tensor-parallel regions whole —
     here, in fp32 with no dropout, the two LayerNorm inputs and the two column-product inputs,
-    4·s·b·h·4 bytes — and divides the rest by t.
-
-    Sequence parallelism divides the LayerNorm inputs too. Korthikanti also keeps the
-    column products' inputs as sequence shards and all-gathers them again in backward;
-    autopar does not yet, so autograd saves the two gathered inputs whole (2·s·b·h·4 bytes):
-    the test pins that figure exactly, and that SP saves less than TP."""
+    4·s·b·h·4 bytes — and divides the rest by t; sequence parallelism divides everything by
+    t (the column products' inputs are kept as sequence shards and gathered again in
+    backward)."""
     r = run(jobs.tp_activation_memory, t, timeout=240)[0]
     s, b, h = r["sbh"]
-    single, whole4, whole2 = r["single"], 4 * s * b * h * 4, 2 * s * b * h * 4
-    assert r["tp"] == pytest.approx(whole4 + (single - whole4) / t, rel=0.10)
-    assert r["tp+sp"] == pytest.approx(whole2 + (single - whole2) / t, rel=0.01)
+    single, whole = r["single"], 4 * s * b * h * 4
+    assert r["tp"] == pytest.approx(whole + (single - whole) / t, rel=0.10)
+    assert r["tp+sp"] == pytest.approx(single / t, rel=0.10)
     assert r["tp+sp"] < r["tp"]
 
 
