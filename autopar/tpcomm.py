@@ -16,6 +16,7 @@ of a ``P(sum)`` tensor is the whole gradient (each addend's).
     tp_reduce_scatter(x, d, size)
                              P(sum) -> S(d)   backward: all-gather
     tp_split(x, d, size)     R -> S(d)        backward: all-gather (no forward communication)
+    tp_param_sync(params)    ``tp_copy`` of a group of parameters: one all-reduce of their gradients
 
 Two ops are lowered rather than run on their local pieces (vocabulary parallelism):
 
@@ -49,7 +50,7 @@ from .comm import AxisComm, all_reduce, copy_to_axis
 from .placement import Replicate, Shard
 
 __all__ = ["TPParam", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
-           "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
+           "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
 
 
 def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
@@ -125,6 +126,27 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather(g, ctx.comm, ctx.dim, ctx.size, f"grad of R -> S({ctx.dim})"), None, None, None
+
+
+class _ParamSync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, *params):
+        ctx.comm = comm
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        ctx.comm.all_reduce_(flat, label=f"grads of {len(grads)} replicated parameters read per rank")
+        parts = flat.split([g.numel() for g in grads])
+        return (None,) + tuple(x.view_as(g) for x, g in zip(parts, grads))
+
+
+def tp_param_sync(comm: AxisComm, params: list) -> tuple:
+    """Megatron's ``f`` for a group of replicated parameters read by per-rank compute (the
+    norms and biases of sequence-parallel regions): identity forward, one all-reduce of all
+    their gradients in backward."""
+    return _ParamSync.apply(comm, *params)
 
 
 def tp_all_reduce(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:

@@ -260,6 +260,7 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
     with g.inserting_before(next(iter(g.nodes))):
         comm = g.get_attr(COMM_TP)
     made: dict = {}
+    shared: dict = {}     # replicated parameter read by per-rank compute -> its consumers
     carries = _carries_grad(g, ctx)
 
     def new(fn, args, src, placement, kind, why, nbytes, name):
@@ -282,6 +283,9 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
         with g.inserting_before(consumer):   # the first consumer: the others come later
             if have == want:
                 out = src
+                if want == Replicate() and varying and grad and src in carries and src.op == "get_attr":
+                    shared.setdefault(src, []).append(consumer)   # one f per layer's parameters, below
+                    return src
                 if want == Replicate() and varying and grad and src in carries:
                     out = new(tp_copy, (src, comm), src, want, "", "", 0, f"{src.name}_f")
                     out.meta[meta.COMM] = CommInfo("all_reduce", "tp", ring_bytes("all_reduce", nbytes, t),
@@ -329,11 +333,41 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
                 node.replace_input_with(src, out)
         if meta.LOWER in node.meta:
             _lower_vocab_parallel(node, comm, ctx)
+    _insert_param_syncs(g, comm, shared, ctx)
     output = next(n for n in g.nodes if n.op == "output")
     for src in output.all_input_nodes:
         lay = src.meta.get(meta.LAYOUT)
         if isinstance(lay, Layout) and lay["tp"] != Replicate():
             output.replace_input_with(src, convert(src, lay["tp"], Replicate(), False, output))
+
+
+def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileContext) -> None:
+    """Megatron's ``f`` on replicated parameters read by per-rank compute (under sequence
+    parallelism: the norms and the row products' biases), one ``tp_param_sync`` per numbered
+    layer, before the layer's first such read: one gradient all-reduce per layer instead of
+    one per vector, and ZeRO-3 still meets each layer's parameters where the layer starts."""
+    from autopar.tpcomm import tp_param_sync
+    position = {n: i for i, n in enumerate(g.nodes)}
+    groups: dict = {}
+    for src, users in shared.items():
+        groups.setdefault(_unit_key(src.meta[meta.PARAM]), []).append(src)
+    t = ctx.mesh.axis_size("tp")
+    for k, params in enumerate(groups.values()):
+        params.sort(key=lambda p: min(position[u] for u in shared[p]))
+        anchor = min((u for p in params for u in shared[p]), key=position.__getitem__)
+        with g.inserting_before(anchor):
+            sync = g.create_node("call_function", tp_param_sync, (comm, list(params)), name=f"tp_grad_sync_{k}")
+            nbytes = sum(float(p.meta[meta.VAL].numel() * p.meta[meta.VAL].dtype.itemsize) for p in params)
+            sync.meta.update({meta.VAL: tuple(p.meta[meta.VAL] for p in params),
+                              meta.LAYOUT: tuple(p.meta[meta.LAYOUT] for p in params),
+                              meta.COMM: CommInfo("all_reduce", "tp", ring_bytes("all_reduce", nbytes, t), "backward",
+                                                  f"f: gradients of {', '.join(p.meta[meta.PARAM] for p in params)}, "
+                                                  "read per rank, summed over tp")})
+            for i, p in enumerate(params):
+                item = g.create_node("call_function", operator.getitem, (sync, i), name=f"{p.name}_f")
+                item.meta.update({meta.VAL: p.meta[meta.VAL], meta.LAYOUT: p.meta[meta.LAYOUT]})
+                for u in shared[p]:
+                    u.replace_input_with(p, item)
 
 
 def _lower_vocab_parallel(node: fx.Node, comm: fx.Node, ctx: CompileContext) -> None:

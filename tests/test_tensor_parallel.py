@@ -82,7 +82,7 @@ def test_sequence_parallel_block_collectives(layers):
     and 2 all-gathers (before the column products; backward reduce-scatters); the only
     other traffic is entering and leaving the sequence-parallel region (the embeddings'
     slices, the gather before the replicated head) and the gradient all-reduce of the
-    replicated norm and bias parameters that now see a slice of the sequence."""
+    replicated norm and bias parameters that now see a slice of the sequence (one per layer)."""
     c = GPTConfig(layers=layers)
     tok, _ = gpt_batch(c, 8)
     dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True, sp=True), tp=2)
@@ -96,9 +96,11 @@ def test_sequence_parallel_block_collectives(layers):
     assert len(by["tp_gather"]) == 2 * layers + 1      # + before the (tied, replicated) head
     assert len(by["tp_split"]) == 2                    # token and position embeddings enter SP
     assert "tp_all_reduce" not in by
-    params = {n.args[0].name for n in by["tp_copy"]}
-    assert all("weight" in p or "bias" in p for p in params), params
-    assert len(by["tp_copy"]) == 6 * layers + 2        # ln1, ln2 (w, b), proj and out biases; ln_f
+    assert "tp_copy" not in by                          # no activation needs Megatron's f
+    # the replicated norm and bias parameters read on sequence shards: one gradient all-reduce
+    # per layer (ln1, ln2 weight and bias, proj and out biases) and one for ln_f
+    assert len(by["tp_param_sync"]) == layers + 1
+    assert [len(n.args[1]) for n in by["tp_param_sync"]] == [6] * layers + [2]
     # each pointwise region between the collectives is one node of the graph
     fused = [n for n in dm.module.graph.nodes if n.op == "call_module"]
     assert [n.target for n in fused] == [f"sp_region_{k}" for k in range(2 * layers + 1)]
