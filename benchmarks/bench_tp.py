@@ -4,7 +4,7 @@
 
 For every world size t it spawns t local gloo processes (autopar.testing.run, one thread
 each), all on one ``tp`` axis, and trains the SAME small GPT (same seed, same weights, same
-batches, fp32, AdamW) three ways:
+batches, fp32, AdamW) four ways:
 
     autopar tp       autopar.compile(..., Mesh(tp=t), plan=Plan(tp=True)): the layout is
                      found from the graph
@@ -12,6 +12,11 @@ batches, fp32, AdamW) three ways:
     torch tp         torch.distributed.tensor.parallel.parallelize_module with the Megatron
                      plan written by hand: q, k, v, fc ColwiseParallel; proj, out
                      RowwiseParallel; the LM head ColwiseParallel(output_layouts=Replicate())
+    torch tp+sp      the same with sequence parallelism, as torch's tutorial writes it: each
+                     block's input PrepareModuleInput -> Shard(1) DTensor, ln1/ln2/ln_f
+                     SequenceParallel, q/k/v/fc ColwiseParallel(input_layouts=Shard(1)),
+                     proj/out RowwiseParallel(output_layouts=Shard(1)), the head
+                     ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
 
 The model keeps q, k, v as separate projections (``parallelize_module`` cannot split a fused
 qkv projection whose output is split afterwards) and views heads as ``(b, s, -1, hd)`` so
@@ -19,7 +24,7 @@ that torch's local tensors carry local heads.
 
 Reported per implementation:
   time      forward + loss + backward + AdamW step + zero_grad after a barrier; max over ranks
-            of the per-rank median; the three are timed interleaved (round-robin)
+            of the per-rank median; the four are timed interleaved (round-robin)
   calls     collectives per step. autopar: its counter (dm.comm_stats); torch: CommDebugMode
             (counts of functional collectives, forward and backward)
   bytes     autopar's counted ring volume per rank per step (torch's CommDebugMode does not
@@ -46,7 +51,8 @@ import autopar
 CONFIG = dict(vocab=512, seq=64, dim=128, heads=8, layers=4)
 GLOBAL_BATCH = 8
 LR = 1e-3
-IMPLS = ("autopar tp", "autopar tp+sp", "torch tp")
+IMPLS = ("autopar tp", "torch tp", "autopar tp+sp", "torch tp+sp")
+VERSUS = {"autopar tp": "torch tp", "autopar tp+sp": "torch tp+sp"}
 
 
 class Block(nn.Module):
@@ -115,13 +121,27 @@ class Impl:
             self.opt = self.m.optimizer(torch.optim.AdamW, lr=LR)
         else:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.tensor import Replicate
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            from torch.distributed.tensor import Replicate, Shard
+            from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                           SequenceParallel, parallelize_module)
             mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
-            plan = {"head": ColwiseParallel(output_layouts=Replicate())}
-            for i in range(len(model.blocks)):
-                plan.update({f"blocks.{i}.{p}": ColwiseParallel() for p in ("q", "k", "v", "fc")})
-                plan.update({f"blocks.{i}.{p}": RowwiseParallel() for p in ("proj", "out")})
+            if name == "torch tp":
+                plan = {"head": ColwiseParallel(output_layouts=Replicate())}
+                for i in range(len(model.blocks)):
+                    plan.update({f"blocks.{i}.{p}": ColwiseParallel() for p in ("q", "k", "v", "fc")})
+                    plan.update({f"blocks.{i}.{p}": RowwiseParallel() for p in ("proj", "out")})
+            else:   # sequence parallel: blocks take and give Shard(1) DTensors
+                plan = {"ln_f": SequenceParallel(),
+                        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+                for i in range(len(model.blocks)):
+                    plan[f"blocks.{i}"] = PrepareModuleInput(
+                        input_layouts=(Replicate() if i == 0 else Shard(1),), desired_input_layouts=(Shard(1),),
+                        use_local_output=False)
+                    plan.update({f"blocks.{i}.{p}": SequenceParallel() for p in ("ln1", "ln2")})
+                    plan.update({f"blocks.{i}.{p}": ColwiseParallel(input_layouts=Shard(1))
+                                 for p in ("q", "k", "v", "fc")})
+                    plan.update({f"blocks.{i}.{p}": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                                 for p in ("proj", "out")})
             self.m = parallelize_module(model, mesh, plan)
             self.opt = torch.optim.AdamW(self.m.parameters(), lr=LR)
 
@@ -183,13 +203,13 @@ def rank_main(steps: int, warmup: int) -> dict:
 
 def report(t: int, results: list) -> str:
     rows = [f"\ntp = {t} ({t} processes), GPT {CONFIG}, batch {GLOBAL_BATCH}, fp32, AdamW",
-            "| impl | median step ms | vs torch tp | collectives/step | bytes/rank/step | saved activations MiB | params MiB |",
+            "| impl | median step ms | autopar/torch | collectives/step | bytes/rank/step | saved activations MiB | params MiB |",
             "|---|---|---|---|---|---|---|"]
-    base = max(r["time"]["torch tp"] for r in results)
     for n in IMPLS:
         ms = max(r["time"][n] for r in results)
+        ratio = f"{ms / max(r['time'][VERSUS[n]] for r in results):.2f}x" if n in VERSUS else ""
         b = results[0]["bytes"][n]
-        rows.append(f"| {n} | {ms * 1e3:.1f} | {ms / base:.2f}x | {results[0]['calls'][n]} | "
+        rows.append(f"| {n} | {ms * 1e3:.1f} | {ratio} | {results[0]['calls'][n]} | "
                     f"{'n/a' if b is None else f'{b:,.0f}'} | {results[0]['act'][n] / 2**20:.2f} | "
                     f"{results[0]['params'][n] / 2**20:.2f} |")
     rows.append("last losses: " + ", ".join(f"{n} {results[0]['loss'][n]:.6f}" for n in IMPLS))
