@@ -78,7 +78,7 @@ def _choose(node: fx.Node, placed: dict, n: int):
     sliceable = tuple(a.op != "get_attr" for a in ins)   # parameters are never sliced
     strategies = strategies_for(OpInfo.from_node(node, n), n)
     if strategies is None:
-        if all(_replicated(p) for p in current):
+        if all(_replicated(p) for p in current) or n == 1:   # (one dp rank: nothing is split)
             return None
         raise NotImplementedError(
             f"autopar has no sharding rule for {node.target} (node {node.name}), which reads the "

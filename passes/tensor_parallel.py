@@ -193,7 +193,8 @@ class _Walk:
         cur = [self.pl.get(a, R) for a in ins]
         strategies = strategies_for(info, self.t)
         if strategies is None:
-            if any(p != R and not isinstance(p, tuple) for p in cur) and node.target not in self.warned:
+            if not self.decide and any(p != R and not isinstance(p, tuple) for p in cur) \
+                    and node.target not in self.warned:
                 self.warned.add(node.target)
                 msg = (f"no sharding rule for {node.target} (node {node.name}): its inputs are made whole "
                        f"along tp and it runs replicated; add a rule in passes/rules/ to keep it sharded")

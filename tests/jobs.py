@@ -481,3 +481,19 @@ def parity_vocab_parallel():
                              plan=autopar.Plan(tp=True, sp=sp))
         out[("table", sp)] = tuple(dm.module.get_parameter("gpt.wte.weight").shape)
     return out
+
+
+class CumsumMLP(torch.nn.Module):
+    """A column-parallel product feeding an op the rule registry has no rule for (cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(torch.cumsum(self.a(x), -1))
+
+
+def parity_no_rule():
+    x, y = mlp_batch()
+    return parity(CumsumMLP, autopar.Mesh(tp=dist.get_world_size()), autopar.Plan(tp=True), (x,), y, mse)

@@ -226,3 +226,17 @@ def test_vocab_parallel_never_gathers_logits():
     # the blocks' 2+2 per layer, the lookup's P(sum) all-reduce and f before the split head
     assert kinds.count("tp_all_reduce") == 2 * 2 + 1 and kinds.count("tp_copy") == 2 * 2 + 1
     assert str(dm.ctx.tp_params["gpt.wte.weight"]) == "S(0)"
+
+
+@pytest.mark.timeout(300)
+def test_op_without_rule_runs_replicated_with_a_warning():
+    """cumsum has no sharding rule: its tp-sharded input is gathered, it runs replicated, the
+    compile says so (naming the op), and training still matches one device."""
+    x, _ = jobs.mlp_batch()
+    dm = _compile(jobs.CumsumMLP(), (x,), autopar.Plan(tp=True), tp=2)
+    warnings = [n for n in dm.ctx.notes if "no sharding rule for aten.cumsum.default" in n]
+    assert len(warnings) == 1 and "runs replicated" in warnings[0]
+    assert "cumsum" in dm.explain()
+    cumsum = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.cumsum.default)
+    assert cumsum.args[0].target.__name__ == "tp_gather"
+    _check([{"cumsum": rep} for rep in run(jobs.parity_no_rule, 2, timeout=200)], "no rule")
