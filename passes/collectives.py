@@ -303,9 +303,10 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
             elif have == Partial() and want == Replicate():
                 out = new(tp_all_reduce, (src, comm), src, want, "all_reduce", why + " (g)", nbytes,
                           f"{src.name}_allreduce")
-                if varying and grad:
-                    made[key] = out
-                    return convert(out, want, want, varying, consumer)
+                if varying and grad and src in carries:   # read per rank as well: f after g
+                    carries.add(out)
+                    made[key] = convert(out, want, want, varying, consumer)
+                    return made[key]
             elif have == Partial() and isinstance(want, Shard):
                 out = new(tp_reduce_scatter, (src, comm, want.dim, shape[want.dim]), src, want,
                           "reduce_scatter", why + "; backward all-gathers", nbytes, f"{src.name}_scatter")

@@ -494,6 +494,19 @@ class CumsumMLP(torch.nn.Module):
         return self.b(torch.cumsum(self.a(x), -1))
 
 
-def parity_no_rule():
+class RowThenColumn(torch.nn.Module):
+    """A row-parallel product read directly by a column-parallel one: g, then f."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.c(self.b(F.gelu(self.a(x))))
+
+
+def parity_small_tp():
     x, y = mlp_batch()
-    return parity(CumsumMLP, autopar.Mesh(tp=dist.get_world_size()), autopar.Plan(tp=True), (x,), y, mse)
+    mesh, plan = autopar.Mesh(tp=dist.get_world_size()), autopar.Plan(tp=True)
+    return {"cumsum": parity(CumsumMLP, mesh, plan, (x,), y, mse),
+            "row_then_column": parity(RowThenColumn, mesh, plan, (x,), y, mse)}

@@ -239,4 +239,13 @@ def test_op_without_rule_runs_replicated_with_a_warning():
     assert "cumsum" in dm.explain()
     cumsum = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.cumsum.default)
     assert cumsum.args[0].target.__name__ == "tp_gather"
-    _check([{"cumsum": rep} for rep in run(jobs.parity_no_rule, 2, timeout=200)], "no rule")
+    _check(run(jobs.parity_small_tp, 2, timeout=200), "small tp models")
+
+
+def test_row_product_read_by_column_product():
+    """The all-reduced output of a row product read directly by a column product gets g, then
+    f (its gradient is a sum over tp); the parity runs in the test above."""
+    x, _ = jobs.mlp_batch()
+    dm = _compile(jobs.RowThenColumn(), (x,), autopar.Plan(tp=True), tp=2)
+    kinds = [n.target.__name__ for n in _tp_nodes(dm)]
+    assert kinds == ["tp_copy", "tp_all_reduce", "tp_copy", "tp_gather"], kinds
