@@ -5,6 +5,7 @@ GraphModule`` and its result is snapshotted for ``dm.dump()``.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from typing import Union
@@ -13,13 +14,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import passes
+from . import meta, passes
 from .capture import capture
 from .context import CompileContext
 from .explain import graph_text
 from .mesh import Mesh
 from .plan import Plan
 from .runtime import DistributedModule, emit, slice_batch
+from .wsplit import split_weight_grads
 
 log = logging.getLogger("autopar")
 
@@ -50,9 +52,6 @@ def _check_axes(plan: Plan, mesh: Mesh) -> None:
         if axis not in used and size > 1:
             raise ValueError(f"{mesh} has axis {axis}={size}, which {plan} gives no role; "
                              f"set the plan's {axis} field or make the axis size 1")
-    if plan.pp_schedule is not None:
-        raise NotImplementedError(f"{plan}: pipeline parallelism is not built yet; use data and "
-                                  "tensor parallelism (Plan(dp=..., tp=True, sp=...))")
 
 
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,
@@ -66,6 +65,8 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     _check_axes(plan, mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.notes.append(f"plan: {reason}")
+    if plan.pp_schedule is not None:
+        return _compile_pipeline(model, ctx, example_inputs, example_kwargs)
     n, i = mesh.axis_size("dp"), mesh.coordinate("dp")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     local = pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -77,13 +78,93 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.snapshots.append(("capture", graph_text(gm)))
     # layouts first: collectives and localize read them; localize on the final graph, then the
     # sequence-parallel regions become one node each (they hold localized ops)
-    for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel):
-        if p is passes.sequence_parallel and not plan.sp:
-            continue
-        gm = p(gm, ctx)
-        ctx.snapshots.append((p.__name__, graph_text(gm)))
+    gm = _layout_passes(gm, ctx)
     dm = emit(gm, model, ctx)
     ctx.snapshots.append(("emit", dm.module.code))
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
+
+
+def _layout_passes(gm, ctx: CompileContext, prefix: str = ""):
+    for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel):
+        if p is passes.sequence_parallel and not ctx.plan.sp:
+            continue
+        gm = p(gm, ctx)
+        ctx.snapshots.append((prefix + p.__name__, graph_text(gm)))
+    return gm
+
+
+def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, example_kwargs):
+    """Pipeline parallelism: capture one micro-batch, cut the graph into stages, then compile
+    each stage this rank runs with the dp and tp passes, as a module of its own."""
+    from .pipe import PipelineModule
+    from .schedule import build_schedule
+    mesh, plan = ctx.mesh, ctx.plan
+    p, m, v, n = mesh.axis_size("pp"), plan.microbatches, plan.virtual_stages, mesh.axis_size("dp")
+    schedule = build_schedule(plan.pp_schedule, p, m, v)      # a micro-batch count that does not fit fails here
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    rows = {t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()}
+    if len(rows) != 1 or next(iter(rows)) % (m * n):
+        raise ValueError(f"the example inputs' batch sizes along dim 0 are {sorted(rows)}: a pipeline needs "
+                         f"one batch size that divides by microbatches x dp = {m} x {n}; choose a global "
+                         f"batch that is a multiple of {m * n}")
+    ctx.microbatch_rows = next(iter(rows)) // m
+    mb = pytree.tree_map(lambda t: slice_batch(t, m, 0) if isinstance(t, torch.Tensor) and t.dim() else t,
+                         (args, kwargs))
+    gm = capture(model, mb[0], mb[1], ctx)              # the logical graph of one micro-batch
+    local = pytree.tree_map(lambda t: slice_batch(t, n, 0) if isinstance(t, torch.Tensor) else t, mb)
+    ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
+                             for x in pytree.tree_leaves(local))
+    ctx.snapshots.append(("capture", graph_text(gm)))
+    top = passes.pipeline(gm, ctx)
+    ctx.snapshots.append(("pipeline", top.code + "".join(
+        f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
+    shared = [name for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1]
+    stages, stage_ctx = {}, {}
+    for spec in ctx.stages:
+        if spec.index % p != mesh.coordinate("pp"):
+            continue
+        sctx = _stage_context(ctx, spec, top.get_submodule(f"stage_{spec.index}"), shared)
+        sgm = _layout_passes(top.get_submodule(f"stage_{spec.index}"), sctx, prefix=f"stage{spec.index}_")
+        dm = emit(sgm, model, sctx)
+        if schedule.split_backward:
+            n_split = split_weight_grads(dm.module, _batch_free(dm.module))
+            sctx.notes.append(f"zero-bubble: {n_split} matmuls compute their weight gradient in W")
+        ctx.snapshots += [(f"stage{spec.index}_{name}", text) for name, text in sctx.snapshots
+                          if not name.startswith("stage")]
+        ctx.snapshots.append((f"stage{spec.index}_emit", dm.module.code))
+        stages[spec.index], stage_ctx[spec.index] = dm, sctx
+    pm = PipelineModule(stages, ctx, schedule, stage_ctx)
+    del gm, top
+    gc.collect()
+    return pm
+
+
+def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
+    plan = ctx.plan
+    tied = tuple((name, "R") for name in shared if name in spec.params)
+    if plan.tp and tied:    # both copies of a tied weight keep one layout: whole along tp
+        plan = dataclasses.replace(plan, tp_layout=plan.tp_layout + tied)
+    sctx = CompileContext(mesh=ctx.mesh, plan=plan)
+    sctx.params = {name: ctx.params[name] for name in spec.params}
+    n = ctx.mesh.axis_size("dp")
+    phs = [x for x in sgm.graph.nodes if x.op == "placeholder"]
+    vals = [x.meta.get(meta.VAL) for x in phs]
+    sctx.in_spec = pytree.tree_flatten((tuple(vals), {}))[1]
+    sctx.out_spec = pytree.tree_flatten(tuple(spec.outputs))[1]
+    sctx.input_shapes = tuple((v.shape[0] // n,) + tuple(v.shape[1:]) if v.dim() else tuple(v.shape) for v in vals)
+    sctx.input_dtypes = tuple(v.dtype for v in vals)
+    sctx.microbatch_rows = ctx.microbatch_rows
+    if tied:
+        sctx.notes.append(f"tied across stages (gradients summed after the step): {', '.join(n for n, _ in tied)}")
+    return sctx
+
+
+def _batch_free(gm):
+    """A predicate: the node does not depend on the graph's inputs (parameters and constants)."""
+    dep = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in dep for a in node.all_input_nodes):
+            dep.add(node)
+    return lambda node: node not in dep

@@ -42,12 +42,15 @@ class CompileContext:
     in_spec: Any = None             # pytree spec of (args, kwargs) the graph was captured with
     out_spec: Any = None
     input_shapes: tuple = ()        # per-rank shapes of the flat tensor inputs
+    input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
     snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
     grad_buckets: list = field(default_factory=list)  # set by the collectives pass
     gather_units: list = field(default_factory=list)  # ZeRO-3, set by the collectives pass
     tp_params: dict = field(default_factory=dict)     # name -> tpcomm.TPParam, set by the shard pass
     notes: list = field(default_factory=list)        # lines for explain()
+    stages: list = field(default_factory=list)       # passes.pipeline.StageSpec, set by the pipeline pass
+    microbatch_rows: int = 0                          # global rows of one micro-batch (pipeline)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shape on this rank's slice of the ``tp`` axis (before ZeRO)."""

@@ -74,6 +74,10 @@ class DataParallelSync(nn.Module):
         self._bwd: dict[int, dict[str, torch.Tensor]] = {}   # re-gathered for backward
         self.saved_in_backward: set[str] = set()  # params backward read (re-gathered), last step
         self._versions: list[int] = []
+        # pipeline: gradients of several micro-batches accumulate locally (as DDP's no_sync)
+        # and are reduced once, by flush_deferred, at the end of the step
+        self.defer = False
+        self._acc: dict[str, torch.Tensor] = {}
         self.events: list[tuple[str, object]] = []
         self.record_versions()
 
@@ -202,6 +206,9 @@ class DataParallelSync(nn.Module):
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
         """ZeRO-3: one parameter's full local gradient is ready (from autograd); its bucket
         goes out once every member's is."""
+        if self.defer:
+            self._accumulate(name, grad)
+            return
         if not self._in_backward:
             self._begin_backward()
         bi, j = self.bucket_of[name]
@@ -214,6 +221,10 @@ class DataParallelSync(nn.Module):
 
     def add_bucket(self, bi: int, grads: list) -> None:
         """Every gradient of bucket ``bi`` is ready (full, local; None = no gradient)."""
+        if self.defer:
+            for name, g in zip(self.buckets[bi].names, grads):
+                self._accumulate(name, g)
+            return
         if not self._in_backward:
             self._begin_backward()
         if self._state[bi]["work"] is not None:
@@ -226,6 +237,22 @@ class DataParallelSync(nn.Module):
             self.events.extend(("ready", name) for name in self.buckets[bi].names)
         if self.eager:
             self._launch_ready()
+
+    def _accumulate(self, name: str, grad) -> None:
+        if grad is not None:
+            prev = self._acc.get(name)
+            self._acc[name] = grad if prev is None else prev + grad
+
+    def flush_deferred(self) -> None:
+        """Reduce the gradients accumulated while ``defer`` was on: every bucket, in order,
+        as one backward would (members without a gradient send zeros)."""
+        if not self.buckets:
+            return
+        self._begin_backward(queue=False)
+        acc, self._acc = self._acc, {}
+        for bi, b in enumerate(self.buckets):
+            self.add_bucket(bi, [acc.pop(n, None) for n in b.names])
+        self._finish_backward()
 
     def _fill(self, bi: int, grads: list) -> None:
         """Add the bucket's gradients to its flat buffer: rank-major padded chunks when sharded."""
@@ -244,7 +271,7 @@ class DataParallelSync(nn.Module):
             st["buf"].add_(flat)
         st["ready"] = True
 
-    def _begin_backward(self):
+    def _begin_backward(self, queue: bool = True):
         self._in_backward = True
         self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests and explain
         self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names)}
@@ -252,7 +279,8 @@ class DataParallelSync(nn.Module):
         self._next = 0
         if self.mode == "zero1":
             self._prepare_persistent()
-        Variable._execution_engine.queue_callback(self._finish_backward)
+        if queue:
+            Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch_ready(self, force: bool = False):
         """Send ready buckets strictly in order (every rank issues the same collectives)."""

@@ -37,7 +37,14 @@ class Plan:
     """Pipeline schedule over the ``pp`` axis: one of ``gpipe``, ``1f1b``, ``interleaved``,
     ``zero_bubble``; None means no pipeline."""
     microbatches: int = 1
-    """Micro-batches per step for the pipeline schedule."""
+    """Micro-batches per step for the pipeline schedule (the dp slice of the batch is split
+    into this many equal parts along dim 0)."""
+    virtual_stages: int = 1
+    """Stages per rank of the ``pp`` axis (``interleaved`` needs 2 or more: rank r runs stages
+    r, r + p, r + 2p, ...); the graph is cut into pp × virtual_stages stages."""
+    stage_memory_bytes: Optional[int] = None
+    """Upper limit on one pipeline stage's memory (parameters, gradients and optimizer state
+    under the dp mode, plus the activations of its in-flight micro-batches); None: no limit."""
     bucket_bytes: int = 25 << 20
     """Largest gradient bucket (bytes) of the bucketed backward collectives; the first bucket
     is cut at 1 MiB so that communication starts early (as DDP does). ZeRO-3 also cuts its
@@ -68,6 +75,21 @@ class Plan:
                              f"{PP_SCHEDULES} or None")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be a positive integer")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"Plan(virtual_stages={self.virtual_stages!r}) must be a positive integer")
+        if self.pp_schedule is None and (self.microbatches != 1 or self.virtual_stages != 1):
+            raise ValueError("Plan(microbatches=..., virtual_stages=...) need a pipeline schedule: set "
+                             f"pp_schedule to one of {PP_SCHEDULES}")
+        if self.pp_schedule == "interleaved" and self.virtual_stages < 2:
+            raise ValueError("Plan(pp_schedule='interleaved') needs virtual_stages >= 2 (stages per rank); "
+                             "with one stage per rank use '1f1b'")
+        if self.pp_schedule in ("gpipe", "1f1b", "zero_bubble") and self.virtual_stages != 1:
+            raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) runs one stage per rank, got "
+                             f"virtual_stages={self.virtual_stages}; use pp_schedule='interleaved' for more")
+        if self.stage_memory_bytes is not None and (not isinstance(self.stage_memory_bytes, int)
+                                                    or self.stage_memory_bytes < 1):
+            raise ValueError(f"Plan(stage_memory_bytes={self.stage_memory_bytes!r}) must be a positive "
+                             "integer or None")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"Plan(bucket_bytes={self.bucket_bytes!r}) must be a positive integer")
 

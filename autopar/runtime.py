@@ -249,6 +249,25 @@ class DistributedModule(nn.Module):
         self._sync.record_versions()
         return self
 
+    def _buffer(self, name: str) -> torch.Tensor:
+        return _attr(self.module, name)
+
+    def _grad_sq_sum(self, skip=lambda name: False) -> torch.Tensor:
+        """Sum of squared gradient elements over this module's dp and tp shards (each element
+        once), for clipping across pipeline stages; ``skip(name)`` leaves a parameter out."""
+        first = self._tp is None or self._tp.index == 0
+        total = torch.zeros(())
+        for name, p in self.module.named_parameters():
+            if p.grad is None or skip(name):
+                continue
+            if first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded:
+                total += p.grad.float().pow(2).sum()
+        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
+            dist.all_reduce(total, group=self._sync.comm.group)
+        if self._tp is not None and self._tp.size > 1:
+            dist.all_reduce(total, group=self._tp.group)
+        return total
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the true global norm over all shards; returns that norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]

@@ -4,5 +4,6 @@ from .shard import shard
 from .collectives import collectives
 from .localize import localize
 from .sequence_parallel import sequence_parallel
+from .pipeline import pipeline
 
 __all__ = ["shard", "collectives", "localize", "sequence_parallel"]

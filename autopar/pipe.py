@@ -1,0 +1,360 @@
+"""The pipeline runtime: this rank's stages and the schedule that drives them.
+
+``PipelineModule.train_step(inputs, targets, loss_fn)`` splits this rank's data-parallel
+slice into ``plan.microbatches`` micro-batches and executes the rank's lowered action list
+(``autopar.schedule``): F runs a stage on a micro-batch, B its backward (the input gradient
+only when the schedule splits backward), W the deferred weight gradients, and SEND/RECV move
+activations and their gradients point to point, asynchronously (``isend``/``irecv``, one tag
+per (kind, stage, micro-batch, value), so messages never pair up wrongly). Each micro-batch's
+loss is scaled by 1/m, so the accumulated gradients are those of the mean loss over the slice.
+
+Each stage is an ordinary compiled module (dp and tp inside it, as without a pipeline); its
+data-parallel gradient reduction is deferred to the end of the step (accumulated over the
+micro-batches, as DDP's ``no_sync``), then run once. A parameter held by two stages (tied
+embedding and LM head) gets the sum of both stages' gradients.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .runtime import DistributedModule, slice_batch
+from .schedule import Action, Schedule, lower, simulate
+from .wsplit import STASH
+
+__all__ = ["PipelineModule"]
+
+
+class PipelineModule(DistributedModule):
+    """This rank's pipeline stages (``stages["<k>"]``, each a compiled ``DistributedModule``)."""
+
+    def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule, stage_ctx: dict):
+        nn.Module.__init__(self)
+        self.ctx, self.plan, self.mesh = ctx, ctx.plan, ctx.mesh
+        self.schedule = schedule
+        self.stages = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
+        self.stage_ctx = stage_ctx
+        self.p, self.pp_index = self.mesh.axis_size("pp"), self.mesh.coordinate("pp")
+        self._pp_group = self.mesh.group("pp") if "pp" in self.mesh.axes else None
+        names = list(self.mesh.axes)
+        self._pp_stride = math.prod(list(self.mesh.axes.values())[names.index("pp") + 1:]) if "pp" in names else 1
+        self._actions = lower(schedule)[self.pp_index]
+        self._holders = {}   # parameter -> stages holding it
+        for spec in ctx.stages:
+            for name in spec.params:
+                self._holders.setdefault(name, []).append(spec.index)
+        self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
+        self._optimizer = None
+        self.comm_stats = next(iter(self.stages.values())).comm_stats if self.stages else None
+
+    # ---- addressing ----------------------------------------------------------------------
+    def _rank_of_stage(self, stage: int) -> int:
+        return self.mesh.rank + (stage % self.p - self.pp_index) * self._pp_stride
+
+    def _tag(self, kind: int, stage: int, mb: int, j: int) -> int:
+        return ((kind * self.schedule.n_stages + stage) * self.schedule.m + mb) * 64 + j
+
+    # ---- the step --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined module runs whole training steps: call dm.train_step(inputs, "
+                           "targets, loss_fn) (forward and backward over the micro-batches), then "
+                           "the optimizer step")
+
+    def _split(self, tree, m: int):
+        leaves, spec = pytree.tree_flatten(tree)
+        parts = []
+        for i in range(m):
+            parts.append([slice_batch(x, m, i) if isinstance(x, torch.Tensor) and x.dim() else x for x in leaves])
+        return parts, spec
+
+    def train_step(self, inputs, targets, loss_fn):
+        """One step over this rank's data-parallel slice: forward and backward of every
+        micro-batch by the schedule; gradients reduced over dp and summed over tied copies.
+        Returns the mean loss over the slice (on every rank of the pipeline)."""
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        m = self.schedule.m
+        flat_in, _ = self._split((inputs, {}), m)
+        flat_t, t_spec = self._split(targets, m)
+        self._check_microbatch(flat_in[0])
+        state = _StepState(m)
+        for st in self.stages.values():
+            st._sync.defer = True
+        start = time.time()
+        self.timeline = []
+        try:
+            for a in self._actions:
+                self._run(a, state, flat_in, flat_t, t_spec, loss_fn)
+            for w in state.sends:
+                w.wait()
+        finally:
+            for st in self.stages.values():
+                st._sync.defer = False
+        self.step_time = time.time() - start
+        for k in sorted(self.stages, key=int):          # dp reduction, every stage in one order
+            self.stages[k]._sync.flush_deferred()
+        self._sum_tied_grads()
+        loss = torch.stack(state.losses).sum() if state.losses else torch.zeros(())
+        last_rank = self._rank_of_stage(self.schedule.n_stages - 1)
+        if self._pp_group is not None and self.p > 1:
+            dist.broadcast(loss, src=last_rank, group=self._pp_group)
+        return loss
+
+    def _check_microbatch(self, first):
+        shapes = self.ctx.input_shapes
+        for i, (x, shape) in enumerate(zip(first, shapes)):
+            if isinstance(x, torch.Tensor) and shape is not None and tuple(x.shape) != shape:
+                raise ValueError(
+                    f"input {i}: a micro-batch of this rank's slice has shape {tuple(x.shape)}, expected "
+                    f"{shape} (dp={self.mesh.axis_size('dp')}, microbatches={self.schedule.m}); pass "
+                    "dm.shard_batch(global_batch) with the global batch the module was compiled for")
+
+    def _run(self, a: Action, s: "_StepState", flat_in, flat_t, t_spec, loss_fn):
+        st = self.stages[str(a.stage)]
+        spec = self.ctx.stages[a.stage]
+        if a.kind == "RECV_F":
+            shapes = self.stage_ctx[a.stage].input_shapes[len(spec.graph_inputs):]
+            dtypes = self.stage_ctx[a.stage].input_dtypes[len(spec.graph_inputs):]
+            s.recv[("F", a.stage, a.mb)] = self._irecv(0, a, shapes, dtypes, a.stage - 1)
+        elif a.kind == "RECV_B":
+            outs = s.outputs[(a.stage, a.mb)]
+            float_outs = [o for o in outs if o.is_floating_point()]
+            s.recv[("B", a.stage, a.mb)] = self._irecv(1, a, [tuple(o.shape) for o in float_outs],
+                                                        [o.dtype for o in float_outs], a.stage + 1)
+        elif a.kind == "SEND_F":
+            outs = s.outputs[(a.stage, a.mb)]
+            s.sends += self._isend(0, Action(a.stage + 1, "F", a.mb), [o.detach() for o in outs], a.stage + 1)
+        elif a.kind == "SEND_B":
+            grads = s.input_grads.pop((a.stage, a.mb))
+            s.sends += self._isend(1, Action(a.stage - 1, "B", a.mb), grads, a.stage - 1)
+        else:
+            t0 = time.time()
+            if a.kind == "F":
+                self._forward(a, st, spec, s, flat_in, flat_t, t_spec, loss_fn)
+            elif a.kind == "B":
+                self._backward(a, st, spec, s)
+            else:
+                getattr(st.module, STASH).run(a.mb)
+            self.timeline.append((str(a), t0, time.time()))
+
+    def _irecv(self, kind, a, shapes, dtypes, peer_stage):
+        bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
+        src = self._rank_of_stage(peer_stage)
+        works = [dist.irecv(b, src=src, tag=self._tag(kind, a.stage, a.mb, j)) for j, b in enumerate(bufs)]
+        self._count(kind, bufs)
+        return bufs, works
+
+    def _isend(self, kind, target: Action, tensors, peer_stage):
+        dst = self._rank_of_stage(peer_stage)
+        tensors = [t.contiguous() for t in tensors]
+        self._count(kind, tensors, send=True)
+        return [dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
+                for j, t in enumerate(tensors)]
+
+    def _count(self, kind, tensors, send=False):
+        if send and self.comm_stats is not None:
+            phase = "forward" if kind == 0 else "backward"
+            self.comm_stats.record("pp", "send", phase, "activations" if kind == 0 else "gradients",
+                                   sum(t.numel() * t.element_size() for t in tensors))
+
+    def _take(self, s, key):
+        bufs, works = s.recv.pop(key)
+        for w in works:
+            w.wait()
+        return bufs
+
+    def _forward(self, a, st, spec, s, flat_in, flat_t, t_spec, loss_fn):
+        args = [flat_in[a.mb][i] for i in spec.graph_inputs]
+        received = []
+        if spec.inputs:
+            for t in self._take(s, ("F", a.stage, a.mb)):
+                received.append(t.requires_grad_(True) if t.is_floating_point() else t)
+        out = st(*args, *received)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        s.inputs[(a.stage, a.mb)] = received
+        if a.stage == self.schedule.n_stages - 1:
+            result = pytree.tree_unflatten(outs, self.ctx.out_spec)
+            target = pytree.tree_unflatten(flat_t[a.mb], t_spec)
+            loss = loss_fn(result, target)
+            s.losses.append(loss.detach() / self.schedule.m)
+            s.outputs[(a.stage, a.mb)] = [loss / self.schedule.m]
+        else:
+            s.outputs[(a.stage, a.mb)] = outs
+
+    def _backward(self, a, st, spec, s):
+        outs = s.outputs.pop((a.stage, a.mb))
+        if a.stage == self.schedule.n_stages - 1:
+            grads = [None]
+        else:
+            got = iter(self._take(s, ("B", a.stage, a.mb)))
+            grads = [next(got) if o.is_floating_point() else None for o in outs]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        stash = getattr(st.module, STASH, None)
+        if stash is not None:
+            stash.deferring, stash.mb = self.schedule.split_backward, a.mb
+        try:
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            if stash is not None:
+                stash.deferring = False
+        received = s.inputs.pop((a.stage, a.mb))
+        if a.stage > 0:
+            s.input_grads[(a.stage, a.mb)] = [
+                (x.grad if x.grad is not None else torch.zeros_like(x)) for x in received if x.is_floating_point()]
+
+    # ---- after the step: tied parameters ----------------------------------------------------
+    def _sum_tied_grads(self):
+        """A parameter held by several stages (tied weights) gets the sum of their gradients,
+        on every holder: added locally, then exchanged between the ranks holding it."""
+        for name, stages in self._holders.items():
+            if len(stages) < 2 or not self._trainable(name):
+                continue
+            mine = [k for k in stages if str(k) in self.stages]
+            ranks = sorted({k % self.p for k in stages})
+            if not mine:
+                continue
+            params = [self.stages[str(k)].module.get_parameter(name) for k in mine]
+            local = sum(p.grad for p in params if p.grad is not None)
+            total = local.clone()
+            works, bufs = [], []
+            for r in ranks:
+                if r == self.pp_index:
+                    continue
+                peer = self.mesh.rank + (r - self.pp_index) * self._pp_stride
+                works.append(dist.isend(local.contiguous(), dst=peer, tag=9_000_000 + r))
+                buf = torch.empty_like(local)
+                works.append(dist.irecv(buf, src=peer, tag=9_000_000 + self.pp_index))
+                bufs.append(buf)
+            for w in works:
+                w.wait()
+            for b in bufs:
+                total += b
+            for p in params:
+                p.grad.copy_(total)
+
+    def _trainable(self, name):
+        info = self.ctx.params.get(name)
+        return info is not None and info.requires_grad and not info.is_buffer
+
+    # ---- optimizer and full views ----------------------------------------------------------
+    def optimizer(self, cls, **kwargs) -> torch.optim.Optimizer:
+        opt = cls(self.parameters(), **kwargs)
+        if self.plan.dp in ("zero1", "zero2"):
+            opt.register_step_post_hook(lambda *_: self.gather_params())
+        self._optimizer = weakref.ref(opt)
+        return opt
+
+    def gather_params(self) -> None:
+        for st in self.stages.values():
+            st.gather_params()
+
+    def _broadcast_full(self, name, per_stage):
+        """The full tensor of ``name`` on every rank: the first stage holding it gathers it over
+        dp and tp (``per_stage(stage module)``), then its pp rank broadcasts it."""
+        owner = self._holders[name][0]
+        info = self.ctx.params[name]
+        value = per_stage(self.stages[str(owner)]) if str(owner) in self.stages else None
+        if self.p == 1 or self._pp_group is None:
+            return value
+        src = self._rank_of_stage(owner)
+        flag = torch.tensor([int(value is not None)])      # a parameter may have no gradient
+        dist.broadcast(flag, src=src, group=self._pp_group)
+        if not int(flag):
+            return None
+        buf = value if value is not None else torch.empty(info.shape, dtype=info.dtype)
+        dist.broadcast(buf, src=src, group=self._pp_group)
+        return buf
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        with torch.no_grad():
+            for name, info in self.ctx.params.items():
+                if name not in self._holders:
+                    continue
+
+                def get(st, name=name):
+                    local = st.module.get_parameter(name) if name in st._sync.specs else st._buffer(name)
+                    return st._full(name, local)
+                full = self._broadcast_full(name, get)
+                for key in (name,) + info.aliases:
+                    out[key] = full
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        out = {}
+        with torch.no_grad():
+            for name, info in self.ctx.params.items():
+                if name not in self._holders or not self._trainable(name):
+                    continue
+                full = self._broadcast_full(name, lambda st, name=name: st._full(name, st.module.get_parameter(name).grad))
+                for key in (name,) + info.aliases:
+                    out[key] = full
+        return out
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for k, st in self.stages.items():
+            st.load_full_state_dict({n: state[n] for n in st.ctx.params})
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise NotImplementedError("a pipelined module clips by the 2-norm; pass norm_type=2.0")
+        total = torch.zeros(())
+        for k, st in self.stages.items():
+            first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
+            total += st._grad_sq_sum(skip=lambda n: not first.get(n, True))
+        if self._pp_group is not None and self.p > 1:
+            dist.all_reduce(total, group=self._pp_group)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return norm
+
+    # ---- inspection -------------------------------------------------------------------------
+    def simulate(self, costs=None):
+        """The schedule's timeline by the simulator (unit costs unless ``costs`` says otherwise)."""
+        return simulate(self.schedule, costs)
+
+    def measured_trace(self) -> dict:
+        """Chrome trace of the last step on every rank of the pipeline (collective over pp)."""
+        rows = [None] * self.p
+        if self._pp_group is not None and self.p > 1:
+            dist.all_gather_object(rows, (self.mesh.rank, self.timeline), group=self._pp_group)
+        else:
+            rows = [(self.mesh.rank, self.timeline)]
+        t0 = min((e[1] for _, tl in rows for e in tl), default=0.0)
+        events = []
+        for i, (rank, tl) in enumerate(rows):
+            events.append({"name": "process_name", "ph": "M", "pid": i, "args": {"name": f"pp rank {i} (rank {rank})"}})
+            for name, a, b in tl:
+                kind = Action.parse(name).kind
+                events.append({"name": name, "cat": kind, "ph": "X", "pid": i, "tid": 0,
+                               "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def explain(self) -> str:
+        from .explain import explain_pipeline
+        return explain_pipeline(self)
+
+    def dump(self, path: str) -> list[str]:
+        from .explain import dump_pipeline
+        return dump_pipeline(self, path)
+
+
+class _StepState:
+    def __init__(self, m):
+        self.m = m
+        self.recv: dict = {}
+        self.sends: list = []
+        self.inputs: dict = {}
+        self.outputs: dict = {}
+        self.input_grads: dict = {}
+        self.losses: list = []

@@ -1,0 +1,135 @@
+"""Backward split into B (input gradient) and W (weight gradient) for zero-bubble schedules.
+
+A zero-bubble schedule runs a stage's backward in two actions: B computes the gradient of
+the stage's input (what the previous stage waits for) and W, later, the gradients of the
+weights, filling what would otherwise be bubble. The weight gradient of a matmul is the
+expensive half of its backward (gᵀx, as many FLOPs as the forward), so matmuls that read a
+parameter are rewritten to ``wsplit_matmul``: during B its backward returns the input
+gradient only and leaves (x, g) in a ``WeightGradStash``; W computes gᵀx and pushes it into
+the weight's own autograd path (through the data-parallel reducer or the tensor-parallel
+layout, exactly as a normal backward would) with ``torch.autograd.backward`` on the
+weight's gradient edge. Other parameter readers (norms, biases, embeddings) are cheap and
+keep their weight gradient in B.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import fx, nn
+from torch.autograd.graph import get_gradient_edge
+
+__all__ = ["WeightGradStash", "wsplit_matmul", "split_weight_grads"]
+
+STASH = "wgrad_stash"
+
+
+class WeightGradStash(nn.Module):
+    """Deferred weight-gradient work per micro-batch; ``deferring`` is on during B."""
+
+    def __init__(self):
+        super().__init__()
+        self.deferring = False
+        self.mb = 0
+        self._work: dict[int, list] = defaultdict(list)
+
+    def push(self, item) -> None:
+        self._work[self.mb].append(item)
+
+    def pending(self) -> int:
+        return sum(len(v) for v in self._work.values())
+
+    def run(self, mb: int) -> None:
+        """W of micro-batch ``mb``: every deferred weight gradient, into its autograd path."""
+        items = self._work.pop(mb, [])
+        edges, grads = [], []
+        with torch.no_grad():
+            for x, g, w_edge, b_edge, transposed in items:
+                x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+                if w_edge is not None:
+                    edges.append(w_edge)
+                    grads.append(g2.t() @ x2 if transposed else x2.t() @ g2)
+                if b_edge is not None:
+                    edges.append(b_edge)
+                    grads.append(g2.sum(0))
+        if edges:
+            torch.autograd.backward(edges, grads, retain_graph=True)
+
+
+def _edge(t):
+    return get_gradient_edge(t) if isinstance(t, torch.Tensor) and t.requires_grad else None
+
+
+class _WSplitMatmul(torch.autograd.Function):
+    """forward: x @ wᵀ + b (``transposed``) or x @ w + b / backward: the input gradient now;
+    the weight and bias gradients now, or later from the stash while it is deferring."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, stash, transposed):
+        y = torch.nn.functional.linear(x, w, b) if transposed else torch.matmul(x, w)
+        if b is not None and not transposed:
+            y = y + b
+        ctx.save_for_backward(x, w)
+        ctx.stash, ctx.transposed = stash, transposed
+        ctx.w_edge, ctx.b_edge = _edge(w), _edge(b)
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = (g @ w if ctx.transposed else g @ w.t()) if ctx.needs_input_grad[0] else None
+        if ctx.stash.deferring:
+            ctx.stash.push((x.detach(), g.detach(), ctx.w_edge, ctx.b_edge, ctx.transposed))
+            return gx, None, None, None, None
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        gw = (g2.t() @ x2 if ctx.transposed else x2.t() @ g2) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+def wsplit_matmul(x, w, b, stash, transposed: bool):
+    return _WSplitMatmul.apply(x, w, b, stash, transposed)
+
+
+def _matmul_operands(node: fx.Node):
+    """(x, w, b, transposed) of a matmul whose weight is a 2-D value, or None."""
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    a = node.args
+    if name == "linear":
+        return a[0], a[1], (a[2] if len(a) > 2 else node.kwargs.get("bias")), True
+    if name == "addmm" and len(a) == 3 and not node.kwargs:
+        return a[1], a[2], a[0], False
+    if name in ("mm", "matmul") and len(a) == 2:
+        return a[0], a[1], None, False
+    return None
+
+
+def split_weight_grads(gm: fx.GraphModule, batch_free) -> int:
+    """Rewrite every matmul whose weight does not depend on the batch (``batch_free(node)``)
+    into ``wsplit_matmul``; returns how many were rewritten."""
+    if not hasattr(gm, STASH):
+        gm.add_module(STASH, WeightGradStash())
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        ops = _matmul_operands(node)
+        if ops is None:
+            continue
+        x, w, b, transposed = ops
+        val = w.meta.get("val") if isinstance(w, fx.Node) else None
+        if not (isinstance(w, fx.Node) and batch_free(w) and isinstance(val, torch.Tensor) and val.dim() == 2):
+            continue
+        if isinstance(x, fx.Node) and batch_free(x):
+            continue
+        with gm.graph.inserting_before(node):
+            stash = gm.graph.get_attr(STASH)
+            new = gm.graph.call_function(wsplit_matmul, (x, w, b, stash, transposed))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return count
