@@ -99,10 +99,17 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
     """Pipeline parallelism: capture one micro-batch, cut the graph into stages, then compile
     each stage this rank runs with the dp and tp passes, as a module of its own."""
     from .pipe import PipelineModule
-    from .schedule import build_schedule
+    from .plan import PP_SCHEDULES
+    from .schedule import Schedule, build_schedule, simulate
     mesh, plan = ctx.mesh, ctx.plan
     p, m, v, n = mesh.axis_size("pp"), plan.microbatches, plan.virtual_stages, mesh.axis_size("dp")
-    schedule = build_schedule(plan.pp_schedule, p, m, v)      # a micro-batch count that does not fit fails here
+    if plan.pp_schedule in PP_SCHEDULES:     # a micro-batch count that does not fit fails here
+        schedule = build_schedule(plan.pp_schedule, p, m, v)
+    else:
+        schedule = Schedule.parse(plan.pp_schedule)
+        if schedule.p != p:
+            raise ValueError(f"the custom schedule has {schedule.p} ranks, the mesh has pp={p}")
+    simulate(schedule)     # a schedule that would deadlock fails here, before any process waits
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     rows = {t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()}
     if len(rows) != 1 or next(iter(rows)) % (m * n):

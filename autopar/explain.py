@@ -165,11 +165,11 @@ def dump(dm, path: str) -> list[str]:
     """Write every pass's graph, the emitted code and explain() under ``path``."""
     os.makedirs(path, exist_ok=True)
     for old in os.listdir(path):   # a previous dump's files, so the folder shows this compile only
-        if re.fullmatch(r"\d\d_\w+\.(txt|py)|explain\.txt", old):
+        if re.fullmatch(r"\d\d_\w+\.(txt|py)|explain\.txt|schedule\.(txt|svg)|(schedule_)?trace\.json", old):
             os.remove(os.path.join(path, old))
     written = []
     for i, (name, text) in enumerate(dm.ctx.snapshots):
-        fn = os.path.join(path, f"{i:02d}_{name}.{'py' if name == 'emit' else 'txt'}")
+        fn = os.path.join(path, f"{i:02d}_{name}.{'py' if name.endswith('emit') else 'txt'}")
         with open(fn, "w") as f:
             f.write(text)
         written.append(fn)
@@ -177,4 +177,62 @@ def dump(dm, path: str) -> list[str]:
     with open(fn, "w") as f:
         f.write(dm.explain() + "\n")
     written.append(fn)
+    return written
+
+
+# ---- pipelines ---------------------------------------------------------------------------------
+
+def _bubble_formula(s) -> str:
+    p, m, v = s.p, s.m, s.v
+    if s.name in ("gpipe", "1f1b"):
+        return f"(p−1)/(m+p−1) = {(p - 1) / (m + p - 1):.4f}"
+    if s.name == "interleaved":
+        return f"(p−1)/(v·m+p−1) = {(p - 1) / (v * m + p - 1):.4f}"
+    if s.name == "zero_bubble":
+        return f"ZB-H1 with F = B = W: (p−1)/(3m+p−1) = {(p - 1) / (3 * m + p - 1):.4f}"
+    return "(a custom schedule: no closed form)"
+
+
+def explain_pipeline(pm) -> str:
+    ctx, s = pm.ctx, pm.schedule
+    lines = [f"autopar plan: {pm.plan} on {pm.mesh} (this is rank {pm.mesh.rank}, pp index {pm.pp_index})"]
+    lines += [f"  {note}" for note in ctx.notes]
+    lines.append(f"\npipeline: {len(ctx.stages)} stages over pp={s.p} ({s.v} per rank), {s.m} micro-batches of "
+                 f"{ctx.microbatch_rows} rows; cut by forward FLOPs within {5}% of the best balance, then "
+                 "fewest activation bytes crossing")
+    for spec in ctx.stages:
+        lines.append(f"  rank {spec.index % s.p}: {spec}")
+    sim = pm.simulate()
+    lines.append(f"\nschedule {s.name} (this rank: {' '.join(str(a) for a in s.ranks[pm.pp_index])})")
+    lines.append(f"  simulated bubble (unit costs) {sim.bubble_fraction():.4f}; formula {_bubble_formula(s)}")
+    if pm.timeline:
+        busy = sum(b - a for _, a, b in pm.timeline)
+        lines.append(f"  last step on this rank: {pm.step_time * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms "
+                     f"({1 - busy / pm.step_time:.3f} idle)")
+    sent = {k: v for k, v in (pm.comm_stats.bytes.items() if pm.comm_stats else []) if k[0] == "pp"}
+    for (axis, k, phase), v in sorted(sent.items()):
+        lines.append(f"  sent point to point, {phase}: {_mb(v)} in {pm.comm_stats.calls[(axis, k, phase)]} messages")
+    for k, st in pm.stages.items():
+        lines.append(f"\n---- stage {k} ----")
+        lines.append(st.explain())
+    return "\n".join(lines)
+
+
+def dump_pipeline(pm, path: str) -> list[str]:
+    """``dump`` plus the schedule (text, SVG picture of the simulated timeline) and a Chrome trace
+    of the last measured step (trace.json, every pipeline rank; collective over pp)."""
+    import json
+    written = dump(pm, path)
+    sim = pm.simulate()
+    files = {"schedule.txt": f"{pm.schedule}\n\nsimulated (unit costs):\n{sim.to_text()}\n",
+             "schedule.svg": sim.to_svg(),
+             "schedule_trace.json": json.dumps(sim.chrome_trace())}
+    trace = pm.measured_trace()
+    if any(e.get("ph") == "X" for e in trace["traceEvents"]):
+        files["trace.json"] = json.dumps(trace)
+    for name, text in files.items():
+        fn = os.path.join(path, name)
+        with open(fn, "w") as f:
+            f.write(text)
+        written.append(fn)
     return written

@@ -89,7 +89,19 @@ class PipelineModule(DistributedModule):
         start = time.time()
         self.timeline = []
         try:
-            for a in self._actions:
+            acts = self._actions
+            posted = 0
+            for i, a in enumerate(acts):
+                if a.kind in ("F", "B", "W"):
+                    # post the receives up to the next compute action now: the transfer runs
+                    # while this action computes instead of after it
+                    nxt = next((j for j in range(i + 1, len(acts)) if acts[j].kind in ("F", "B", "W")), len(acts))
+                    for j in range(max(posted, i + 1), nxt):
+                        if acts[j].kind.startswith("RECV") and self._can_post(acts[j], state):
+                            self._run(acts[j], state, flat_in, flat_t, t_spec, loss_fn)
+                    posted = max(posted, nxt)
+                elif a.kind.startswith("RECV") and (a.kind, a.stage, a.mb) in state.posted:
+                    continue
                 self._run(a, state, flat_in, flat_t, t_spec, loss_fn)
             for w in state.sends:
                 w.wait()
@@ -118,6 +130,8 @@ class PipelineModule(DistributedModule):
     def _run(self, a: Action, s: "_StepState", flat_in, flat_t, t_spec, loss_fn):
         st = self.stages[str(a.stage)]
         spec = self.ctx.stages[a.stage]
+        if a.kind.startswith("RECV"):
+            s.posted.add((a.kind, a.stage, a.mb))
         if a.kind == "RECV_F":
             shapes = self.stage_ctx[a.stage].input_shapes[len(spec.graph_inputs):]
             dtypes = self.stage_ctx[a.stage].input_dtypes[len(spec.graph_inputs):]
@@ -134,14 +148,22 @@ class PipelineModule(DistributedModule):
             grads = s.input_grads.pop((a.stage, a.mb))
             s.sends += self._isend(1, Action(a.stage - 1, "B", a.mb), grads, a.stage - 1)
         else:
+            key = (a.kind, a.stage, a.mb)     # waiting for a message is idle time, not compute
+            got = self._take(s, key) if key in s.recv else None
             t0 = time.time()
             if a.kind == "F":
-                self._forward(a, st, spec, s, flat_in, flat_t, t_spec, loss_fn)
+                self._forward(a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn)
             elif a.kind == "B":
-                self._backward(a, st, spec, s)
+                self._backward(a, st, spec, s, got)
             else:
                 getattr(st.module, STASH).run(a.mb)
             self.timeline.append((str(a), t0, time.time()))
+
+    @staticmethod
+    def _can_post(a, s) -> bool:
+        """A gradient's receive buffer takes the shapes of the stage's outputs: known once its
+        forward ran (always, before the backward that needs it)."""
+        return a.kind == "RECV_F" or (a.stage, a.mb) in s.outputs
 
     def _irecv(self, kind, a, shapes, dtypes, peer_stage):
         bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
@@ -169,12 +191,9 @@ class PipelineModule(DistributedModule):
             w.wait()
         return bufs
 
-    def _forward(self, a, st, spec, s, flat_in, flat_t, t_spec, loss_fn):
+    def _forward(self, a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn):
         args = [flat_in[a.mb][i] for i in spec.graph_inputs]
-        received = []
-        if spec.inputs:
-            for t in self._take(s, ("F", a.stage, a.mb)):
-                received.append(t.requires_grad_(True) if t.is_floating_point() else t)
+        received = [t.requires_grad_(True) if t.is_floating_point() else t for t in (got or [])]
         out = st(*args, *received)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         s.inputs[(a.stage, a.mb)] = received
@@ -187,12 +206,12 @@ class PipelineModule(DistributedModule):
         else:
             s.outputs[(a.stage, a.mb)] = outs
 
-    def _backward(self, a, st, spec, s):
+    def _backward(self, a, st, spec, s, got):
         outs = s.outputs.pop((a.stage, a.mb))
         if a.stage == self.schedule.n_stages - 1:
             grads = [None]
         else:
-            got = iter(self._take(s, ("B", a.stage, a.mb)))
+            got = iter(got)
             grads = [next(got) if o.is_floating_point() else None for o in outs]
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         stash = getattr(st.module, STASH, None)
@@ -353,6 +372,7 @@ class _StepState:
     def __init__(self, m):
         self.m = m
         self.recv: dict = {}
+        self.posted: set = set()
         self.sends: list = []
         self.inputs: dict = {}
         self.outputs: dict = {}

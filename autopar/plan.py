@@ -35,7 +35,9 @@ class Plan:
     layout of everything else is found from the graph around them."""
     pp_schedule: Optional[str] = None
     """Pipeline schedule over the ``pp`` axis: one of ``gpipe``, ``1f1b``, ``interleaved``,
-    ``zero_bubble``; None means no pipeline."""
+    ``zero_bubble``, or a user's own action list in the printed form of
+    ``autopar.schedule.Schedule`` (``"rank 0: 0F0 0F1 0B0 0B1\nrank 1: ..."``); None means
+    no pipeline."""
     microbatches: int = 1
     """Micro-batches per step for the pipeline schedule (the dp slice of the batch is split
     into this many equal parts along dim 0)."""
@@ -71,8 +73,7 @@ class Plan:
         if self.tp_layout and not self.tp:
             raise ValueError("Plan(tp_layout=...) needs tp=True")
         if self.pp_schedule is not None and self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) is unknown; expected one of "
-                             f"{PP_SCHEDULES} or None")
+            self._check_custom_schedule()
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"Plan(microbatches={self.microbatches!r}) must be a positive integer")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
@@ -92,6 +93,18 @@ class Plan:
                              "integer or None")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"Plan(bucket_bytes={self.bucket_bytes!r}) must be a positive integer")
+
+    def _check_custom_schedule(self) -> None:
+        from .schedule import Schedule
+        if not isinstance(self.pp_schedule, str) or "rank" not in self.pp_schedule:
+            raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) is unknown; expected one of "
+                             f"{PP_SCHEDULES}, None, or a schedule's text form ('rank 0: 0F0 0F1 0B0 ...')")
+        s = Schedule.parse(self.pp_schedule)
+        s.validate()
+        if (s.m, s.v) != (self.microbatches, self.virtual_stages):
+            raise ValueError(f"the custom schedule runs {s.m} micro-batches and {s.v} stages per rank, but "
+                             f"the plan says microbatches={self.microbatches}, virtual_stages="
+                             f"{self.virtual_stages}; make them agree")
 
     def axes_used(self) -> tuple[str, ...]:
         """The mesh axes this plan gives a role to."""

@@ -13,7 +13,7 @@ The cut is chosen in two steps (stage cost = forward FLOPs, ``cost.compute.node_
     1. T* = the smallest possible cost of the most expensive stage (dynamic program over
        the legal cuts: between two nodes where only tensors cross);
     2. among the partitions whose every stage costs at most T*·(1 + BALANCE_SLACK), the one
-       where the fewest activation bytes cross the cuts.
+       where the fewest activation bytes cross the cuts (ties: the better balanced).
 
 Both respect a per-stage memory limit (``Plan.stage_memory_bytes``): the stage's parameters,
 gradients and optimizer state (the plan's ZeRO formula over the dp axis) plus the activations
@@ -35,7 +35,7 @@ from autopar.context import CompileContext
 from autopar.cost import evaluate, zero_memory_bytes
 from autopar.cost.compute import node_flops, value_bytes
 
-BALANCE_SLACK = 0.05
+BALANCE_SLACK = 0.10
 
 
 @dataclass(frozen=True)
@@ -149,9 +149,10 @@ def _choose_cuts(cost, cross, legal, mem, n_stages, limit):
 
     def solve(cap):
         """DP over legal cuts: (min over partitions of the largest stage cost) when cap is None,
-        else the fewest crossing bytes with every stage cost <= cap. Returns (value, cuts)."""
+        else the fewest crossing bytes (then the smallest largest stage) with every stage cost
+        <= cap. Returns (value, cuts)."""
         inf = float("inf")
-        best = {0: (0.0, [])}
+        best = {0: ((0.0, 0.0) if cap is not None else 0.0, [])}
         for _ in range(n_stages):
             nxt = {}
             for i, (val, cuts) in best.items():
@@ -166,7 +167,7 @@ def _choose_cuts(cost, cross, legal, mem, n_stages, limit):
                     if not good:
                         continue
                     j = int(j)
-                    new = max(val, s) if cap is None else val + (cross[j] if j < n else 0.0)
+                    new = max(val, s) if cap is None else (val[0] + (cross[j] if j < n else 0.0), max(val[1], s))
                     if j not in nxt or new < nxt[j][0]:
                         nxt[j] = (new, cuts + [j])
             best = nxt

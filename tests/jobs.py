@@ -519,3 +519,103 @@ def parity_small_tp():
     mesh, plan = autopar.Mesh(tp=dist.get_world_size()), autopar.Plan(tp=True)
     return {"cumsum": parity(CumsumMLP, mesh, plan, (x,), y, mse),
             "row_then_column": parity(RowThenColumn, mesh, plan, (x,), y, mse)}
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------------
+
+class SkipMLP(torch.nn.Module):
+    """A long skip connection: the first activation is read again by the last layer, so a
+    pipeline passes it through every stage in between."""
+
+    def __init__(self, d=24, layers=6):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        x0 = torch.tanh(self.inp(x))
+        h = x0
+        for lin in self.layers:
+            h = h + torch.tanh(lin(h))
+        return self.out(h + x0)
+
+
+def _report(rep, label):
+    return {"label": label, "ok": rep.ok, "loss_err": rep.loss_err, "grad_err": rep.grad_err,
+            "param_err": rep.param_err, "losses": rep.losses, "ref_losses": rep.ref_losses,
+            "messages": rep.messages}
+
+
+def parity_pp(configs):
+    """Parity of pipelined plans: ``configs`` = [(model, mesh axes, plan kwargs), ...]."""
+    torch.set_num_threads(1)
+    out = []
+    for model, axes, kw in configs:
+        mesh = autopar.Mesh(**axes)
+        plan = autopar.Plan(**kw)
+        if model == "gpt":
+            c = GPTConfig(layers=4)
+            x, t = gpt_batch(c, 16)
+            rep = parity(lambda: TinyGPT(c), mesh, plan, (x,), t, _lm)
+        else:
+            torch.manual_seed(1)
+            x, t = torch.randn(16, 24), torch.randn(16, 24)
+            rep = parity(lambda: SkipMLP(), mesh, plan, (x,), t, F.mse_loss)
+        out.append(_report(rep, f"{model} {mesh} {plan}"))
+    return out
+
+
+def _lm(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class HeavyMLP(torch.nn.Module):
+    """Identical wide layers: stages of equal, measurable compute (for the bubble)."""
+
+    def __init__(self, d=768, layers=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def pp_bubble(schedules, m=4, rows=256, steps=7):
+    """Measured per-rank timeline of pipelined steps: bubble = 1 - busy / makespan per rank,
+    makespan from the first compute start to the last compute end over the pipeline's ranks
+    (one wall clock: the processes share the machine). The median of ``steps`` steps after a
+    warm-up step is kept."""
+    torch.set_num_threads(1)
+    p = dist.get_world_size()
+    torch.manual_seed(0)
+    # the input asks for its gradient, so that the first stage's backward does the same work
+    # as the last one's (the formula assumes equal stages)
+    x, t = torch.randn(rows * m, 768).requires_grad_(True), torch.randn(rows * m, 768)
+    out = {}
+    for name in schedules:
+        dm = autopar.compile(HeavyMLP(), autopar.Mesh(pp=p), example_inputs=(x,),
+                             plan=autopar.Plan(pp_schedule=name, microbatches=m))
+        opt = torch.optim.SGD(dm.parameters(), lr=1e-4)
+        samples = []
+        for step in range(steps + 1):
+            dist.barrier()
+            opt.zero_grad()
+            dm.train_step((x,), t, F.mse_loss)
+            opt.step()
+            rows_ = [None] * p
+            dist.all_gather_object(rows_, dm.timeline)
+            if step == 0:
+                continue
+            start = min(a for tl in rows_ for _, a, _ in tl)
+            end = max(b for tl in rows_ for _, _, b in tl)
+            bubbles = [1 - sum(b - a for _, a, b in tl) / (end - start) for tl in rows_]
+            samples.append({"bubble": sum(bubbles) / p, "per_rank": bubbles, "makespan": end - start})
+        samples.sort(key=lambda r: r["bubble"])
+        best = dict(samples[len(samples) // 2])      # the median step
+        best["all"] = [r["bubble"] for r in samples]
+        best["trace"] = dm.measured_trace()
+        out[name] = best
+    return out

@@ -1,0 +1,243 @@
+"""Pipeline parallelism: the stage split, parity of every schedule on real processes (alone
+and inside a 3-D mesh with ZeRO and tensor parallelism), the measured bubble, the dump and
+the errors.
+
+Parity tolerance is ``autopar.testing.parity``'s (fp32, scaled error <= 1 at rtol 1e-4,
+atol 1e-5, 1e-6 for gradients): a pipeline sums the micro-batches' gradients in another
+order than one full-batch backward, which leaves relative differences of about 1e-7.
+"""
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+import autopar
+from autopar.capture import capture
+from autopar.context import CompileContext
+from autopar.models import GPTConfig, TinyGPT, gpt_batch
+from autopar.passes import pipeline
+from autopar.schedule import ScheduleDeadlock, build_schedule
+from autopar.testing import run
+
+import jobs
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+
+
+def _check(reports):
+    for per_rank in reports:
+        for r in per_rank:
+            assert r["ok"], (f"{r['label']}: loss {r['loss_err']:.3g} grad {r['grad_err']:.3g} "
+                             f"param {r['param_err']:.3g} {r['messages']}")
+            assert len(r["losses"]) == 3 and r["ref_losses"][-1] < r["ref_losses"][0]
+
+
+def _configs(model, axes, schedules, ms, **extra):
+    return [(model, axes, dict(pp_schedule=s, microbatches=m, virtual_stages=v, **extra))
+            for s, v in schedules for m in ms]
+
+
+# ---- parity on real processes ---------------------------------------------------------------
+
+@pytest.mark.timeout(500)
+def test_parity_every_schedule_pp2():
+    """GPT with tied embedding/head (summed over the first and last stage), pp=2, m=4 and 8."""
+    _check(run(jobs.parity_pp, 2, _configs("gpt", {"pp": 2}, SCHEDULES, (4, 8)), timeout=450))
+
+
+@pytest.mark.timeout(600)
+def test_parity_every_schedule_pp4():
+    """pp=4, m=4 and 8 (interleaved: 8 stages); the skip-connection MLP passes its first
+    activation through the middle stages."""
+    configs = _configs("gpt", {"pp": 4}, SCHEDULES, (4, 8)) + _configs("skip", {"pp": 4}, [("1f1b", 1)], (4,))
+    _check(run(jobs.parity_pp, 4, configs, timeout=550))
+
+
+@pytest.mark.timeout(500)
+def test_parity_pp2_dp2_every_zero_mode():
+    configs = [("gpt", {"pp": 2, "dp": 2}, dict(dp=mode, pp_schedule=s, microbatches=4, virtual_stages=v))
+               for mode, (s, v) in zip(jobs.MODES, SCHEDULES)]
+    _check(run(jobs.parity_pp, 4, configs, timeout=450))
+
+
+@pytest.mark.timeout(600)
+def test_parity_3d_mesh_pp2_dp2_tp2():
+    """Mesh(pp=2, dp=2, tp=2) on 8 processes: ZeRO and tensor (and sequence) parallelism inside
+    each stage."""
+    axes = {"pp": 2, "dp": 2, "tp": 2}
+    configs = [("gpt", axes, dict(dp="zero2", tp=True, pp_schedule="1f1b", microbatches=4)),
+               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4))]
+    _check(run(jobs.parity_pp, 8, configs, timeout=550))
+
+
+@pytest.mark.timeout(300)
+def test_custom_schedule_parity():
+    """A user's own action list (GPipe with backward in reverse micro-batch order)."""
+    text = "rank 0: 0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0\nrank 1: 1F0 1F1 1F2 1F3 1B3 1B2 1B1 1B0"
+    _check(run(jobs.parity_pp, 2, [("gpt", {"pp": 2}, dict(pp_schedule=text, microbatches=4))], timeout=250))
+
+
+# ---- bubble ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_measured_bubble_matches_formula():
+    """Two stages of equal compute (one process each, one thread), m=4: GPipe and 1F1B idle
+    (p−1)/(m+p−1) = 0.2 of the step; zero-bubble less than 1F1B."""
+    res = run(jobs.pp_bubble, 2, ("gpipe", "1f1b", "zero_bubble"), timeout=250)[0]
+    formula = 1 / 5
+    for name in ("gpipe", "1f1b"):
+        assert abs(res[name]["bubble"] - formula) <= 0.05, (name, res[name]["bubble"], res[name]["per_rank"])
+    assert res["zero_bubble"]["bubble"] < res["1f1b"]["bubble"], {k: v["bubble"] for k, v in res.items()}
+    trace = res["zero_bubble"]["trace"]
+    json.dumps(trace)
+    kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert kinds == {"F", "B", "W"}
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+
+
+# ---- the stage split (no processes) ---------------------------------------------------------------
+
+def _split(model, inputs, p, v=1, schedule="1f1b", **plan):
+    ctx = CompileContext(mesh=autopar.Mesh(pp=p, virtual=True),
+                         plan=autopar.Plan(pp_schedule=schedule if v == 1 else "interleaved",
+                                           microbatches=max(p, 4), virtual_stages=v, **plan))
+    ctx.microbatch_rows = inputs[0].shape[0]
+    gm = capture(model, inputs, {}, ctx)
+    top = pipeline(gm, ctx)
+    return top, ctx
+
+
+def test_gpt_split_cuts_between_blocks_and_counts_embedding_and_head():
+    c = GPTConfig(layers=6)
+    x, _ = gpt_batch(c, 4)
+    top, ctx = _split(TinyGPT(c), (x,), 4)
+    residual = 4 * c.seq * c.dim * 4
+    assert [s.send_bytes for s in ctx.stages] == [residual] * 3 + [0]       # only the residual crosses
+    flops = [s.flops for s in ctx.stages]
+    assert max(flops) <= 1.3 * sum(flops) / 4                               # balanced with embedding and head
+    assert "wte.weight" in ctx.stages[0].params and "wte.weight" in ctx.stages[-1].params   # tied: both ends
+    for k in range(4):
+        sub = top.get_submodule(f"stage_{k}")
+        assert isinstance(sub, torch.fx.GraphModule)
+        sub.graph.lint()
+    # the stages run in one process compute the model
+    model = TinyGPT(c)
+    top, _ = _split(model, (x,), 4)
+    torch.testing.assert_close(top(x)[0], model(x))
+
+
+class _Uneven(torch.nn.Module):
+    """Six narrow layers then two wide ones: counting modules would put the wide pair in one
+    of two stages with two narrow layers (nine tenths of the work); FLOPs split the pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrow = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(6))
+        self.up, self.down = torch.nn.Linear(32, 1024), torch.nn.Linear(1024, 32)
+
+    def forward(self, x):
+        for lin in self.narrow:
+            x = torch.relu(lin(x))
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_split_balances_flops_not_modules():
+    top, ctx = _split(_Uneven(), (torch.randn(8, 32),), 2)
+    first, second = ctx.stages
+    # up and down cost 8x as much as all narrow layers together: the cut falls between them
+    # (one module in the second stage, eight in the first), though a wide activation crosses
+    assert second.params == ("down.weight", "down.bias")
+    assert max(first.flops, second.flops) < 1.2 * min(first.flops, second.flops)
+    assert first.send_bytes == 8 * 1024 * 4
+
+
+class _Bottleneck(torch.nn.Module):
+    """Blocks widening 32 -> 256 -> 32: a cut inside a block would send 8x the bytes."""
+
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.up = torch.nn.ModuleList(torch.nn.Linear(32, 256) for _ in range(blocks))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(256, 32) for _ in range(blocks))
+
+    def forward(self, x):
+        for u, d in zip(self.up, self.down):
+            x = x + d(torch.relu(u(x)))
+        return x
+
+
+def test_split_cuts_where_fewest_bytes_cross():
+    _, ctx = _split(_Bottleneck(), (torch.randn(8, 32),), 2, v=2)
+    assert all(s.send_bytes == 8 * 32 * 4 for s in ctx.stages[:-1])
+
+
+def test_stage_memory_limit():
+    x = torch.randn(8, 32)
+    _, ctx = _split(_Bottleneck(), (x,), 2, stage_memory_bytes=10 << 20)
+    assert len(ctx.stages) == 2
+    with pytest.raises(ValueError, match="stage_memory_bytes"):
+        _split(_Bottleneck(), (x,), 2, stage_memory_bytes=1000)
+
+
+# ---- schedules, plans and errors --------------------------------------------------------------------
+
+def test_plan_fields_and_errors():
+    plan = autopar.Plan(pp_schedule="interleaved", microbatches=8, virtual_stages=2)
+    assert autopar.Plan.parse(str(plan)) == plan
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        autopar.Plan(pp_schedule="interleaved", microbatches=4)
+    with pytest.raises(ValueError, match="interleaved"):
+        autopar.Plan(pp_schedule="1f1b", microbatches=4, virtual_stages=2)
+    with pytest.raises(ValueError, match="need a pipeline schedule"):
+        autopar.Plan(microbatches=4)
+
+
+def _compile_virtual(plan, batch=8, **axes):
+    c = GPTConfig(layers=4)
+    x, _ = gpt_batch(c, batch)
+    return autopar.compile(TinyGPT(c), autopar.Mesh(virtual=True, **axes), example_inputs=(x,), plan=plan)
+
+
+def test_microbatches_that_do_not_fit_are_an_error():
+    with pytest.raises(ValueError, match="m >= p"):
+        _compile_virtual(autopar.Plan(pp_schedule="1f1b", microbatches=2), pp=4)
+    with pytest.raises(ValueError, match="divisible|multiple of|% p|m % p"):
+        _compile_virtual(autopar.Plan(pp_schedule="interleaved", microbatches=6, virtual_stages=2), batch=12, pp=4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _compile_virtual(autopar.Plan(pp_schedule="gpipe", microbatches=4), batch=12, pp=2, dp=2)
+
+
+def test_deadlocking_custom_schedule_is_refused_at_compile():
+    text = "rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0"    # each rank waits for the other
+    with pytest.raises(ScheduleDeadlock, match="rank"):
+        _compile_virtual(autopar.Plan(pp_schedule=text, microbatches=2), pp=2)
+
+
+def test_simulated_bubbles():
+    for p, m in ((2, 4), (4, 8)):
+        gpipe = build_schedule("gpipe", p, m)
+        assert str(gpipe).startswith("rank 0: 0F0")
+        from autopar.schedule import simulate
+        assert simulate(gpipe).bubble_fraction() == pytest.approx((p - 1) / (m + p - 1))
+        assert simulate(build_schedule("zero_bubble", p, m)).bubble_fraction() < \
+            simulate(build_schedule("1f1b", p, m)).bubble_fraction()
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_dump_writes_schedule_picture_and_stages(tmp_path, schedule, v):
+    dm = _compile_virtual(autopar.Plan(pp_schedule=schedule, microbatches=4, virtual_stages=v), pp=2)
+    files = {p.split("/")[-1] for p in dm.dump(str(tmp_path))}
+    assert {"schedule.svg", "schedule.txt", "schedule_trace.json", "explain.txt"} <= files
+    svg = ET.parse(tmp_path / "schedule.svg").getroot()
+    rects = [e for e in svg.iter() if e.tag.endswith("rect") and e.get("class") == "action"]
+    per_mb = 3 if schedule == "zero_bubble" else 2
+    assert len(rects) == 2 * v * 4 * per_mb                    # every F, B (and W) of every stage
+    text = (tmp_path / "schedule.txt").read_text()
+    assert text.startswith("rank 0:")
+    stages = [f for f in files if f.endswith("_pipeline.txt")]
+    assert stages and "---- stage 1 ----" in (tmp_path / stages[0]).read_text()
+    assert any(f.endswith("stage0_emit.py") for f in files)
+    explain = dm.explain()
+    assert "pipeline: " in explain and "simulated bubble" in explain
+    if schedule == "zero_bubble":
+        assert "matmuls compute their weight gradient in W" in explain
