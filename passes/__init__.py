@@ -6,4 +6,4 @@ from .localize import localize
 from .sequence_parallel import sequence_parallel
 from .pipeline import pipeline
 
-__all__ = ["shard", "collectives", "localize", "sequence_parallel"]
+__all__ = ["shard", "collectives", "localize", "sequence_parallel", "pipeline"]

@@ -187,7 +187,6 @@ def _choose_cuts(cost, cross, legal, mem, n_stages, limit):
 
 def _stage_graph(gm, k, nodes, pos, bounds, placeholders, output, n_stages, cost):
     lo, hi = bounds[k], bounds[k + 1]
-    inside = set(nodes)
     last = k == n_stages - 1
     # values this stage reads that an earlier stage made, and values it must pass on
     received = []
