@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from . import meta, passes
 from .capture import capture
+from .comm import CommStats
 from .context import CompileContext
 from .explain import graph_text
 from .mesh import Mesh
@@ -128,21 +129,20 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
     ctx.snapshots.append(("pipeline", top.code + "".join(
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = [name for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1]
-    stages, stage_ctx = {}, {}
+    stages, stage_ctx, stats = {}, {}, CommStats()
     for spec in ctx.stages:
         if spec.index % p != mesh.coordinate("pp"):
             continue
         sctx = _stage_context(ctx, spec, top.get_submodule(f"stage_{spec.index}"), shared)
         sgm = _layout_passes(top.get_submodule(f"stage_{spec.index}"), sctx, prefix=f"stage{spec.index}_")
-        dm = emit(sgm, model, sctx)
+        dm = emit(sgm, model, sctx, stats)
         if schedule.split_backward:
             n_split = split_weight_grads(dm.module, _batch_free(dm.module))
             sctx.notes.append(f"zero-bubble: {n_split} matmuls compute their weight gradient in W")
-        ctx.snapshots += [(f"stage{spec.index}_{name}", text) for name, text in sctx.snapshots
-                          if not name.startswith("stage")]
+        ctx.snapshots += sctx.snapshots       # stage<k>_shard, stage<k>_collectives, ...
         ctx.snapshots.append((f"stage{spec.index}_emit", dm.module.code))
         stages[spec.index], stage_ctx[spec.index] = dm, sctx
-    pm = PipelineModule(stages, ctx, schedule, stage_ctx)
+    pm = PipelineModule(stages, ctx, schedule, stage_ctx, stats)
     del gm, top
     gc.collect()
     return pm

@@ -194,12 +194,13 @@ def _bubble_formula(s) -> str:
 
 
 def explain_pipeline(pm) -> str:
+    from autopar.passes.pipeline import BALANCE_SLACK
     ctx, s = pm.ctx, pm.schedule
     lines = [f"autopar plan: {pm.plan} on {pm.mesh} (this is rank {pm.mesh.rank}, pp index {pm.pp_index})"]
     lines += [f"  {note}" for note in ctx.notes]
     lines.append(f"\npipeline: {len(ctx.stages)} stages over pp={s.p} ({s.v} per rank), {s.m} micro-batches of "
-                 f"{ctx.microbatch_rows} rows; cut by forward FLOPs within {5}% of the best balance, then "
-                 "fewest activation bytes crossing")
+                 f"{ctx.microbatch_rows} rows; cut by forward FLOPs within {BALANCE_SLACK:.0%} of the best "
+                 "balance, then where the fewest activation bytes cross")
     for spec in ctx.stages:
         lines.append(f"  rank {spec.index % s.p}: {spec}")
     sim = pm.simulate()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .comm import CommStats
 from .runtime import DistributedModule, slice_batch
 from .schedule import Action, Schedule, lower, simulate
 from .wsplit import STASH
@@ -34,7 +35,8 @@ __all__ = ["PipelineModule"]
 class PipelineModule(DistributedModule):
     """This rank's pipeline stages (``stages["<k>"]``, each a compiled ``DistributedModule``)."""
 
-    def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule, stage_ctx: dict):
+    def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule, stage_ctx: dict,
+                 stats: CommStats):
         nn.Module.__init__(self)
         self.ctx, self.plan, self.mesh = ctx, ctx.plan, ctx.mesh
         self.schedule = schedule
@@ -51,7 +53,7 @@ class PipelineModule(DistributedModule):
                 self._holders.setdefault(name, []).append(spec.index)
         self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
         self._optimizer = None
-        self.comm_stats = next(iter(self.stages.values())).comm_stats if self.stages else None
+        self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -180,7 +182,7 @@ class PipelineModule(DistributedModule):
                 for j, t in enumerate(tensors)]
 
     def _count(self, kind, tensors, send=False):
-        if send and self.comm_stats is not None:
+        if send:
             phase = "forward" if kind == 0 else "backward"
             self.comm_stats.record("pp", "send", phase, "activations" if kind == 0 else "gradients",
                                    sum(t.numel() * t.element_size() for t in tensors))
@@ -248,6 +250,7 @@ class PipelineModule(DistributedModule):
                     continue
                 peer = self.mesh.rank + (r - self.pp_index) * self._pp_stride
                 works.append(dist.isend(local.contiguous(), dst=peer, tag=9_000_000 + r))
+                self.comm_stats.record("pp", "send", "tied", name, local.numel() * local.element_size())
                 buf = torch.empty_like(local)
                 works.append(dist.irecv(buf, src=peer, tag=9_000_000 + self.pp_index))
                 bufs.append(buf)

@@ -30,11 +30,12 @@ def _attr(obj, dotted: str):
     return operator.attrgetter(dotted)(obj)
 
 
-def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> "DistributedModule":
+def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
+         stats: CommStats | None = None) -> "DistributedModule":
     from autopar.passes.collectives import COMM_TP, REPLICAS, SYNC, shard_specs
     mode = ctx.plan.dp
     specs = shard_specs(ctx)
-    stats = CommStats()
+    stats = stats if stats is not None else CommStats()   # pipeline stages share one counter
     comm = _axis_comm(ctx, "dp", stats)
     tp_comm = _axis_comm(ctx, "tp", stats) if ctx.plan.tp else None
     if ctx.plan.sp:   # column inputs are saved as sequence shards, gathered again in backward

@@ -78,6 +78,19 @@ def test_custom_schedule_parity():
     _check(run(jobs.parity_pp, 2, [("gpt", {"pp": 2}, dict(pp_schedule=text, microbatches=4))], timeout=250))
 
 
+@pytest.mark.timeout(200)
+def test_point_to_point_bytes():
+    """Each step sends the residual stream of every micro-batch forward across each cut, and its
+    gradient backward: b·s·h·4 B per cut and direction (b the whole batch)."""
+    r0, r1 = run(jobs.pp_bytes, 2, timeout=150)
+    residual = r0["residual_bytes"]
+    assert r0["stage_sends"] == [residual // 4, 0]            # one micro-batch crosses the cut
+    tied = 67 * 32 * 4                                         # wte.weight's gradient, each way
+    assert r0["bytes"] == {("pp", "send", "forward"): residual, ("pp", "send", "tied"): tied}
+    assert r1["bytes"] == {("pp", "send", "backward"): residual, ("pp", "send", "tied"): tied}
+    assert r0["calls"][("pp", "send", "forward")] == 4
+
+
 # ---- bubble ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
