@@ -104,6 +104,9 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
     from .schedule import Schedule, build_schedule, simulate
     mesh, plan = ctx.mesh, ctx.plan
     p, m, v, n = mesh.axis_size("pp"), plan.microbatches, plan.virtual_stages, mesh.axis_size("dp")
+    if p == 1 and v > 1:
+        raise ValueError(f"{mesh} runs every stage on one rank: virtual_stages={v} needs a pp axis of 2 "
+                         "or more ranks")
     if plan.pp_schedule in PP_SCHEDULES:     # a micro-batch count that does not fit fails here
         schedule = build_schedule(plan.pp_schedule, p, m, v)
     else:

@@ -60,6 +60,9 @@ class PipelineModule(DistributedModule):
         return self.mesh.rank + (stage % self.p - self.pp_index) * self._pp_stride
 
     def _tag(self, kind: int, stage: int, mb: int, j: int) -> int:
+        if j >= 64:
+            raise NotImplementedError(f"stage {stage} exchanges more than 64 tensors per micro-batch; "
+                                      "autopar's message tags allow 64: cut the model elsewhere")
         return ((kind * self.schedule.n_stages + stage) * self.schedule.m + mb) * 64 + j
 
     # ---- the step --------------------------------------------------------------------------
@@ -242,7 +245,10 @@ class PipelineModule(DistributedModule):
             if not mine:
                 continue
             params = [self.stages[str(k)].module.get_parameter(name) for k in mine]
-            local = sum(p.grad for p in params if p.grad is not None)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            local = sum(p.grad for p in params)
             total = local.clone()
             works, bufs = [], []
             for r in ranks:
