@@ -1,6 +1,7 @@
 """Rank functions for the distributed tests (module level, so spawned processes import them)."""
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import tempfile
@@ -639,3 +640,27 @@ def pp_bytes(m=4):
     return {"bytes": {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "pp"},
             "calls": {k: v for k, v in dm.comm_stats.calls.items() if k[0] == "pp"},
             "residual_bytes": 8 * c.seq * c.dim * 4, "stage_sends": [s.send_bytes for s in dm.ctx.stages]}
+
+
+def pp_clip_and_state(plan_kwargs):
+    """clip_grad_norm_, full_grads and load/full_state_dict of a pipelined module against the
+    single-device model (the norm over every stage, tied weight counted once)."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=4)
+    x, t = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    ref = TinyGPT(c)
+    mesh = autopar.Mesh(pp=2, dp=dist.get_world_size() // 2)
+    dm = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=(x,), plan=autopar.Plan(**plan_kwargs))
+    _lm(ref(x), t).backward()
+    norm_ref = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+    dm.train_step((dm.shard_batch(x),), dm.shard_batch(t), _lm)
+    norm = float(dm.clip_grad_norm_(0.1))
+    grads = dm.full_grads()
+    grad_err = max(float((grads[k] - p.grad).abs().max()) for k, p in ref.named_parameters())
+    state = dm.full_state_dict()
+    dm.load_full_state_dict({k: v * 2 for k, v in state.items()})
+    again = dm.full_state_dict()
+    load_err = max(float((again[k] - 2 * state[k]).abs().max()) for k in state)
+    return {"norm": norm, "norm_ref": norm_ref, "grad_err": grad_err, "load_err": load_err,
+            "keys": sorted(state) == sorted(ref.state_dict())}

@@ -91,6 +91,16 @@ def test_point_to_point_bytes():
     assert r0["calls"][("pp", "send", "forward")] == 4
 
 
+@pytest.mark.timeout(200)
+def test_clip_full_grads_and_state_dict_across_stages():
+    """pp=2 x dp=2, ZeRO-3, interleaved: the clipped norm is the single-device model's, full
+    gradients (after clipping) match, and a loaded state dict round-trips."""
+    plan = dict(dp="zero3", pp_schedule="interleaved", microbatches=2, virtual_stages=2)
+    for r in run(jobs.pp_clip_and_state, 4, plan, timeout=150):
+        assert r["norm"] == pytest.approx(r["norm_ref"], rel=1e-5)
+        assert r["grad_err"] < 1e-6 and r["load_err"] == 0 and r["keys"]
+
+
 # ---- bubble ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
