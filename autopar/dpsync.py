@@ -248,8 +248,14 @@ class DataParallelSync(nn.Module):
         as one backward would (members without a gradient send zeros)."""
         if not self.buckets:
             return
-        self._begin_backward(queue=False)
         acc, self._acc = self._acc, {}
+        if self.mode == "ddp" and self.comm.size == 1:   # nothing to reduce: hand them over
+            for name in self.bucket_of:
+                p, g = self._params[name], acc.pop(name, None)
+                g = torch.zeros_like(p) if g is None else g
+                p.grad = g if p.grad is None else p.grad.add_(g)
+            return
+        self._begin_backward(queue=False)
         for bi, b in enumerate(self.buckets):
             self.add_bucket(bi, [acc.pop(n, None) for n in b.names])
         self._finish_backward()
