@@ -78,6 +78,7 @@ class DataParallelSync(nn.Module):
         # and are reduced once, by flush_deferred, at the end of the step
         self.defer = False
         self._acc: dict[str, torch.Tensor] = {}
+        self._acc_owned: set[str] = set()
         self.events: list[tuple[str, object]] = []
         self.record_versions()
 
@@ -239,9 +240,18 @@ class DataParallelSync(nn.Module):
             self._launch_ready()
 
     def _accumulate(self, name: str, grad) -> None:
-        if grad is not None:
-            prev = self._acc.get(name)
-            self._acc[name] = grad if prev is None else prev + grad
+        """Sum a micro-batch's gradient into the step's: the first is kept as autograd made it,
+        the second makes a buffer of our own, later ones add into it in place."""
+        if grad is None:
+            return
+        prev = self._acc.get(name)
+        if prev is None:
+            self._acc[name] = grad
+        elif name in self._acc_owned:
+            prev.add_(grad)
+        else:
+            self._acc[name] = prev + grad
+            self._acc_owned.add(name)
 
     def flush_deferred(self) -> None:
         """Reduce the gradients accumulated while ``defer`` was on: every bucket, in order,
@@ -249,6 +259,7 @@ class DataParallelSync(nn.Module):
         if not self.buckets:
             return
         acc, self._acc = self._acc, {}
+        self._acc_owned.clear()
         if self.mode == "ddp" and self.comm.size == 1:   # nothing to reduce: hand them over
             for name in self.bucket_of:
                 p, g = self._params[name], acc.pop(name, None)

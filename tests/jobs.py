@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 import tempfile
 import time
 import weakref
@@ -578,28 +579,31 @@ class HeavyMLP(torch.nn.Module):
 
     def __init__(self, d=768, layers=8):
         super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(d))
         self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
 
     def forward(self, x):
+        x = x * self.scale      # the first matmul's input carries a gradient: equal backward work per stage
         for lin in self.layers:
             x = torch.tanh(lin(x))
         return x
 
 
-def pp_bubble(schedules, m=4, rows=256, steps=7):
+def pp_bubble(schedules, m=4, rows=256, d=768, steps=9):
     """Measured per-rank timeline of pipelined steps: bubble = 1 - busy / makespan per rank,
     makespan from the first compute start to the last compute end over the pipeline's ranks
     (one wall clock: the processes share the machine). The median of ``steps`` steps after a
     warm-up step is kept."""
     torch.set_num_threads(1)
     p = dist.get_world_size()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= p:     # one core per stage: no migrations between the two
+        os.sched_setaffinity(0, {cpus[dist.get_rank()]})
     torch.manual_seed(0)
-    # the input asks for its gradient, so that the first stage's backward does the same work
-    # as the last one's (the formula assumes equal stages)
-    x, t = torch.randn(rows * m, 768).requires_grad_(True), torch.randn(rows * m, 768)
+    x, t = torch.randn(rows * m, d), torch.randn(rows * m, d)
     out = {}
     for name in schedules:
-        dm = autopar.compile(HeavyMLP(), autopar.Mesh(pp=p), example_inputs=(x,),
+        dm = autopar.compile(HeavyMLP(d), autopar.Mesh(pp=p), example_inputs=(x,),
                              plan=autopar.Plan(pp_schedule=name, microbatches=m))
         opt = torch.optim.SGD(dm.parameters(), lr=1e-4)
         samples = []
