@@ -120,6 +120,10 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         sync = g.get_attr(SYNC)
     if ctx.plan.dp == "zero3":
         _insert_gathers(gm, ctx, params, specs, sync)
+    elif ctx.plan.dp == "ddp" and ctx.mesh.axis_size("dp") == 1 and ctx.plan.pp_schedule is not None:
+        # a pipeline stage with nothing to reduce: autograd accumulates the micro-batches'
+        # gradients into .grad itself (no bucket holds a micro-batch's gradients)
+        ctx.grad_buckets = []
     else:
         _insert_bucket_syncs(gm, ctx, params, specs, sync)
     g.lint()
