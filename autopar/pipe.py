@@ -174,21 +174,16 @@ class PipelineModule(DistributedModule):
         bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
         works = [dist.irecv(b, src=src, tag=self._tag(kind, a.stage, a.mb, j)) for j, b in enumerate(bufs)]
-        self._count(kind, bufs)
         return bufs, works
 
     def _isend(self, kind, target: Action, tensors, peer_stage):
         dst = self._rank_of_stage(peer_stage)
         tensors = [t.contiguous() for t in tensors]
-        self._count(kind, tensors, send=True)
+        self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
+                               "activations" if kind == 0 else "gradients",
+                               sum(t.numel() * t.element_size() for t in tensors))
         return [dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
                 for j, t in enumerate(tensors)]
-
-    def _count(self, kind, tensors, send=False):
-        if send:
-            phase = "forward" if kind == 0 else "backward"
-            self.comm_stats.record("pp", "send", phase, "activations" if kind == 0 else "gradients",
-                                   sum(t.numel() * t.element_size() for t in tensors))
 
     def _take(self, s, key):
         bufs, works = s.recv.pop(key)
