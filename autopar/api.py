@@ -173,8 +173,6 @@ def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
 
 def _batch_free(gm):
     """A predicate: the node does not depend on the graph's inputs (parameters and constants)."""
-    dep = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(a in dep for a in node.all_input_nodes):
-            dep.add(node)
+    from .passes.pipeline import batch_dependent
+    dep = batch_dependent(gm.graph)
     return lambda node: node not in dep

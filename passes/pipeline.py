@@ -61,7 +61,7 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
-    batch = _batch_dependent(graph)
+    batch = batch_dependent(graph)
     order = [n for n in graph.nodes if n in batch and n.op == "call_function"]
     pos = {n: i for i, n in enumerate(order)}
     if len(order) < n_stages:
@@ -85,10 +85,12 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 # ---- analysis ----------------------------------------------------------------------------
 
-def _batch_dependent(graph: fx.Graph) -> set[fx.Node]:
+def batch_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes with a graph input among their ancestors (the inputs included)."""
     dep: set[fx.Node] = set()
     for n in graph.nodes:
-        if n.op == "placeholder" or (n.op == "call_function" and any(a in dep for a in n.all_input_nodes)):
+        if n.op == "placeholder" or (n.op in ("call_function", "call_module", "call_method")
+                                     and any(a in dep for a in n.all_input_nodes)):
             dep.add(n)
     return dep
 
