@@ -132,7 +132,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
     ctx.snapshots.append(("pipeline", top.code + "".join(
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = [name for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1]
-    stages, stage_ctx, stats = {}, {}, CommStats()
+    stages, stats = {}, CommStats()
     for spec in ctx.stages:
         if spec.index % p != mesh.coordinate("pp"):
             continue
@@ -144,8 +144,8 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
             sctx.notes.append(f"zero-bubble: {n_split} matmuls compute their weight gradient in W")
         ctx.snapshots += sctx.snapshots       # stage<k>_shard, stage<k>_collectives, ...
         ctx.snapshots.append((f"stage{spec.index}_emit", dm.module.code))
-        stages[spec.index], stage_ctx[spec.index] = dm, sctx
-    pm = PipelineModule(stages, ctx, schedule, stage_ctx, stats)
+        stages[spec.index] = dm            # dm.ctx is the stage's context
+    pm = PipelineModule(stages, ctx, schedule, stats)
     del gm, top
     gc.collect()
     return pm

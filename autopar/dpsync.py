@@ -260,12 +260,6 @@ class DataParallelSync(nn.Module):
             return
         acc, self._acc = self._acc, {}
         self._acc_owned.clear()
-        if self.mode == "ddp" and self.comm.size == 1:   # nothing to reduce: hand them over
-            for name in self.bucket_of:
-                p, g = self._params[name], acc.pop(name, None)
-                g = torch.zeros_like(p) if g is None else g
-                p.grad = g if p.grad is None else p.grad.add_(g)
-            return
         self._begin_backward(queue=False)
         for bi, b in enumerate(self.buckets):
             self.add_bucket(bi, [acc.pop(n, None) for n in b.names])

@@ -35,13 +35,12 @@ __all__ = ["PipelineModule"]
 class PipelineModule(DistributedModule):
     """This rank's pipeline stages (``stages["<k>"]``, each a compiled ``DistributedModule``)."""
 
-    def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule, stage_ctx: dict,
+    def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule,
                  stats: CommStats):
         nn.Module.__init__(self)
         self.ctx, self.plan, self.mesh = ctx, ctx.plan, ctx.mesh
         self.schedule = schedule
         self.stages = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
-        self.stage_ctx = stage_ctx
         self.p, self.pp_index = self.mesh.axis_size("pp"), self.mesh.coordinate("pp")
         self._pp_group = self.mesh.group("pp") if "pp" in self.mesh.axes else None
         names = list(self.mesh.axes)
@@ -88,7 +87,7 @@ class PipelineModule(DistributedModule):
         flat_in, _ = self._split((inputs, {}), m)
         flat_t, t_spec = self._split(targets, m)
         self._check_microbatch(flat_in[0])
-        state = _StepState(m)
+        state = _StepState()
         for st in self.stages.values():
             st._sync.defer = True
         start = time.time()
@@ -138,8 +137,8 @@ class PipelineModule(DistributedModule):
         if a.kind.startswith("RECV"):
             s.posted.add((a.kind, a.stage, a.mb))
         if a.kind == "RECV_F":
-            shapes = self.stage_ctx[a.stage].input_shapes[len(spec.graph_inputs):]
-            dtypes = self.stage_ctx[a.stage].input_dtypes[len(spec.graph_inputs):]
+            shapes = st.ctx.input_shapes[len(spec.graph_inputs):]
+            dtypes = st.ctx.input_dtypes[len(spec.graph_inputs):]
             s.recv[("F", a.stage, a.mb)] = self._irecv(0, a, shapes, dtypes, a.stage - 1)
         elif a.kind == "RECV_B":
             outs = s.outputs[(a.stage, a.mb)]
@@ -373,8 +372,7 @@ class PipelineModule(DistributedModule):
 
 
 class _StepState:
-    def __init__(self, m):
-        self.m = m
+    def __init__(self):
         self.recv: dict = {}
         self.posted: set = set()
         self.sends: list = []
