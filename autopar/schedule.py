@@ -341,12 +341,15 @@ class Timeline:
         return {"traceEvents": events}
 
 
-def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0) -> Timeline:
+def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *,
+             duration=None, latency=None) -> Timeline:
     """Validate, lower and replay ``schedule`` in event time. ``costs`` overrides the per-kind
     durations (default F=1, B=2, or B=1 and W=1 when the backward is split); a message arrives
-    ``comm`` after its send. Raises ScheduleDeadlock if the ranks cannot all finish."""
+    ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
+    each compute action's duration and each message's transfer time (the cost model's
+    per-stage times). Raises ScheduleDeadlock if the ranks cannot all finish."""
     schedule.validate()
-    return execute(schedule, lower(schedule), costs, comm)
+    return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
 
 
 def _matching_send(recv: Action) -> Action:
@@ -365,9 +368,12 @@ def _costs(schedule: Schedule, costs: dict | None) -> dict:
     return full
 
 
-def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float = 0.0) -> Timeline:
+def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float = 0.0, *,
+            duration=None, latency=None) -> Timeline:
     """Replay already-lowered per-rank ``programs`` (see ``lower``) in event time."""
     cost = _costs(schedule, costs)
+    took = duration or (lambda a: cost[a.kind])
+    travel = latency or (lambda a: comm)
     if comm < 0:
         raise ValueError(f"comm={comm!r}: expected a latency >= 0")
     sent_by = {a: r for r, prog in enumerate(programs) for a in prog if a.kind.startswith("SEND")}
@@ -388,10 +394,11 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
             while pc[r] < len(prog):
                 a = prog[pc[r]]
                 if a.kind in COMPUTE:
-                    events[r].append((a, clock[r], clock[r] + cost[a.kind]))
-                    clock[r] += cost[a.kind]
+                    d = took(a)
+                    events[r].append((a, clock[r], clock[r] + d))
+                    clock[r] += d
                 elif a.kind.startswith("SEND"):
-                    arrival[a] = clock[r] + comm
+                    arrival[a] = clock[r] + travel(a)
                 elif _matching_send(a) in arrival:
                     clock[r] = max(clock[r], arrival[_matching_send(a)])
                 else:

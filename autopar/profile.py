@@ -1,0 +1,447 @@
+"""What one rank computes, keeps and sends, read from the compiled graph: the cost model's input.
+
+``profile`` runs capture and the shard and collectives passes on a virtual mesh (no processes,
+meta tensors are fine), then walks the annotated graph once. Every node is put in a *group*:
+a numbered layer (``blocks.3``: the first numbered module on its path), or ``pre`` / ``post``
+for what runs before the first and after the last layer. Per group it records, for this
+rank's slice:
+
+- forward FLOPs (``cost.compute.node_flops``, divided along the axes the node's work is split
+  over) and the bytes its non-view ops read and write (the roofline's memory term);
+- activation bytes autograd keeps for backward, by the saved-tensor table below, each tensor
+  counted once (views resolve to the tensor they view);
+- the tensor-parallel collectives, forward and the ones autograd runs in backward;
+- its parameters' local element counts, and which of them backward reads (ZeRO-3 gathers
+  those again).
+
+Layers whose ops and shapes are equal share a *signature*, so a planner evaluates a
+repeated block once and multiplies.
+
+Saved tensors (what PyTorch's autograd formulas keep; derivatives.yaml): a matmul keeps its
+activation inputs; layer/RMS norm keeps its input and per-row statistics (fp32); pointwise
+nonlinearities keep their input; softmax keeps its output; dropout keeps a one-byte mask;
+an embedding keeps its indices; attention keeps q, k, v, the output and per-row log-sum-exp
+(flash / memory-efficient kernels) or, in the math form, the a·s² probabilities; losses
+keep their input. Adds, views and copies keep nothing.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from . import meta
+from .capture import capture
+from .context import CompileContext
+from .mesh import Mesh
+from .placement import Layout, Partial, Shard
+from .plan import Plan
+
+__all__ = ["GroupCost", "Profile", "profile", "layer_key"]
+
+_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+_MATMULS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
+          "squeeze", "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "alias",
+          "detach", "getitem", "contiguous", "flatten", "unflatten", "movedim", "narrow", "as_strided"}
+_KEEP_INPUT = {"gelu", "silu", "relu", "tanh", "sigmoid", "mul", "div", "pow", "sqrt", "rsqrt", "sin",
+               "cos", "log", "mean", "neg", "abs", "square"}
+_KEEP_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "sigmoid", "tanh", "rsqrt"}
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "batch_norm"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+_LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss"}
+
+
+def _op(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def layer_key(path: str) -> str | None:
+    """``blocks.3.attn.qkv`` -> ``blocks.3``; None when no module on the path is numbered."""
+    m = _NUMBERED.match(path)
+    return m.group(1) if m else None
+
+
+@dataclass
+class GroupCost:
+    """One group's costs on one rank, at the profile's rows."""
+    name: str
+    flops: float = 0.0                 # forward FLOPs
+    bytes_moved: float = 0.0           # forward bytes read + written by non-view ops
+    saved: float = 0.0                 # activation bytes kept for backward
+    saved_quadratic: float = 0.0       # the part that is a·s² attention scores (selective recompute)
+    matmul_flops: float = 0.0          # forward FLOPs of matmuls with a parameter weight (the W of zero-bubble)
+    attention_flops: float = 0.0       # forward FLOPs of attention (what selective recomputation redoes)
+    tp_forward: list = field(default_factory=list)    # (kind, bytes per rank, scales with the batch) on tp
+    tp_backward: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)        # canonical name -> local shape (after tp)
+    param_bytes: dict = field(default_factory=dict)   # canonical name -> local bytes
+    read_by_backward: set = field(default_factory=set)   # parameters this group's backward reads
+    reads: set = field(default_factory=set)               # parameters this group reads
+    out_bytes: float = 0.0             # bytes of what leaves the group (a pipeline cut after it)
+    max_value: float = 0.0             # bytes of the group's largest activation (backward's working set)
+    final_bytes: float = 0.0           # bytes of the model outputs this group produces
+    ops: int = 0                       # ops the forward dispatches (views included: each costs a dispatch)
+    signature: tuple = ()
+
+    def scaled(self, k: float) -> "GroupCost":
+        """The same group at k times the batch rows: activation-proportional costs scale."""
+        g = copy.copy(self)
+        g.flops, g.bytes_moved, g.saved = self.flops * k, self.bytes_moved * k, self.saved * k
+        g.saved_quadratic, g.matmul_flops, g.out_bytes = self.saved_quadratic * k, self.matmul_flops * k, self.out_bytes * k
+        g.attention_flops = self.attention_flops * k
+        g.max_value, g.final_bytes = self.max_value * k, self.final_bytes * k
+        g.tp_forward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_forward]
+        g.tp_backward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_backward]
+        return g
+
+
+@dataclass
+class Profile:
+    """A model's per-group costs for one rank of a tensor-parallel group of size ``tp``
+    (sequence parallel if ``sp``), captured at ``rows`` batch rows (``seq`` tokens each)."""
+    tp: int
+    sp: bool
+    rows: int
+    groups: list[GroupCost]
+    dtype_bytes: int
+    param_numel: int                   # whole model (canonical parameters, tied counted once)
+    tied: list = field(default_factory=list)   # parameters read by more than one group
+    shapes: dict = field(default_factory=dict)  # parameter -> local shape (after tp)
+    seq: int = 0
+    hidden: int = 0
+    heads: int = 0
+
+    @property
+    def layers(self) -> list[GroupCost]:
+        return [g for g in self.groups if g.name not in ("pre", "post")]
+
+    def signatures(self) -> dict:
+        """signature -> number of layers that have it (repeated blocks solved once)."""
+        out: dict = {}
+        for g in self.layers:
+            out[g.signature] = out.get(g.signature, 0) + 1
+        return out
+
+
+def _local_numel(val, layout, mesh: Mesh) -> float:
+    n = float(val.numel())
+    if not isinstance(layout, Layout):
+        return n
+    for axis, pl in layout.placements:
+        if isinstance(pl, Shard):
+            n /= mesh.axis_size(axis)
+    return n
+
+
+def _split_factor(node: fx.Node, mesh: Mesh) -> float:
+    """How many ways a node's work is divided on this rank: the largest split among its
+    output and its inputs (a row-parallel matmul's output is Partial: work divided too)."""
+    f = 1.0
+    for x in [node] + [a for a in node.all_input_nodes]:
+        lay = x.meta.get(meta.LAYOUT)
+        if not isinstance(lay, Layout):
+            continue
+        k = 1.0
+        for axis, pl in lay.placements:
+            if isinstance(pl, (Shard, Partial)):
+                k *= mesh.axis_size(axis)
+        f = max(f, k)
+    return f
+
+
+def _nbytes(node: fx.Node, mesh: Mesh) -> float:
+    val = node.meta.get(meta.VAL)
+    if isinstance(val, torch.Tensor):
+        return _local_numel(val, node.meta.get(meta.LAYOUT), mesh) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        lays = node.meta.get(meta.LAYOUT)
+        lays = lays if isinstance(lays, (tuple, list)) else [None] * len(val)
+        return sum(_local_numel(v, lay, mesh) * v.element_size()
+                   for v, lay in zip(val, lays) if isinstance(v, torch.Tensor))
+    return 0.0
+
+
+def _root(node: fx.Node, sp: bool = False) -> fx.Node:
+    """The tensor a chain of views reads (q, k, v split from one qkv product resolve to it).
+    Under sequence parallelism a gathered column input is kept as its shard (and gathered
+    again in backward), so the gather resolves to what it gathers."""
+    seen = 0
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and seen < 64 and (
+            _op(node) in _VIEWS or (sp and _op(node) == "tp_gather" and len(node.args) > 4 and node.args[4])):
+        node, seen = node.args[0], seen + 1
+    return node
+
+
+def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
+    """(activation nodes whose value backward keeps, extra bytes the op keeps itself, whether
+    the extra is attention scores) for one call_function node of the logical graph."""
+    name, args = _op(node), [a for a in node.args if isinstance(a, fx.Node)]
+    act = [a for a in args if a in batch]
+    val = node.meta.get(meta.VAL)
+    if node not in batch:
+        return [], 0.0, False
+    if name in _MATMULS or name in _LOSSES:
+        return act, 0.0, False
+    if name in _NORMS:
+        x = node.args[0].meta.get(meta.VAL)
+        norm = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else [x.shape[-1]]
+        rows = x.numel() // max(1, math.prod(norm))
+        stats = 2 if name in ("layer_norm", "native_layer_norm") else 1
+        return act[:1], float(rows * 4 * stats), False
+    if name in _KEEP_OUTPUT:
+        return [node], 0.0, False
+    if name in _KEEP_INPUT:
+        return act, 0.0, False
+    if name in ("dropout", "native_dropout", "feature_dropout"):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return [], (float(val.numel()) if p and train else 0.0), False
+    if name in ("embedding",):
+        idx = node.args[1]
+        return ([idx] if isinstance(idx, fx.Node) and idx in batch else []), 0.0, False
+    if name in _ATTENTION:
+        q = node.args[0].meta[meta.VAL]
+        k = node.args[1].meta[meta.VAL]
+        *b, s, _ = q.shape
+        flash = node.meta.get("autopar_flash", True)
+        dropout = (node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)) or 0.0
+        if flash:
+            return act[:3] + [node], float(math.prod(b) * s * 4), False
+        probs = math.prod(b) * s * k.shape[-2]
+        extra = probs * q.element_size() * (2 if dropout else 1) + (probs if dropout else 0)
+        return act[:3], float(extra), True
+    return [], 0.0, False
+
+
+def _batch_nodes(graph: fx.Graph) -> set:
+    from .passes.pipeline import batch_dependent
+    return set(batch_dependent(graph))
+
+
+def _tp_comm(node: fx.Node, info, sp: bool = False) -> tuple[list, list]:
+    """Forward and backward tp collectives a comm node causes (autograd's conjugates)."""
+    fwd, bwd = [], []
+    if info.phase == "backward":
+        bwd.append((info.kind, info.nbytes))
+        return fwd, bwd
+    fwd.append((info.kind, info.nbytes))
+    name = _op(node)
+    if name == "tp_gather":
+        varying = bool(node.args[4]) if len(node.args) > 4 else False
+        if varying:
+            bwd.append(("reduce_scatter", info.nbytes))
+            if sp:      # the column input was kept as its shard: gathered again in backward
+                bwd.append(("all_gather", info.nbytes))
+    elif name == "tp_reduce_scatter":
+        bwd.append(("all_gather", info.nbytes))
+    return fwd, bwd
+
+
+def _signature(nodes: list[fx.Node]) -> tuple:
+    sig = []
+    for n in nodes:
+        val = n.meta.get(meta.VAL)
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        sig.append((_op(n) if n.op == "call_function" else n.op, shape))
+    return tuple(sig)
+
+
+def profile(model, example_inputs, example_kwargs=None, *, tp: int = 1, sp: bool = False,
+            gm: fx.GraphModule | None = None, ctx0: CompileContext | None = None) -> Profile:
+    """The per-group costs of ``model`` on one rank of a tp group of size ``tp`` (see the
+    module docstring). ``gm``/``ctx0``: an already captured logical graph to reuse (copied)."""
+    plan = Plan(tp=tp > 1, sp=sp and tp > 1)
+    mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
+    ctx = CompileContext(mesh=mesh, plan=plan)
+    if gm is None:
+        gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), ctx)
+    else:
+        gm = copy.deepcopy(gm)
+        for f in ("params", "in_spec", "out_spec", "constant_inputs"):
+            setattr(ctx, f, copy.copy(getattr(ctx0, f)))
+    rows = _rows(gm)
+    from . import passes
+    from .cost.compute import node_flops
+    # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
+    logical = _logical_groups(gm)
+    readers, read_back = {}, {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.meta.get(meta.PARAM) in ctx.params:
+            name = node.meta[meta.PARAM]
+            for u in node.users:
+                readers.setdefault(name, set()).add(logical.get(u, "pre"))
+                if u.op == "call_function" and _op(u) in _MATMULS | _NORMS | {"embedding"}:
+                    read_back.setdefault(name, set()).add(logical.get(u, "pre"))
+    order0 = list(dict.fromkeys(logical.values()))
+    owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
+                for name in ctx.params}
+    batch_before = _batch_nodes(gm.graph)
+    _mark_flash(gm)
+    gm = passes.shard(gm, ctx)
+    if tp > 1:
+        gm = passes.collectives(gm, ctx)
+    batch = _batch_nodes(gm.graph) | batch_before
+    groups: dict[str, GroupCost] = {g: GroupCost(g) for g in order0}
+    order: list[str] = list(order0)
+    members: dict[str, list] = {g: [] for g in order0}
+    where: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        g = logical.get(node)
+        if g is None:      # inserted by a pass: with the parameters or the value it reads
+            params = _params_read(node)
+            ins = [where[a] for a in node.all_input_nodes if a in where and logical.get(a)]
+            g = owner_of.get(params[0], "pre") if params else (ins[0] if ins else "pre")
+        where[node] = g
+        members[g].append(node)
+    counted: set = set()
+    for node in gm.graph.nodes:
+        if node not in where:
+            continue
+        g = groups[where[node]]
+        info = node.meta.get(meta.COMM)
+        if info is not None and info.axis == "tp":
+            if node in batch:     # a gathered activation is part of backward's working set too
+                g.max_value = max(g.max_value, _nbytes(node, mesh))
+            f, b = _tp_comm(node, info, plan.sp)
+            scales = node in batch       # parameter syncs and position-table slices do not
+            g.tp_forward += [(kind, nb, scales) for kind, nb in f]
+            g.tp_backward += [(kind, nb, scales) for kind, nb in b]
+            continue
+        if node.op != "call_function" or node not in batch:
+            continue
+        split = _split_factor(node, mesh)
+        flops = node_flops(node) / split
+        g.ops += 1
+        if _op(node) not in _VIEWS:
+            g.max_value = max(g.max_value, _nbytes(node, mesh))
+        g.flops += flops
+        name = _op(node)
+        if name in _MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
+            g.matmul_flops += flops
+        if name in _ATTENTION:
+            g.attention_flops += flops
+        if name not in _VIEWS and flops:
+            g.bytes_moved += _nbytes(node, mesh) + sum(_nbytes(a, mesh) for a in node.all_input_nodes)
+        keep, extra, quadratic = _saved(node, batch)
+        g.saved += extra / split
+        if quadratic:
+            g.saved_quadratic += extra / split
+        for a in keep:
+            r = _root(a, plan.sp)
+            if r in counted or r not in batch:
+                continue
+            counted.add(r)
+            groups[where.get(r, where[node])].saved += _nbytes(r, mesh)
+    shapes: dict = {}
+    for name, info in ctx.params.items():
+        if info.is_buffer or not info.requires_grad:
+            continue
+        owner = owner_of[name]
+        shape = tuple(ctx.local_shape(name)) if ctx.tp_params.get(name) is not None else tuple(info.shape)
+        groups[owner].params[name] = shape
+        groups[owner].param_bytes[name] = math.prod(shape) * info.dtype.itemsize
+        shapes[name] = shape
+        for gname in readers.get(name, ()):
+            groups[gname].reads.add(name)
+        for gname in read_back.get(name, ()):
+            groups[gname].read_by_backward.add(name)
+    order = [g for g in order if members[g] or groups[g].params]
+    # what crosses each group boundary (a pipeline cut after the group)
+    pos = {g: i for i, g in enumerate(order)}
+    for i, gname in enumerate(order):
+        out = 0.0
+        for node in members[gname]:
+            if node in batch and any(pos.get(where.get(u), -1) > i for u in node.users):
+                out += _nbytes(node, mesh)
+        groups[gname].out_bytes = out
+        groups[gname].signature = _signature(members[gname])
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in out_node.all_input_nodes:
+        if a in where and a in batch:
+            groups[where[a]].final_bytes += _nbytes(a, mesh)
+    tied = [n for n, r in readers.items() if len(r) > 1 and n in ctx.params and not ctx.params[n].is_buffer]
+    hidden, heads, seq = _dims(gm)
+    dt = _activation_dtype_bytes(gm)
+    return Profile(tp=tp, sp=plan.sp, rows=rows, groups=[groups[g] for g in order], dtype_bytes=dt, shapes=shapes,
+                   param_numel=sum(i.numel for i in ctx.params.values() if not i.is_buffer and i.requires_grad),
+                   tied=tied, seq=seq, hidden=hidden, heads=heads)
+
+
+def _mark_flash(gm: fx.GraphModule) -> None:
+    """Attention runs as a fused (flash / memory-efficient) kernel unless it is told to use
+    the math form; ``autopar_flash`` = False marks the math form (set by ``profile``'s caller)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _op(n) in _ATTENTION:
+            n.meta.setdefault("autopar_flash", getattr(gm, "_autopar_flash", True))
+
+
+def _rows(gm: fx.GraphModule) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta.get(meta.VAL)
+            if isinstance(v, torch.Tensor) and v.dim():
+                return int(v.shape[0])
+    return 1
+
+
+def _dims(gm: fx.GraphModule) -> tuple[int, int, int]:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _op(n) in _ATTENTION:
+            q = n.args[0].meta[meta.VAL]
+            return int(q.shape[1] * q.shape[-1]), int(q.shape[1]), int(q.shape[-2])
+    return 0, 0, 0
+
+
+def _activation_dtype_bytes(gm: fx.GraphModule) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and _op(n) in _MATMULS:
+            return n.meta[meta.VAL].element_size()
+    return 4
+
+
+def _params_read(node: fx.Node, depth: int = 0) -> list:
+    """Canonical names of the parameters an inserted node reads (through a bucket's getitem:
+    the parameter at that index)."""
+    if node.op == "get_attr":
+        return [node.meta[meta.PARAM]] if node.meta.get(meta.PARAM) else []
+    if depth > 3 or node.op != "call_function":
+        return []
+    if node.target is operator.getitem and isinstance(node.args[1], int):
+        src = node.args[0]
+        attrs = [a for a in src.all_input_nodes if a.op == "get_attr" and a.meta.get(meta.PARAM)]
+        if node.args[1] < len(attrs):
+            return [attrs[node.args[1]].meta[meta.PARAM]]
+    out = []
+    for a in node.all_input_nodes:
+        out += _params_read(a, depth + 1)
+    return out
+
+
+def _logical_groups(gm: fx.GraphModule) -> dict:
+    """node -> group of the captured (logical) graph, by the first numbered module on each
+    node's path; ``pre`` before the first layer, ``post`` after."""
+    out, seen_layer = {}, False
+    for node in gm.graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        key = None
+        for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+            key = layer_key(path)
+            if key:
+                break
+        if key is None:
+            key = "post" if seen_layer else "pre"
+        else:
+            seen_layer = True
+        out[node] = key
+    return out

@@ -1,0 +1,569 @@
+"""Cluster descriptions for the cost model: what the hardware can do, in SI units.
+
+A cluster is one kind of device, described by roofline numbers (peak dense FLOP/s in the
+training dtype, memory bandwidth, memory capacity, and the fractions of those peaks that
+real kernels achieve), plus one link per level of the interconnect:
+
+* ``intra``: between devices of one node (NVLink on a DGX);
+* ``inter``: between nodes (InfiniBand on a DGX);
+* ``host``:  between a device and its host's memory (PCIe on a DGX).
+
+A link is an alpha-beta model: a message of ``b`` bytes takes ``latency + b / bandwidth``
+seconds, ``bandwidth`` being per GPU and per direction. Units throughout: bytes, seconds,
+FLOP/s, bytes/s.
+
+Where the numbers come from:
+
+* Presets (``PRESETS``): peak FLOP/s, memory bandwidth and capacity, and link bandwidths
+  are vendor datasheet figures, cited next to each number and in each preset's ``source``.
+  Latencies are typical NCCL-level per-message figures, an assumption rather than a
+  datasheet number. Efficiencies (achieved fraction of peak) are model parameters that are
+  calibrated elsewhere; the values here are starting points.
+* ``"local"`` (``calibrate_local``): measured on this machine in a few seconds (fp32 matmuls
+  and a large copy on one thread, gloo all-reduces between two local processes) and cached
+  as JSON, so that the cost model can be checked against the CPU test runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = ["Link", "Device", "Cluster", "PRESETS", "get_cluster", "calibrate_local"]
+
+GB = 1e9      # datasheets use decimal units
+TFLOPS = 1e12
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the interconnect as an alpha-beta model."""
+    name: str            # "nvlink", "infiniband", "pcie", "gloo-tcp", ...
+    bandwidth: float     # bytes/s, per GPU, per direction
+    latency: float       # seconds per message (alpha)
+    fits: tuple = ()     # measured links: ((collective, group size, alpha seconds, beta seconds per byte sent
+    #                      per rank), ...): whole-collective fits, all groups of that size busy at once,
+    #                      that replace the algorithm formulas for those kinds
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ValueError(f"Link {self.name!r}: bandwidth must be a positive finite number of "
+                             f"bytes/s, got {self.bandwidth!r}")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"Link {self.name!r}: latency must be a non-negative finite number of "
+                             f"seconds, got {self.latency!r}")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Roofline description of one accelerator (or of one CPU core for the local preset)."""
+    name: str
+    peak_flops: float          # dense FLOP/s in the training dtype (bf16 on GPUs; fp32 on the local CPU)
+    mem_bandwidth: float       # bytes/s
+    memory_bytes: int          # device memory capacity
+    matmul_efficiency: float   # achieved fraction of peak_flops on large matmuls
+    memory_efficiency: float   # achieved fraction of mem_bandwidth
+    dtype_bytes: int = 2       # element size of the training dtype (2 for bf16/fp16; 4 for local fp32)
+    op_overhead: float = 0.0   # seconds of framework dispatch per op (measured on the local CPU, where
+    #                            small ops are dominated by it; GPU presets: 0, as the host runs ahead
+    #                            of the device and kernel launches overlap compute)
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "dtype_bytes"):
+            value = getattr(self, field)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"Device {self.name!r}: {field} must be positive and finite, got {value!r}")
+        for field in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"Device {self.name!r}: {field} is a fraction of the peak, in (0, 1]; "
+                                 f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices of one kind, ``gpus_per_node`` to a node, and the links between them."""
+    name: str
+    device: Device
+    gpus_per_node: int
+    intra: Link      # between devices of one node (NVLink; on the local preset: gloo between processes)
+    inter: Link      # between nodes (InfiniBand; local: same as intra)
+    host: Link       # device <-> host memory (PCIe)
+    source: str = ""  # citations, one line each
+    mixed_precision: bool = True   # True: bf16 params/grads + fp32 master/Adam state (ZeRO's K=12);
+    #                                False (local): fp32 everything
+    shared: Optional[Link] = None  # local preset: the link measured with twice as many processes as
+    #                                cores (ranks then share cores, and a collective waits for each
+    #                                of them to be scheduled); used when a mesh has more ranks than cores
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"Cluster {self.name!r}: gpus_per_node must be a positive integer, "
+                             f"got {self.gpus_per_node!r}")
+
+    def axis_link(self, axes: Mapping[str, int], axis: str) -> Link:
+        """The link an axis's collective rides on.
+
+        ``axes`` is a mesh's ordered mapping name -> size, outermost first (e.g.
+        ``{"pp": 8, "dp": 24, "tp": 8}``; an ``autopar.Mesh`` is accepted too). Ranks are laid out
+        row-major, the last axis varying fastest, and each node holds ``gpus_per_node``
+        consecutive ranks. The group of ``axis`` spans ranks r, r+stride, ..., r+(size-1)*stride,
+        stride being the product of the sizes of the axes after it. The result is ``intra``
+        when every such group lies inside one node, ``inter`` otherwise: a collective runs
+        at the pace of its slowest group.
+
+        Groups stay inside nodes when the block of stride*size ranks they tile divides
+        ``gpus_per_node`` (the usual case of powers of two: stride*size <= gpus_per_node), or
+        when the whole mesh fits in one node. A block that does not divide the node size puts
+        some group across a node boundary (tp=3 on 8-GPU nodes: ranks 6, 7, 8), hence ``inter``.
+        An axis of size 1 has no collective to speak of: ``intra``.
+        """
+        axes = dict(getattr(axes, "axes", axes))
+        if axis not in axes:
+            raise ValueError(f"axis {axis!r} is not in the mesh axes {list(axes)} "
+                             f"({', '.join(f'{k}={v}' for k, v in axes.items())})")
+        names = list(axes)
+        size = axes[axis]
+        stride = math.prod(axes[name] for name in names[names.index(axis) + 1:])
+        world = math.prod(axes.values())
+        if size == 1 or world <= self.gpus_per_node or self.gpus_per_node % (stride * size) == 0:
+            return self.intra
+        return self.inter
+
+    def with_(self, **changes: Any) -> "Cluster":
+        """A copy with some of the Cluster's own fields replaced (``dataclasses.replace``);
+        to change a device number, pass ``device=cluster.device`` replaced likewise."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"Cluster has no field(s) {unknown}; its fields are {sorted(known)} "
+                             "(for device numbers pass device=dataclasses.replace(cluster.device, ...))")
+        return dataclasses.replace(self, **changes)
+
+
+# ---- presets ------------------------------------------------------------------------------------
+
+# Per-message latencies: typical NCCL-level figures, an assumption (no datasheet states them).
+NVLINK_LATENCY = 5e-6
+INFINIBAND_LATENCY = 1e-5
+PCIE_LATENCY = 1e-5
+
+# Efficiencies are model parameters calibrated elsewhere (against measured step times); the
+# values below are the starting points, not datasheet numbers.
+_A100 = Device(
+    name="A100-SXM4-80GB",
+    peak_flops=312 * TFLOPS,      # NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 tensor core, dense
+    mem_bandwidth=2039 * GB,      # NVIDIA A100 Tensor Core GPU datasheet: HBM2e, 2,039 GB/s (SXM4 80GB)
+    memory_bytes=80 * 10**9,      # NVIDIA A100 Tensor Core GPU datasheet: 80 GB (read as decimal GB)
+    matmul_efficiency=0.60,       # calibrated elsewhere
+    memory_efficiency=0.80,       # calibrated elsewhere
+    dtype_bytes=2,
+)
+
+_H100 = Device(
+    name="H100-SXM5-80GB",
+    peak_flops=989 * TFLOPS,      # NVIDIA H100 Tensor Core GPU datasheet: BF16 dense (1,979 with sparsity)
+    mem_bandwidth=3350 * GB,      # NVIDIA H100 Tensor Core GPU datasheet: HBM3, 3.35 TB/s (SXM5)
+    memory_bytes=80 * 10**9,      # NVIDIA H100 Tensor Core GPU datasheet: 80 GB (read as decimal GB)
+    matmul_efficiency=0.55,       # calibrated elsewhere
+    memory_efficiency=0.80,       # calibrated elsewhere
+    dtype_bytes=2,
+)
+
+_DGX_A100 = Cluster(
+    name="dgx-a100-80gb",
+    device=_A100,
+    gpus_per_node=8,              # NVIDIA DGX A100 datasheet: 8x A100 80GB
+    # NVIDIA A100 Tensor Core GPU datasheet: NVLink 3rd gen, 600 GB/s total = 300 GB/s per direction
+    intra=Link("nvlink", 300 * GB, NVLINK_LATENCY),
+    # NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand = 25 GB/s per GPU
+    inter=Link("infiniband", 25 * GB, INFINIBAND_LATENCY),
+    # NVIDIA DGX A100 datasheet: PCIe Gen4; x16 at 16 GT/s = 32 GB/s per direction
+    host=Link("pcie", 32 * GB, PCIE_LATENCY),
+    source="\n".join([
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s dense BF16/FP16 tensor core, "
+        "2,039 GB/s HBM2e, 80 GB, NVLink 3rd gen 600 GB/s total = 300 GB/s per direction",
+        "NVIDIA DGX A100 datasheet: 8 GPUs per node, 8x single-port Mellanox ConnectX-6 200 Gb/s HDR "
+        "InfiniBand for compute = 25 GB/s per GPU per direction; PCIe Gen4 x16 = 32 GB/s per direction",
+        "latencies: NVLink 5 us, InfiniBand 10 us, PCIe 10 us per message: typical NCCL-level figures "
+        "(assumption)",
+        "efficiencies: matmul 0.60, memory 0.80: model parameters calibrated elsewhere",
+    ]),
+    mixed_precision=True,
+)
+
+_DGX_H100 = Cluster(
+    name="dgx-h100",
+    device=_H100,
+    gpus_per_node=8,              # NVIDIA DGX H100 datasheet: 8x H100 80GB
+    # NVIDIA H100 Tensor Core GPU datasheet: NVLink 4th gen, 900 GB/s total = 450 GB/s per direction
+    intra=Link("nvlink", 450 * GB, NVLINK_LATENCY),
+    # NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s NDR InfiniBand = 50 GB/s per GPU
+    inter=Link("infiniband", 50 * GB, INFINIBAND_LATENCY),
+    # NVIDIA DGX H100 datasheet: PCIe Gen5; x16 at 32 GT/s = 64 GB/s per direction
+    host=Link("pcie", 64 * GB, PCIE_LATENCY),
+    source="\n".join([
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense BF16 (1,979 with sparsity), "
+        "3.35 TB/s HBM3, 80 GB, NVLink 4th gen 900 GB/s total = 450 GB/s per direction",
+        "NVIDIA DGX H100 datasheet: 8 GPUs per node, 8x ConnectX-7 400 Gb/s NDR InfiniBand = 50 GB/s "
+        "per GPU per direction; PCIe Gen5 x16 = 64 GB/s per direction",
+        "latencies: NVLink 5 us, InfiniBand 10 us, PCIe 10 us per message: typical NCCL-level figures "
+        "(assumption)",
+        "efficiencies: matmul 0.55, memory 0.80: model parameters calibrated elsewhere",
+    ]),
+    mixed_precision=True,
+)
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (_DGX_A100, _DGX_H100)}
+
+
+def get_cluster(spec: "Cluster | str") -> Cluster:
+    """``spec`` is a Cluster (returned as is), a preset name (``"dgx-a100-80gb"``,
+    ``"dgx-h100"``) or ``"local"`` (this machine, measured by ``calibrate_local``)."""
+    if isinstance(spec, Cluster):
+        return spec
+    if isinstance(spec, str):
+        if spec == "local":
+            return calibrate_local()
+        if spec in PRESETS:
+            return PRESETS[spec]
+    names = ", ".join(repr(n) for n in [*PRESETS, "local"])
+    raise ValueError(f"unknown cluster {spec!r}: expected one of {names}, or a Cluster object "
+                     "(autopar.cost.cluster.Cluster) describing your own hardware")
+
+
+# ---- local calibration --------------------------------------------------------------------------
+
+_MATMUL_SIZES = (384, 768)
+_MATMUL_SECONDS = 0.25                   # timed seconds per matmul size
+_COPY_BYTES = 64 * 2**20
+_COPY_SECONDS = 0.25
+_GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
+_GLOO_WARMUP = 3
+_GLOO_REPS = 9
+_GLOO_WORLD = 2
+_CACHE_VERSION = 8
+
+
+def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
+    """Median wall time of ``op()`` over about ``seconds`` of repetitions after ``warmup`` calls.
+    The median rather than the mean: other processes share these cores."""
+    for _ in range(warmup):
+        op()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_matmul_flops() -> float:
+    """Achieved fp32 matmul FLOP/s on one thread: the best size's median rate (2n^3 per n x n mm)."""
+    import torch
+    rates = []
+    for n in _MATMUL_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        c = torch.empty(n, n)
+        t = _timed_median(lambda: torch.mm(a, b, out=c), _MATMUL_SECONDS)
+        rates.append(2 * n**3 / t)
+    return max(rates)
+
+
+def _measure_memory_bandwidth() -> float:
+    """Achieved bytes/s of a large fp32 copy on one thread, counting the read and the write."""
+    import torch
+    src = torch.ones(_COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    t = _timed_median(lambda: dst.copy_(src), _COPY_SECONDS, warmup=2, min_reps=3)
+    return 2 * _COPY_BYTES / t
+
+
+def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all_reduce",
+                group_size: int | None = None) -> list[float]:
+    """Run on every rank by ``autopar.testing.run``: median seconds of an fp32 ``kind``
+    collective (all_reduce, all_gather, reduce_scatter; p2p: the pair's first rank sends to the
+    second and back) of each size in bytes (the whole buffer), in groups of ``group_size``
+    consecutive ranks all working at once (default: the world). A barrier before each timed
+    call lines the ranks up, so the time is the collective's and not the wait for a late peer."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = group_size or world
+    if kind == "p2p":
+        g = 2
+    groups = [dist.new_group(list(range(k, k + g))) for k in range(0, world, g)] if g < world else [None]
+    group = groups[rank // g] if g < world else None
+    n, first = g, (rank // g) * g
+    medians = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        part = torch.empty(nbytes // 4 // n)
+        if kind == "all_reduce":
+            op = lambda: dist.all_reduce(x, group=group)    # noqa: E731
+        elif kind == "all_gather":
+            op = lambda: dist.all_gather_into_tensor(x, part, group=group)    # noqa: E731
+        elif kind == "reduce_scatter":
+            op = lambda: dist.reduce_scatter_tensor(part, x, group=group)    # noqa: E731
+        else:
+            def op():
+                if rank == first:
+                    dist.send(x, first + 1)
+                    dist.recv(x, first + 1)
+                else:
+                    dist.recv(x, first)
+                    dist.send(x, first)
+        for _ in range(warmup):
+            op()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    return medians
+
+
+def _ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n * S."""
+    return 2 * (n - 1) / n * nbytes
+
+
+def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of seconds = alpha + beta * moved, weighted by 1/seconds so that each
+    point counts by its relative error (plain residuals would let the 8 MiB points decide
+    alpha too, and the small messages are the ones that measure it)."""
+    import numpy as np
+    x, t = np.asarray(moved, dtype=float), np.asarray(seconds, dtype=float)
+    w = 1.0 / t
+    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    return float(alpha), float(beta)
+
+
+_PER_RANK = {"all_reduce": lambda s, n: 2 * (n - 1) / n * s, "all_gather": lambda s, n: (n - 1) / n * s,
+             "reduce_scatter": lambda s, n: (n - 1) / n * s, "p2p": lambda s, n: 2 * s}
+
+
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
+    """Every kind's medians, for groups of 2 and of the whole world (all groups at once), in
+    one spawn."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    return {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g) for kind in _KINDS for g in sorted({2, world})
+            if not (kind == "p2p" and g != 2)}
+
+
+def _measure_kinds(world: int) -> tuple[tuple, list[float]]:
+    """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
+    ``fits`` holds (p2p is a round trip of two messages: its fit is halved); and the
+    all-reduce's per-size times."""
+    from autopar.testing import run
+    per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=120)
+    out = []
+    for kind, g in per_rank[0]:
+        seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
+        moved = [_PER_RANK[kind](s, g) for s in _GLOO_SIZES]
+        alpha, beta = _fit_alpha_beta(moved, seconds)
+        if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
+            beta = seconds[-1] / moved[-1]
+        out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
+        if kind == "all_reduce" and g == world:
+            times = seconds
+    return tuple(out), times
+
+
+def _measure_gloo(world: int = _GLOO_WORLD) -> tuple[Link, list[float]]:
+    """The gloo link between ``world`` local processes: per-kind fits, and latency / bandwidth
+    per message from the all-reduce's (a ring all-reduce sends 2(N-1) messages in turn);
+    also the all-reduce's per-size times."""
+    fits, seconds = _measure_kinds(world)
+    _, _, alpha, beta = next(f for f in fits if f[0] == "all_reduce" and f[1] == world)
+    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits), seconds
+
+
+def _measure_pointwise_efficiency(mem_bw: float) -> float:
+    """Achieved fraction of the copy bandwidth on the pointwise ops models are made of (GeLU,
+    LayerNorm, an add; read + write of a 512 KiB fp32 tensor each), the median of the three:
+    on a CPU the transcendental ones are bound by arithmetic before memory."""
+    import torch
+    x = torch.randn(512, 256)
+    ops = (lambda: torch.nn.functional.gelu(x), lambda: torch.nn.functional.layer_norm(x, (256,)), lambda: x + x)
+    rates = [2 * x.numel() * 4 / _timed_median(op, 0.1) for op in ops]
+    return min(1.0, statistics.median(rates) / mem_bw)
+
+
+def _measure_op_overhead() -> float:
+    """Seconds of framework time per op: a chain of tiny autograd ops (forward, then backward),
+    whose arithmetic is nothing, divided by the ops run (each forward op runs about two in
+    backward)."""
+    import torch
+    w = torch.randn(4, 4, requires_grad=True)
+    x0 = torch.randn(4, 4)
+    k = 64
+
+    def chain():
+        x = x0
+        for _ in range(k):
+            x = torch.nn.functional.gelu(x @ w)
+        x.sum().backward()
+
+    return _timed_median(chain, 0.5) / (3 * 2 * k)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _total_ram() -> int:
+    """Physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _measure_local() -> Cluster:
+    """Measure this machine (a few seconds) and describe it as a Cluster named "local"."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # the distributed tests run one compute thread per process
+    try:
+        flops = _measure_matmul_flops()
+        mem_bw = _measure_memory_bandwidth()
+        overhead = _measure_op_overhead()
+        pointwise = _measure_pointwise_efficiency(mem_bw)
+    finally:
+        torch.set_num_threads(threads)
+    gloo, seconds = _measure_gloo()
+    cores = os.cpu_count() or 1
+    crowded = _measure_gloo(2 * cores)[0] if 2 * cores <= 8 else None
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    source = "\n".join([
+        f"measured on {socket.gethostname()} at {when} by autopar.cost.cluster.calibrate_local "
+        f"(torch {torch.__version__}, {os.cpu_count()} cpus)",
+        f"peak_flops: fp32 matmuls n={list(_MATMUL_SIZES)} on 1 thread, best size's median rate "
+        f"over ~{_MATMUL_SECONDS}s each; matmul_efficiency 1.0 (the rate is already achieved)",
+        f"mem_bandwidth: copy_ of {_COPY_BYTES >> 20} MiB fp32 on 1 thread, (read + write) / median time; "
+        f"memory_efficiency {pointwise:.2f}: median of GeLU, LayerNorm and add rates on 512x256 fp32 / that",
+        f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
+        f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
+        f"{_GLOO_WARMUP} warm-ups, slowest rank; 1/time-weighted least squares of "
+        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
+        f"times {[float(f'{s:.3g}') for s in seconds]} s",
+        "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
+        f"op_overhead: forward + backward of 64 tiny (4x4) matmul + gelu ops on 1 thread / ops run: "
+        f"{overhead * 1e6:.1f} us",
+        "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores)" if crowded else "",
+    ]).strip()
+    device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
+                    memory_bytes=_total_ram(), matmul_efficiency=1.0, memory_efficiency=pointwise,
+                    dtype_bytes=4, op_overhead=overhead)
+    return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
+                   inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
+                   mixed_precision=False, shared=crowded)
+
+
+def _default_cache_path() -> str:
+    """``$AUTOPAR_CACHE`` (a ``.json`` file, or a directory to hold local_cluster.json), else
+    ~/.cache/autopar/local_cluster.json."""
+    env = os.environ.get("AUTOPAR_CACHE")
+    if env:
+        return env if env.endswith(".json") else os.path.join(env, "local_cluster.json")
+    return os.path.join(os.path.expanduser("~"), ".cache", "autopar", "local_cluster.json")
+
+
+def _cache_key() -> str:
+    """What makes a measurement reusable: same host, same core count, same torch."""
+    import torch
+    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}"
+
+
+def _cluster_from_dict(d: dict) -> Cluster:
+    """Inverse of ``dataclasses.asdict`` for a Cluster."""
+    d = dict(d)
+    d["device"] = Device(**d["device"])
+    for level in ("intra", "inter", "host", "shared"):
+        if d.get(level):
+            link = dict(d[level])
+            link["fits"] = tuple(tuple(f) for f in link.get("fits", ()))
+            d[level] = Link(**link)
+    return Cluster(**d)
+
+
+def _read_cache(path: str) -> dict:
+    """The cache file's entries (key -> cluster dict); empty if missing, unreadable or of
+    another format version."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: str, entries: dict) -> None:
+    """Write the entries atomically (a temporary file renamed over the old one)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"version": _CACHE_VERSION, "entries": entries}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def calibrate_local(*, force: bool = False, cache_path: str | None = None) -> Cluster:
+    """Measure this machine and return a Cluster named "local" (cached; a few seconds when not).
+
+    * peak_flops: fp32 square matmuls on one thread (the distributed tests run one compute
+      thread per process); matmul_efficiency 1.0, the measurement being the achieved rate.
+    * mem_bandwidth: a 64 MiB fp32 ``copy_``, bytes moved = read + write; memory_efficiency 1.0.
+    * intra = inter: a "gloo-tcp" Link fitted to ``dist.all_reduce`` times between two local
+      gloo processes (4 KiB to 8 MiB): time = latency + bytes_moved / bandwidth with
+      bytes_moved = 2(N-1)/N * size, the bytes each rank sends on a ring.
+    * host: Link("host-memory", mem_bandwidth, 1e-7); memory_bytes: physical RAM;
+      gpus_per_node: os.cpu_count(); dtype_bytes 4; mixed_precision False.
+
+    The result is cached as JSON at ``cache_path`` (default ``$AUTOPAR_CACHE`` or
+    ~/.cache/autopar/local_cluster.json) under the key (hostname, cpu count, torch version),
+    and a cached entry is returned unless ``force`` is true. ``source`` says when and how the
+    numbers were measured.
+    """
+    path = cache_path or _default_cache_path()
+    key = _cache_key()
+    entries = _read_cache(path)
+    if not force and key in entries:
+        try:
+            return _cluster_from_dict(entries[key])
+        except (TypeError, KeyError, ValueError):
+            pass   # an entry this version cannot read: measure again
+    cluster = _measure_local()
+    entries[key] = dataclasses.asdict(cluster)
+    try:
+        _write_cache(path, entries)
+    except OSError:
+        pass   # a read-only home still gets its numbers, only not cached
+    return cluster

@@ -1,0 +1,87 @@
+"""Memory per rank as formulas: model states per ZeRO stage, activations per transformer
+layer, and the micro-batches a pipeline schedule keeps in flight.
+
+Model states (Rajbhandari et al., "ZeRO", SC'20, section 3 and figure 1): with Ψ parameters
+held as ``param_bytes`` each, gradients as ``grad_bytes`` and K bytes of optimizer state per
+parameter (mixed-precision Adam: fp32 master copy, momentum and variance, K = 12; plain
+fp32 Adam: K = 8), over N data-parallel ranks:
+
+    ddp    (p + g + K)·Ψ
+    zero1  (p + g)·Ψ + K·Ψ/N
+    zero2  p·Ψ + (g + K)·Ψ/N
+    zero3  (p + g + K)·Ψ/N
+
+Activations of one transformer layer (Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models", MLSys 2023, section 4 and table 2), for sequence s, micro-batch
+b, hidden h, a heads, tensor-parallel size t, in 16-bit with dropout (bytes):
+
+    no parallelism                 s·b·h·(34 + 5·a·s/h)
+    tensor parallel                s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    tensor + sequence parallel     s·b·h/t·(34 + 5·a·s/h)
+    selective recomputation        the 5·a·s/h term is recomputed, not stored
+    full recomputation             2·s·b·h (only the layer's input; /t with sequence parallel)
+
+Flash attention (Dao et al., 2022) never materialises the a·s² scores, which removes the
+5·a·s/h term as selective recomputation does.
+
+In-flight micro-batches (Narayanan et al., SC'21, section 2.2): GPipe keeps all m
+micro-batches' activations; 1F1B keeps at most p on the first stage (p − r on stage r);
+interleaved 1F1B with v stages per rank keeps the first rank's p·v + (p−1)·... ≈ (1 + (p−1)/(p·v))
+times a stage's layers' worth per micro-batch of p.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .formulas import N, PSI
+
+__all__ = ["S", "B", "H", "A", "T", "L", "model_state_bytes", "activation_bytes_per_layer",
+           "inflight_microbatches", "MIXED_PRECISION", "FP32"]
+
+S, B, H, A, T, L = sp.symbols("s b h a t L", positive=True)
+
+# bytes per parameter of (parameter, gradient, optimizer state)
+MIXED_PRECISION = (2, 2, 12)   # bf16/fp16 parameters and gradients, fp32 master + Adam m, v
+FP32 = (4, 4, 8)               # fp32 parameters and gradients, Adam m, v
+
+
+def model_state_bytes(mode: str, dtypes: tuple[int, int, int] = FP32) -> sp.Expr:
+    """Per-rank bytes of parameters + gradients + optimizer state (formula in the module
+    docstring) as a sympy expression in Ψ and N."""
+    p, g, k = (d * PSI for d in dtypes)
+    try:
+        return {"ddp": p + g + k, "zero1": p + g + k / N, "zero2": p + (g + k) / N,
+                "zero3": (p + g + k) / N}[mode]
+    except KeyError:
+        raise ValueError(f"unknown data-parallel mode {mode!r}; expected ddp, zero1, zero2 or zero3") from None
+
+
+def activation_bytes_per_layer(*, tp: bool = False, sp_: bool = False, recompute: str = "none",
+                               flash: bool = False) -> sp.Expr:
+    """Korthikanti et al.'s table 2 (see the module docstring) as a sympy expression in s, b,
+    h, a, t. ``recompute`` is ``none``, ``selective`` or ``full``."""
+    t = T if tp else 1
+    if recompute == "full":
+        return 2 * S * B * H / (t if sp_ else 1)
+    quadratic = 0 if (flash or recompute == "selective") else 5 * A * S / H
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute={recompute!r}: expected none, selective or full")
+    if sp_:
+        return S * B * H / t * (34 + quadratic)
+    return S * B * H * (10 + 24 / t + quadratic / t)
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose activations rank ``stage`` of the pipeline holds at its peak, in
+    units of one micro-batch through that rank's layers. GPipe: m. 1F1B and zero-bubble
+    (ZB-H1 keeps 1F1B's bound): min(m, p − stage). Interleaved: the first rank holds
+    (1 + (p−1)/(p·v))·p of them (Narayanan et al., section 2.2.2; Korthikanti section 4.2.3)."""
+    if schedule is None or p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zero_bubble"):
+        return float(min(m, p - stage))
+    if schedule == "interleaved":
+        return min(float(m), p * (1 + (p - 1) / (p * v)))
+    raise ValueError(f"unknown schedule {schedule!r}")

@@ -1,0 +1,121 @@
+"""Cluster descriptions: preset datasheet numbers, which link an axis rides on, the local
+calibration and its cache."""
+import dataclasses
+import math
+import time
+
+import pytest
+
+from autopar.cost.cluster import PRESETS, Cluster, Device, Link, calibrate_local, get_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+GB = 1e9
+
+
+def test_a100_preset_has_datasheet_numbers():
+    c = get_cluster("dgx-a100-80gb")
+    assert c is PRESETS["dgx-a100-80gb"]
+    d = c.device
+    assert (d.peak_flops, d.mem_bandwidth, d.memory_bytes) == (312e12, 2039 * GB, 80 * 10**9)
+    assert (d.matmul_efficiency, d.memory_efficiency, d.dtype_bytes) == (0.60, 0.80, 2)
+    assert c.gpus_per_node == 8 and c.mixed_precision
+    assert c.intra == Link("nvlink", 300 * GB, 5e-6)
+    assert c.inter == Link("infiniband", 25 * GB, 1e-5)
+    assert c.host == Link("pcie", 32 * GB, 1e-5)
+    assert "DGX A100 datasheet" in c.source and "A100 Tensor Core GPU datasheet" in c.source
+
+
+def test_h100_preset_has_datasheet_numbers():
+    c = get_cluster("dgx-h100")
+    d = c.device
+    assert (d.peak_flops, d.mem_bandwidth, d.memory_bytes) == (989e12, 3350 * GB, 80 * 10**9)
+    assert (d.matmul_efficiency, d.memory_efficiency, d.dtype_bytes) == (0.55, 0.80, 2)
+    assert c.gpus_per_node == 8 and c.mixed_precision
+    assert c.intra == Link("nvlink", 450 * GB, 5e-6)
+    assert c.inter == Link("infiniband", 50 * GB, 1e-5)
+    assert c.host == Link("pcie", 64 * GB, 1e-5)
+    assert "DGX H100 datasheet" in c.source and "H100 Tensor Core GPU datasheet" in c.source
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_axis_link_inside_and_across_nodes(name):
+    c = PRESETS[name]
+    axes = {"pp": 8, "dp": 24, "tp": 8}
+    assert c.axis_link(axes, "tp").name == "nvlink"
+    assert c.axis_link(axes, "dp").name == "infiniband"
+    assert c.axis_link(axes, "pp").name == "infiniband"
+    assert c.axis_link({"dp": 2, "tp": 4}, "dp") is c.intra   # 8 ranks: one node
+    assert c.axis_link({"dp": 2, "tp": 4}, "tp") is c.intra
+    assert c.axis_link({"dp": 16}, "dp") is c.inter
+    assert c.axis_link({"dp": 16, "tp": 1}, "tp") is c.intra   # size 1: no collective
+    assert c.axis_link({"dp": 4, "tp": 3}, "tp") is c.inter    # ranks 6, 7, 8 straddle two nodes
+
+
+def test_axis_link_accepts_a_mesh():
+    from autopar import Mesh
+    c = PRESETS["dgx-h100"]
+    assert c.axis_link(Mesh(dp=4, tp=8, virtual=True), "dp") is c.inter
+    assert c.axis_link(Mesh(dp=4, tp=8, virtual=True), "tp") is c.intra
+
+
+def test_axis_link_unknown_axis_names_the_axes():
+    with pytest.raises(ValueError, match=r"'cp'.*\['dp', 'tp'\]"):
+        PRESETS["dgx-h100"].axis_link({"dp": 2, "tp": 4}, "cp")
+
+
+def test_get_cluster_unknown_name_lists_the_choices():
+    with pytest.raises(ValueError) as e:
+        get_cluster("dgx-b200")
+    msg = str(e.value)
+    for word in ("'dgx-b200'", "dgx-a100-80gb", "dgx-h100", "local", "Cluster object"):
+        assert word in msg
+    with pytest.raises(ValueError, match="Cluster object"):
+        get_cluster(8)
+
+
+def test_get_cluster_returns_a_cluster_object_as_is():
+    c = PRESETS["dgx-h100"].with_(name="mine", gpus_per_node=4)
+    assert get_cluster(c) is c
+    assert (c.gpus_per_node, c.device) == (4, PRESETS["dgx-h100"].device)
+    with pytest.raises(ValueError, match="peak_flops"):
+        c.with_(peak_flops=1.0)
+
+
+def test_invalid_numbers_are_refused():
+    with pytest.raises(ValueError, match="bandwidth"):
+        Link("nvlink", 0.0, 1e-6)
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        dataclasses.replace(PRESETS["dgx-h100"].device, matmul_efficiency=1.5)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cache") / "local_cluster.json")
+    start = time.perf_counter()
+    cluster = calibrate_local(cache_path=path)
+    return cluster, path, time.perf_counter() - start
+
+
+def test_calibrate_local_measures_plausible_numbers(local):
+    c, _, seconds = local
+    assert seconds < 30
+    assert isinstance(c, Cluster) and isinstance(c.device, Device) and c.name == "local"
+    d = c.device
+    for value in (d.peak_flops, d.mem_bandwidth, d.memory_bytes, c.host.bandwidth):
+        assert value > 0 and math.isfinite(value)
+    assert (d.matmul_efficiency, d.memory_efficiency, d.dtype_bytes) == (1.0, 1.0, 4)
+    assert not c.mixed_precision and c.gpus_per_node >= 1
+    assert c.intra == c.inter and c.intra.name == "gloo-tcp"
+    assert 1e-6 <= c.intra.latency <= 1e-2
+    assert 1e7 <= c.intra.bandwidth <= 1e11
+    assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)
+    assert "calibrate_local" in c.source
+
+
+def test_calibrate_local_reads_its_cache(local):
+    first, path, _ = local
+    start = time.perf_counter()
+    again = calibrate_local(cache_path=path)
+    assert time.perf_counter() - start < 1.0
+    assert again == first
