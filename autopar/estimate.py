@@ -29,8 +29,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import sympy as sp
-
 from .cost import cluster as _cluster
 from .cost.comm import collective_time
 from .cost.formulas import N as SYM_N, PSI

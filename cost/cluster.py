@@ -251,7 +251,7 @@ _GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
-_CACHE_VERSION = 8
+_CACHE_VERSION = 9
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -360,13 +360,65 @@ _PER_RANK = {"all_reduce": lambda s, n: 2 * (n - 1) / n * s, "all_gather": lambd
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
+def _exchange_probe(kind: str, rounds: int = 24) -> float:
+    """Seconds one exchange adds when ranks outnumber cores: every rank computes (about 1 ms
+    of matmuls on a free core) then exchanges with its pair (ranks 2i, 2i+1) — a p2p round
+    trip or a 4 KiB collective — ``rounds`` times, as pipeline neighbours and tensor-parallel
+    pairs do. The excess over the compute (taken as slowed by ranks / cores, the cost model's
+    rule for shared cores) divided by the exchanges is the per-exchange latency: a woken rank
+    waits for a core as much as for the wire."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pairs = [dist.new_group([k, k + 1]) for k in range(0, world - 1, 2)]
+    group, first = pairs[rank // 2], (rank // 2) * 2
+    a = torch.randn(160, 160)
+    reps = 1
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1e-3:       # ~1 ms of compute, alone
+        a @ a
+        reps += 1
+    alone = _timed_median(lambda: [a @ a for _ in range(reps)], 0.05)
+    x, part = torch.ones(1024), torch.empty(512)
+
+    def exchange():
+        if kind == "p2p":
+            if rank == first:
+                dist.send(x, first + 1)
+                dist.recv(x, first + 1)
+            else:
+                dist.recv(x, first)
+                dist.send(x, first)
+        elif kind == "all_reduce":
+            dist.all_reduce(x, group=group)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(x, part, group=group)
+        else:
+            dist.reduce_scatter_tensor(part, x, group=group)
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for _ in range(reps):
+            a @ a
+        exchange()
+    total = time.perf_counter() - t0
+    slow = world / (os.cpu_count() or 1)
+    return max(total - rounds * alone * slow, 0.0) / rounds
+
+
 def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     """Every kind's medians, for groups of 2 and of the whole world (all groups at once), in
     one spawn."""
     import torch.distributed as dist
     world = dist.get_world_size()
-    return {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g) for kind in _KINDS for g in sorted({2, world})
-            if not (kind == "p2p" and g != 2)}
+    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g) for kind in _KINDS for g in sorted({2, world})
+           if not (kind == "p2p" and g != 2)}
+    if world > (os.cpu_count() or 1):
+        for kind in _KINDS:
+            out[("exchange", kind)] = _exchange_probe(kind)
+    return out
 
 
 def _measure_kinds(world: int) -> tuple[tuple, list[float]]:
@@ -376,12 +428,17 @@ def _measure_kinds(world: int) -> tuple[tuple, list[float]]:
     from autopar.testing import run
     per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=120)
     out = []
+    loaded = {key[1]: max(r[key] for r in per_rank) for key in per_rank[0] if key[0] == "exchange"}
     for kind, g in per_rank[0]:
+        if kind == "exchange":
+            continue
         seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
         moved = [_PER_RANK[kind](s, g) for s in _GLOO_SIZES]
         alpha, beta = _fit_alpha_beta(moved, seconds)
         if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
             beta = seconds[-1] / moved[-1]
+        if g == 2 and kind in loaded:     # ranks outnumber cores: a pair's latency is what it costs among busy ranks
+            alpha = max(alpha, loaded[kind])
         out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
         if kind == "all_reduce" and g == world:
             times = seconds

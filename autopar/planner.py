@@ -1,0 +1,455 @@
+"""``autopar.plan``: search the plans of a world size for the fastest one that fits in memory.
+
+The search space: every factorisation of the world into ``pp × dp × tp`` (tp dividing the
+attention heads), the data-parallel mode (ddp, ZeRO-1/2/3), sequence parallelism, the
+pipeline schedule with its micro-batch count (and stages per rank for the interleaved one),
+and activation recomputation (none, selective, full). Per-node layouts come from the tensor-
+parallel pass itself (Megatron's column/row choice found on the graph, autopar.passes), so a
+candidate's graph is the one compile would build.
+
+Each candidate is scored by a closed-form model over the *layer chain*: the profile of the
+compiled graph (``autopar.profile``) reduced to ``pre`` (embeddings), one layer and ``post``
+(head, loss), the layer standing for each of the L repeated blocks — a repeated transformer
+block is solved once, so a candidate costs the same for 24 or 192 layers. The closed forms are
+those the detailed estimate (``autopar.estimate``) replays in event time, and equal it for
+uniform layers (tests check the ranking against it). Branch and bound: a candidate's busiest
+rank computes at least ``(forward + backward) / pp`` of the whole model, so a mesh whose bound
+exceeds the best time found skips its inner choices; ``exhaustive=True`` turns that off, and
+tests check the answer is the same. The top candidates are then estimated in detail (event-
+time replay of the schedule) for the report.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from .cost import cluster as _cluster
+from .cost.comm import collective_time
+from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches
+from .estimate import ADAM_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, _oversubscription, evaluate_plan
+from .mesh import Mesh
+from .plan import DP_MODES, Plan
+from .profile import GroupCost, Profile
+
+__all__ = ["plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class InfeasiblePlan(ValueError):
+    """No plan of the search space fits in device memory."""
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    axes: dict
+    recompute: str
+    step_time_s: float
+    memory_bytes: float
+    fits: bool
+    reason: str = ""
+    estimate: Optional[Estimate] = None
+
+    @property
+    def mesh_text(self) -> str:
+        return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axes.items()) + ")"
+
+
+@dataclass
+class PlanReport:
+    """The planner's answer: ``plan`` on ``mesh`` (virtual, the axes to build a real one with),
+    its predicted step time and peak memory per rank, and the best candidates side by side."""
+    plan: Plan
+    mesh: Mesh
+    step_time_s: float
+    memory_bytes: float
+    candidates: list
+    recompute: str = "none"
+    estimate: Optional[Estimate] = None
+    searched: int = 0
+    pruned: int = 0
+    elapsed_s: float = 0.0
+    cluster: str = ""
+    global_batch: int = 0
+    notes: list = field(default_factory=list)
+
+    def table(self, top: int = 10) -> str:
+        head = (f"{'#':>2}  {'mesh':24s} {'plan':66s} {'recompute':9s} {'step ms':>10s} {'mem GiB':>8s}  why not")
+        lines = [head, "-" * len(head)]
+        for i, c in enumerate(self.candidates[:top]):
+            lines.append(f"{i + 1:>2}  {c.mesh_text:24s} {_short(c.plan):66s} {c.recompute:9s} "
+                         f"{c.step_time_s * 1e3:10.2f} {c.memory_bytes / 2**30:8.2f}  {c.reason}")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        lines = [f"autopar.plan: {self.plan} on Mesh({', '.join(f'{k}={v}' for k, v in self.mesh.axes.items())})"
+                 f"{'' if self.recompute == 'none' else ', recompute=' + self.recompute}",
+                 f"  cluster {self.cluster}, global batch {self.global_batch}: predicted step "
+                 f"{self.step_time_s * 1e3:.2f} ms, {self.memory_bytes / 2**30:.2f} GiB per rank",
+                 f"  searched {self.searched} candidates ({self.pruned} skipped by the bound) in {self.elapsed_s:.2f} s",
+                 *[f"  note: {n}" for n in self.notes], "", self.table()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _short(p: Plan) -> str:
+    return str(p).replace("Plan(", "").rstrip(")")
+
+
+# ---- the layer chain --------------------------------------------------------------------------
+
+class _Chain:
+    """pre, one layer (each of the L), post; parameters per part (tied tables in both ends)."""
+
+    def __init__(self, prof: Profile):
+        layers = prof.layers
+        self.L = len(layers)
+        self.rows = prof.rows
+        self.shapes = prof.shapes
+        pre = next((g for g in prof.groups if g.name == "pre"), GroupCost("pre"))
+        post = next((g for g in prof.groups if g.name == "post"), GroupCost("post"))
+        self.pre_names = set(pre.params) | set(pre.reads)
+        self.post_names = set(post.params) | set(post.reads)
+        self.pre, self.post = pre, post
+        if not layers:
+            self.layer, self.layer_names = GroupCost("layer"), set()
+            return
+        # repeated blocks: the first layer stands for each (the chain's layers share a signature);
+        # different layers are averaged (the detailed estimate then uses each as it is)
+        same = len({g.signature for g in layers}) == 1
+        self.layer = layers[0] if same else _average(layers)
+        self.layer_names = set(layers[0].params)
+        self.layer_read = set(layers[0].read_by_backward) & self.layer_names
+        self.pre_read = set(pre.read_by_backward)
+        self.post_read = set(post.read_by_backward)
+        self.tied = [x for x in prof.tied if x in self.pre_names and x in self.post_names]
+
+
+def _average(layers: list) -> GroupCost:
+    n = len(layers)
+    g = GroupCost("layer")
+    for f in ("flops", "bytes_moved", "saved", "saved_quadratic", "matmul_flops", "attention_flops", "out_bytes",
+              "max_value", "final_bytes"):
+        setattr(g, f, sum(getattr(x, f) for x in layers) / n)
+    g.ops = round(sum(x.ops for x in layers) / n)
+    g.tp_forward, g.tp_backward = list(layers[0].tp_forward), list(layers[0].tp_backward)
+    g.params, g.read_by_backward = dict(layers[0].params), set(layers[0].read_by_backward)
+    return g
+
+
+# ---- the closed-form score ------------------------------------------------------------------------
+
+def _tp_time(items, k, t, link) -> float:
+    from .estimate import _ring_factor
+    return sum(collective_time(kind, (b * k if sc else b) / _ring_factor(kind, t), t, link) for kind, b, sc in items)
+
+
+def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tuple[float, float]:
+    """(step time, peak memory per rank) of one candidate by the closed forms."""
+    from .estimate import _padded
+    p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
+    m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
+    k = gb / (n * m) / ch.rows
+    dt = MIXED_PRECISION if c.mixed_precision else FP32
+    pb, gbytes, ob = dt
+    slow = _oversubscription(c, axes)
+    crowded = c.shared if (slow > 1 and c.shared is not None) else None
+    ltp = crowded or (c.axis_link(axes, "tp") if "tp" in axes else c.intra)
+    ldp = crowded or (c.axis_link(axes, "dp") if "dp" in axes else c.intra)
+    lpp = crowded or (c.axis_link(axes, "pp") if "pp" in axes else c.intra)
+    ovh = c.device.op_overhead
+
+    def parts(g: GroupCost, is_layer: bool):
+        fc = (_compute_time(g.flops * k, g.bytes_moved * k, c) + g.ops * ovh) * slow
+        tf, tb = _tp_time(g.tp_forward, k, t, ltp), _tp_time(g.tp_backward, k, t, ltp)
+        extra = 0.0
+        if is_layer and recompute == "full":
+            extra = fc + tf
+        elif is_layer and recompute == "selective":
+            extra = _compute_time(g.attention_flops * k, 0.0, c) * slow
+        w = _compute_time(g.matmul_flops * k, 0.0, c) * slow
+        return fc + tf, 2 * fc + tb + extra, w, tf + tb
+
+    Fp, Bp, Wp, Tp = parts(ch.pre, False)
+    Fl, Bl, Wl, Tl = parts(ch.layer, True)
+    Fo, Bo, Wo, To = parts(ch.post, False)
+    S = p * v
+    per_stage = ch.L / S
+    busiest_layers = math.ceil(per_stage) * v   # layers on the busiest rank
+    # parameters of the busiest rank (the first or the last: they add pre / post)
+    shapes = ch.shapes
+
+    def psi_of(names):
+        return sum(math.prod(shapes[x]) for x in names)
+
+    def pad_of(names):
+        return sum(_padded(shapes[x], n) for x in names)
+
+    lay_psi, lay_pad = psi_of(ch.layer_names), pad_of(ch.layer_names)
+    pre_psi, pre_pad = psi_of(ch.pre_names), pad_of(ch.pre_names)
+    post_psi, post_pad = psi_of(ch.post_names), pad_of(ch.post_names)
+    if p == 1:
+        ends = [(pre_psi + post_psi - psi_of(ch.pre_names & ch.post_names),
+                 pre_pad + post_pad - pad_of(ch.pre_names & ch.post_names))]
+        nl = ch.L
+    else:
+        ends = [(pre_psi, pre_pad), (post_psi, post_pad)]
+        nl = busiest_layers
+    psi = max(nl * lay_psi + e[0] for e in ends)
+    pad = max(nl * lay_pad + e[1] for e in ends)
+    mode = plan.dp
+    # ---- time
+    unit_g = collective_time("all_gather", lay_pad * pb, n, ldp)
+    unit_gb = collective_time("all_gather", pad_of(ch.layer_read) * pb, n, ldp)
+    red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
+    n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
+    states = _states(mode, psi, pad, n, dt)
+    opt = (_compute_time(0.0, 3 * states, c) + ADAM_OPS_PER_TENSOR * n_tensors * ovh) * slow
+    tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
+    if S == 1:
+        if mode == "zero3":
+            fwd = collective_time("all_gather", (pre_pad + post_pad) * pb, n, ldp) + \
+                Fp + Fo + ch.L * max(Fl, unit_g)
+            bwd = Bp + Bo + ch.L * max(Bl, unit_gb)
+        else:
+            fwd, bwd = Fp + ch.L * Fl + Fo, Bp + ch.L * Bl + Bo
+        if mode == "zero1":
+            red = collective_time("reduce_scatter", pad * gbytes, n, ldp)
+        else:   # the last bucket (the embeddings) is reduced after backward
+            red = collective_time(red_kind, (pre_pad if mode != "ddp" else pre_psi) * gbytes, n, ldp)
+        step = fwd + bwd + red + opt + tail
+    else:
+        Fr = v * math.ceil(per_stage) * Fl + max(Fp, Fo)
+        Br = v * math.ceil(per_stage) * Bl + max(Bp, Bo)
+        Wr = v * math.ceil(per_stage) * Wl + max(Wp, Wo)
+        if mode == "zero3":
+            Fr = max(Fr, v * math.ceil(per_stage) * unit_g)
+            Br = max(Br, v * math.ceil(per_stage) * unit_gb)
+        hop = collective_time("p2p", ch.layer.out_bytes * k, 2, lpp)
+        sched = plan.pp_schedule
+        if sched == "zero_bubble":
+            w = min(Wr, Br / 2)
+            pipe = m * (Fr + Br) + (p - 1) * (Fr + Br - 2 * w)
+        elif sched == "interleaved":
+            pipe = m * (Fr + Br) + (p - 1) * (Fr + Br) / v
+        else:
+            pipe = (m + p - 1) * (Fr + Br)
+        pipe += 2 * (p - 1) * hop
+        red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
+        tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
+        step = pipe + red + opt + tail + (2 * collective_time("p2p", tied, 2, lpp) if tied else 0.0)
+    # ---- memory (the busiest rank)
+    flight = inflight_microbatches(plan.pp_schedule if p > 1 else None, p, m, v, 0)
+
+    def saved(g, is_layer):
+        if is_layer and recompute == "full":
+            return g.out_bytes
+        if is_layer and recompute == "selective":
+            return g.saved - g.saved_quadratic
+        return g.saved
+
+    act_layers = nl * saved(ch.layer, True) * k
+    ends_act = max(saved(ch.pre, False), saved(ch.post, False) + 2 * ch.post.final_bytes) * k if p > 1 else \
+        (saved(ch.pre, False) + saved(ch.post, False) + 2 * ch.post.final_bytes) * k
+    act = (act_layers + ends_act) * flight
+    if recompute == "full":
+        act += ch.layer.saved * k
+    work = 2 * max(ch.layer.max_value, ch.post.max_value, ch.pre.max_value) * k
+    params = pb * (pad / n if mode == "zero3" else psi)
+    optim = ob * (pad / n if mode != "ddp" else psi)
+    base = params + optim + (gbytes * pad if mode == "zero1" else 0.0)
+    extra = 0.0
+    if mode == "zero3":
+        extra += 3 * lay_pad * pb + (pre_pad + post_pad) * pb
+    if p > 1:
+        extra += gbytes * psi            # micro-batch gradients accumulated until the flush
+    peak = base + act + work + extra
+    grads_end = gbytes * (psi if mode == "ddp" else pad / n)
+    staging = c.name == "local"
+    flat_end = 0.0 if mode in ("ddp", "zero1") else gbytes * pad * (2 if staging else 1)
+    peak = max(peak, base + grads_end + flat_end)
+    return step, peak
+
+
+def _states(mode, psi, pad, n, dt) -> float:
+    pb, gb, ob = dt
+    if mode == "ddp":
+        return (pb + gb + ob) * psi
+    if mode == "zero1":
+        return (pb + gb) * psi + ob * pad / n
+    if mode == "zero2":
+        return pb * psi + (gb + ob) * pad / n
+    return (pb + gb + ob) * pad / n
+
+
+# ---- the search space ------------------------------------------------------------------------------
+
+def _factorisations(world: int) -> list[tuple[int, int, int]]:
+    out = []
+    for pp in range(1, world + 1):
+        if world % pp:
+            continue
+        for tp in range(1, world // pp + 1):
+            if (world // pp) % tp == 0:
+                out.append((pp, world // pp // tp, tp))
+    return out
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def candidates(profiles: Profiles, world: int, c, gb: int, *, heads: int = 0, layers: int = 0,
+               mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 64):
+    """Yield (axes, plan, recompute) of the search space (see the module docstring)."""
+    for pp, dp, tp in _factorisations(world):
+        axes = {"pp": pp, "dp": dp, "tp": tp}
+        if mesh_axes is not None and any(axes.get(a, 1) != s for a, s in mesh_axes.items()) or \
+                (mesh_axes is not None and any(axes[a] > 1 and a not in mesh_axes for a in axes)):
+            continue
+        if heads and heads % tp or (layers and pp > layers) or gb % dp:
+            continue
+        yield from _plans_for(axes, gb, layers, recompute, max_microbatches)
+
+
+def _plans_for(axes, gb, layers, recompute, max_microbatches):
+    pp, dp, tp = axes["pp"], axes["dp"], axes["tp"]
+    rows = gb // dp
+    for mode in DP_MODES:
+        if dp == 1 and mode != "ddp":
+            continue
+        for sp in ((False, True) if tp > 1 else (False,)):
+            base = Plan(dp=mode, tp=tp > 1, sp=sp)
+            for rc in recompute:
+                if pp == 1:
+                    yield axes, base, rc
+                    continue
+                for m in _divisors(rows):
+                    if m > max_microbatches or m < pp:
+                        continue
+                    for sched in ("gpipe", "1f1b", "zero_bubble"):
+                        yield axes, replace(base, pp_schedule=sched, microbatches=m), rc
+                    for v in (2, 4):
+                        if m % pp == 0 and layers and layers % (pp * v) == 0:
+                            yield axes, replace(base, pp_schedule="interleaved", microbatches=m, virtual_stages=v), rc
+
+
+def _clean_axes(axes: dict) -> dict:
+    out = {k: v for k, v in axes.items() if v > 1}
+    return out or {"dp": 1}
+
+
+# ---- the public function ---------------------------------------------------------------------------
+
+def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster="local",
+         global_batch: Optional[int] = None, top: int = 10, exhaustive: bool = False,
+         mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, flash_attention: bool = True,
+         profiles: Optional[Profiles] = None, detail: bool = True) -> PlanReport:
+    """Find the fastest plan for ``model`` on ``world_size`` devices of ``cluster`` (a preset
+    name or a Cluster) that fits in device memory; ``example_inputs`` are one batch (meta
+    tensors are fine), ``global_batch`` the rows per step (default: the example's).
+    ``mesh_axes`` restricts the search to one mesh shape; ``recompute`` to some modes.
+    Raises InfeasiblePlan (with the smallest memory any plan needs) when nothing fits."""
+    t0 = time.perf_counter()
+    c = _cluster.get_cluster(cluster)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive integer")
+    profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)
+    base = profiles.base
+    gb = global_batch or base.rows
+    heads, layers = base.heads, len(base.layers)
+    chains: dict = {}
+    limit = float(c.device.memory_bytes)
+    best_t, scored, pruned = math.inf, [], 0
+    smallest = math.inf
+    bound_cache: dict = {}
+    for axes, pl, rc in candidates(profiles, world_size, c, gb, heads=heads, layers=layers, mesh_axes=mesh_axes,
+                                   recompute=recompute):
+        key = (axes["tp"], pl.sp)
+        if key not in chains:
+            chains[key] = _Chain(profiles.get(*key))
+        ch = chains[key]
+        ax = _clean_axes(axes)
+        if not exhaustive:
+            bkey = (tuple(axes.values()), pl.sp, rc)
+            if bkey not in bound_cache:
+                bound_cache[bkey] = _bound(ch, axes, rc, c, gb)
+            if bound_cache[bkey] > best_t:
+                pruned += 1
+                continue
+        try:
+            st, mem = _score(ch, ax, pl, rc, c, gb)
+        except ValueError:
+            continue
+        fits = mem <= limit
+        smallest = min(smallest, mem)
+        scored.append(Candidate(pl, ax, rc, st, mem, fits))
+        if fits and st < best_t:
+            best_t = st
+    feasible = sorted((x for x in scored if x.fits), key=lambda x: (x.step_time_s, x.memory_bytes))
+    if not feasible:
+        raise InfeasiblePlan(
+            f"no plan for world size {world_size} fits in {limit / 2**30:.1f} GiB per device of {c.name}: the "
+            f"smallest memory any candidate needs is {smallest / 2**30:.2f} GiB per rank "
+            f"({len(scored)} candidates). Use more devices, a smaller global batch, or devices with more memory.")
+    best = feasible[0]
+    shown = feasible[:top] + sorted((x for x in scored if not x.fits), key=lambda x: x.memory_bytes)[:3]
+    for x in shown[1:]:
+        x.reason = _why(x, best, limit)
+    shown[0].reason = "chosen"
+    est = None
+    if detail:
+        try:
+            est = evaluate_plan(profiles, best.axes, best.plan, c, gb, recompute=best.recompute)
+        except Exception as exc:   # the report still stands on the closed form
+            est = None
+            note = f"detailed estimate failed: {exc}"
+        else:
+            note = ""
+    report = PlanReport(plan=best.plan, mesh=Mesh(virtual=True, **best.axes),
+                        step_time_s=est.step_time_s if est else best.step_time_s,
+                        memory_bytes=est.memory_bytes if est else best.memory_bytes, candidates=shown,
+                        recompute=best.recompute, estimate=est, searched=len(scored), pruned=pruned,
+                        elapsed_s=time.perf_counter() - t0, cluster=c.name, global_batch=gb)
+    if detail and not est:
+        report.notes.append(note)
+    if best.recompute != "none":
+        report.notes.append(f"the best plan recomputes activations ({best.recompute}); autopar.compile does not "
+                            "implement recomputation yet, so compile(plan='auto') takes the best plan without it")
+    return report
+
+
+def _why(x: Candidate, best: Candidate, limit: float) -> str:
+    if not x.fits:
+        return f"needs {x.memory_bytes / 2**30:.2f} GiB > {limit / 2**30:.2f} GiB"
+    slower = x.step_time_s / best.step_time_s - 1
+    diffs = []
+    if x.axes != best.axes:
+        diffs.append(x.mesh_text)
+    if x.plan.dp != best.plan.dp:
+        diffs.append(x.plan.dp)
+    if x.plan.pp_schedule != best.plan.pp_schedule or x.plan.microbatches != best.plan.microbatches:
+        diffs.append(f"{x.plan.pp_schedule or 'no pipeline'} m={x.plan.microbatches}")
+    if x.plan.sp != best.plan.sp:
+        diffs.append(f"sp={x.plan.sp}")
+    if x.recompute != best.recompute:
+        diffs.append(f"recompute={x.recompute}")
+    return f"{slower:+.1%} slower ({', '.join(diffs) or 'same shape'})"
+
+
+def _bound(ch: _Chain, axes: dict, rc: str, c, gb: int) -> float:
+    """A lower bound on any candidate of this mesh / recompute: the busiest rank computes at
+    least 1/pp of the model's forward and backward arithmetic (no overheads, no comm)."""
+    p, n = axes["pp"], axes["dp"]
+    k = gb / n / ch.rows
+    slow = _oversubscription(c, _clean_axes(axes))
+    total = 0.0
+    for g, mult, is_layer in ((ch.pre, 1, False), (ch.layer, ch.L, True), (ch.post, 1, False)):
+        fc = _compute_time(g.flops * k, g.bytes_moved * k, c) * slow
+        total += mult * (3 * fc + (fc if is_layer and rc == "full" else 0.0))
+    return total / p
