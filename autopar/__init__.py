@@ -10,6 +10,8 @@
 
 from . import cost, passes
 from .api import compile
+from .estimate import Estimate, estimate
+from .planner import InfeasiblePlan, PlanReport, plan
 from .capture import CaptureError
 from .mesh import Mesh
 from .placement import Layout, Partial, Replicate, Shard
@@ -18,4 +20,5 @@ from .runtime import DistributedModule
 from . import testing
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
-           "Layout", "CaptureError", "testing", "passes", "cost"]
+           "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
+           "InfeasiblePlan"]

@@ -29,18 +29,46 @@ log = logging.getLogger("autopar")
 __all__ = ["compile"]
 
 
-def _resolve_plan(plan: Union[Plan, str], mesh: Mesh) -> tuple[Plan, str]:
+def _resolve_plan(plan: Union[Plan, str], mesh: Mesh, model=None, example_inputs=(), example_kwargs=None,
+                  cluster=None) -> tuple[Plan, str]:
     if isinstance(plan, Plan):
         return plan, "given by the user"
     if plan == "auto":
-        picked = Plan(dp="zero3")
-        reason = (f"plan='auto' picked {picked}: until the planner lands, auto shards parameters, "
-                  f"gradients and optimizer state over dp={mesh.axis_size('dp')} (ZeRO-3)")
-        if mesh.rank == 0:
-            log.warning("autopar: %s", reason)
-        return picked, reason
+        return _auto_plan(mesh, model, example_inputs, example_kwargs, cluster)
     raise ValueError(f"plan={plan!r} is not a plan: pass plan='auto' or an autopar.Plan(...), "
                      "e.g. Plan(dp='zero2')")
+
+
+def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tuple[Plan, str]:
+    """plan='auto': rank 0 runs the planner over the plans this mesh's axes allow (without
+    recomputation, which compile does not implement) and broadcasts its choice, so every rank
+    compiles the same program whatever its own measurements would say."""
+    import torch.distributed as dist
+    from .cost.cluster import cached_local, get_cluster
+    from .planner import plan as _plan
+    chosen = [None, None]
+    if mesh.rank == 0 or mesh.virtual:
+        try:
+            c = get_cluster(cluster) if cluster is not None else (cached_local() or get_cluster("local"))
+            rows = {t.shape[0] for t in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {})))
+                    if isinstance(t, torch.Tensor) and t.dim()}
+            report = _plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                           cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
+                           recompute=("none",), detail=False)
+            runner_up = report.candidates[1] if len(report.candidates) > 1 else None
+            chosen = [str(report.plan), (
+                f"plan='auto' picked {report.plan} on {mesh} with the cost model ({c.name}): predicted "
+                f"{report.step_time_s * 1e3:.2f} ms and {report.memory_bytes / 2**20:.1f} MiB per rank, best of "
+                f"{report.searched} candidates" + (f"; runner-up {runner_up.plan} {runner_up.reason}" if runner_up else ""))]
+        except Exception as exc:     # every rank must hear of the failure, not wait for a plan
+            chosen = [None, f"{type(exc).__name__}: {exc}"]
+    if not mesh.virtual and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        raise ValueError(f"plan='auto' found no plan for {mesh}: {chosen[1]}")
+    if mesh.rank == 0:
+        log.warning("autopar: %s", chosen[1])
+    return Plan.parse(chosen[0]), chosen[1]
 
 
 def _check_axes(plan: Plan, mesh: Mesh) -> None:
@@ -56,13 +84,15 @@ def _check_axes(plan: Plan, mesh: Mesh) -> None:
 
 
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,
-            plan: Union[Plan, str] = "auto") -> DistributedModule:
+            plan: Union[Plan, str] = "auto", cluster=None) -> DistributedModule:
     """Compile ``model`` for ``mesh``. ``example_inputs`` (and ``example_kwargs``) are one
     global batch: the graph is captured at its shapes (the logical program), and this rank's
-    module runs on its data-parallel slice."""
+    module runs on its data-parallel slice. ``plan="auto"`` lets the planner choose among the
+    plans the mesh's axes allow, by the cost model of ``cluster`` (a preset name or a Cluster;
+    default: this machine's calibrated ``local`` preset)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-    plan, reason = _resolve_plan(plan, mesh)
+    plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     _check_axes(plan, mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.notes.append(f"plan: {reason}")
@@ -77,6 +107,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
                              for x in pytree.tree_leaves(local))
     ctx.snapshots.append(("capture", graph_text(gm)))
+    ctx.profile = _profile(gm, ctx)
     # layouts first: collectives and localize read them; localize on the final graph, then the
     # sequence-parallel regions become one node each (they hold localized ops)
     gm = _layout_passes(gm, ctx)
@@ -85,6 +116,18 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
+
+
+def _profile(gm, ctx: CompileContext):
+    """The cost model's profile of the logical graph for this plan's tp / sp (numbers only:
+    ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
+    from .profile import profile
+    try:
+        return profile(None, (), gm=gm, ctx0=ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1,
+                       sp=ctx.plan.sp, tp_layout=ctx.plan.tp_layout)
+    except Exception as exc:     # the cost model must never stop a compile
+        log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def _layout_passes(gm, ctx: CompileContext, prefix: str = ""):
@@ -128,6 +171,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
     ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None
                              for x in pytree.tree_leaves(local))
     ctx.snapshots.append(("capture", graph_text(gm)))
+    ctx.profile = _profile(gm, ctx)
     top = passes.pipeline(gm, ctx)
     ctx.snapshots.append(("pipeline", top.code + "".join(
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))

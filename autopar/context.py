@@ -51,6 +51,7 @@ class CompileContext:
     notes: list = field(default_factory=list)        # lines for explain()
     stages: list = field(default_factory=list)       # passes.pipeline.StageSpec, set by the pipeline pass
     microbatch_rows: int = 0                          # global rows of one micro-batch (pipeline)
+    profile: Any = None                               # autopar.profile.Profile of the logical graph (cost model)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shape on this rank's slice of the ``tp`` axis (before ZeRO)."""

@@ -1,4 +1,5 @@
-"""``python -m autopar demo``: compile a small GPT with ZeRO-3 on local CPU processes, train a
+"""``python -m autopar demo``: compile a small GPT with ``plan="auto"`` (the planner picks the
+data-parallel mode for this machine's calibrated cost model) on local CPU processes, train a
 few steps beside the single-device model, and show parity, bytes and memory."""
 from __future__ import annotations
 
@@ -46,10 +47,14 @@ def _rank_main(steps: int, out_dir: str):
         opt.zero_grad()
     psi = sum(s.numel for s in dm._sync.specs.values())
     psi_pad = sum(s.n * s.chunk_numel for s in dm._sync.specs.values())
-    mem = sum(p.numel() * 4 for p in dm.parameters()) * 2 + optimizer_state_bytes(opt)
+    held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in dm.parameters()}
+    held.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in dm._sync._replicas.values()})
+    mem = sum(held.values()) + sum(p.numel() * 4 for p in dm.parameters()) + optimizer_state_bytes(opt)
     paths = dm.dump(os.path.join(out_dir, f"rank{rank}")) if rank == 0 else []
-    return {"rows": rows, "psi": psi, "psi_pad": psi_pad, "plan": str(dm.plan), "mem": mem,
-            "read": sum(dm._sync.specs[n].n * dm._sync.specs[n].chunk_numel for n in dm._sync.saved_in_backward),
+    return {"rows": rows, "psi": psi, "psi_pad": psi_pad, "plan": str(dm.plan), "mode": dm.plan.dp, "mem": mem,
+            "why": next((n for n in dm.ctx.notes if "auto" in n), ""),
+            "read": sum(dm._sync.specs[n].n * dm._sync.specs[n].chunk_numel for n in dm._sync.saved_in_backward)
+            if dm.plan.dp == "zero3" else 0,
             "paths": paths}
 
 
@@ -57,19 +62,25 @@ def main(world: int = 2, steps: int = 5, out_dir: str = "autopar_out") -> int:
     print(f"autopar demo: TinyGPT on {world} local CPU processes (gloo), plan='auto'")
     res = autopar.testing.run(_rank_main, world, steps, out_dir, timeout=300)
     r0 = res[0]
-    print(f"plan picked: {r0['plan']}   Ψ = {r0['psi']:,} parameters ({r0['psi_pad']:,} padded to {world} shards)\n")
+    print(f"plan picked: {r0['plan']}   Ψ = {r0['psi']:,} parameters ({r0['psi_pad']:,} padded to {world} shards)")
+    print(f"  {r0['why']}\n")
     print("step   loss (autopar)   loss (1 device)   max |Δparam|   except key bias   bytes moved (rank 0)")
     for step, loss, ref, perr, rest, nbytes in r0["rows"]:
         print(f"{step:>4}   {loss:>14.6f}   {ref:>15.6f}   {perr:>12.2e}   {rest:>15.2e}   {nbytes:>12,.0f}")
-    n = world
-    f3 = evaluate(dp_comm_elements("zero3"), Psi=r0["psi_pad"], N=n) * 4
-    exact = (2 * r0["psi_pad"] + r0["read"]) * (n - 1) / n * 4
-    print(f"\nbytes per step: formula 3Ψ(N−1)/N x 4 B = {f3:,.0f}; measured {r0['rows'][-1][5]:,.0f} = "
-          f"(2Ψ + Ψ read by backward)(N−1)/N x 4 B = {exact:,.0f}")
+    n, mode = world, r0["mode"]
+    psi = r0["psi"] if mode == "ddp" else r0["psi_pad"]
+    formula = dp_comm_elements(mode)
+    line = (f"\nbytes per step ({mode}): formula {formula} x 4 B = {evaluate(formula, Psi=psi, N=n) * 4:,.0f}; "
+            f"measured {r0['rows'][-1][5]:,.0f}")
+    if mode == "zero3":
+        exact = (2 * r0["psi_pad"] + r0["read"]) * (n - 1) / n * 4
+        line += f" = (2Ψ + Ψ read by backward)(N−1)/N x 4 B = {exact:,.0f}"
+    print(line)
     print("per-rank memory after a step (params + grads + AdamW state):")
     for rank, r in enumerate(res):
-        print(f"  rank {rank}: {r['mem']:,} B   (formula 16Ψ/N = "
-              f"{evaluate(zero_memory_bytes('zero3'), Psi=r0['psi'], N=n):,.0f} B; uneven shards differ by a row)")
+        mem = zero_memory_bytes(mode)
+        print(f"  rank {rank}: {r['mem']:,} B   (formula {mem} = "
+              f"{evaluate(mem, Psi=r0['psi'], N=n):,.0f} B; uneven shards differ by a row)")
     ok = all(abs(l - ref) <= 1e-4 * abs(ref) + 1e-5 and rest <= 1e-4 for _, l, ref, _, rest, _ in r0["rows"])
     print(f"\nparity with the single-device run: {'OK' if ok else 'MISMATCH'}")
     print("graphs of every pass and explain(): " + ", ".join(r0["paths"]))

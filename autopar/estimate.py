@@ -124,7 +124,7 @@ class Profiles:
         self._model, self._inputs, self._kwargs = model, tuple(example_inputs), dict(example_kwargs or {})
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
         self._gm = capture(model, self._inputs, self._kwargs, self._ctx)
-        self._gm._autopar_flash = flash
+        self.flash = flash
         self._cache: dict = {}
 
     def get(self, tp: int, sp: bool) -> Profile:
@@ -132,7 +132,7 @@ class Profiles:
         key = (tp, sp and tp > 1)
         if key not in self._cache:
             self._cache[key] = profile(self._model, self._inputs, self._kwargs, tp=tp, sp=key[1],
-                                       gm=self._gm, ctx0=self._ctx)
+                                       gm=self._gm, ctx0=self._ctx, flash=self.flash)
         return self._cache[key]
 
     @property
@@ -549,6 +549,22 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate):
 
 
 
+def closed_form_pipeline(schedule: str, m: int, v: int, fb: list, w: list) -> float:
+    """Makespan of a pipeline whose rank r takes ``fb[r]`` = F + B per micro-batch (``w[r]`` of
+    B deferred as W by zero-bubble): the busiest rank's m micro-batches plus the fill and drain
+    of the others, (m - 1)·max + Σ — for uniform ranks (m + p - 1)(F + B), the GPipe / 1F1B
+    bubble (p - 1)/(m + p - 1); interleaving divides the fill and drain by v (Narayanan et al.,
+    SC'21, section 2.2.2); zero-bubble fills them with W, (p - 1)(F + B - 2W) (Qi et al., "Zero
+    Bubble Pipeline Parallelism", ICLR 2024, ZB-H1)."""
+    top = max(range(len(fb)), key=lambda r: fb[r])
+    rest = sum(fb) - fb[top]
+    if schedule == "interleaved":
+        return m * fb[top] + rest / v
+    if schedule == "zero_bubble":
+        return m * fb[top] + rest - 2 * (sum(w) - w[top])
+    return m * fb[top] + rest
+
+
 def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate):
     """(makespan of the schedule, bubble fraction, busiest rank's busy time)."""
     from .schedule import Schedule, build_schedule, simulate as replay
@@ -556,17 +572,11 @@ def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate):
     per_rank = [(sum(Fs[s] for s in range(len(Fs)) if s % p == r), sum(Bs[s] for s in range(len(Bs)) if s % p == r),
                  sum(Ws[s] for s in range(len(Ws)) if s % p == r)) for r in range(p)]
     if not simulate or m * p * v > 20000:
-        f, b, w = max(per_rank, key=lambda x: x[0] + x[1])
-        if split:
-            w = min(w, b / 2)
-            total = m * (f + b) + (p - 1) * (f + b - 2 * w)
-        elif plan.pp_schedule == "interleaved":
-            total = m * (f + b) + (p - 1) * (f + b) / v
-        else:
-            total = (m + p - 1) * (f + b)
-        total += (p - 1) * max(hop) * 2
-        busy = m * (f + b)
-        return total, 1 - busy / total if total else 0.0, busy
+        fb = [f + b for f, b, _ in per_rank]
+        ws = [min(w, b / 2) if split else 0.0 for _, b, w in per_rank]
+        total = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws) + (p - 1) * max(hop) * 2
+        busy = m * max(fb)
+        return total, 1 - m * sum(fb) / len(fb) / total if total else 0.0, busy
     if plan.pp_schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
         schedule = build_schedule(plan.pp_schedule, p, m, v)
     else:

@@ -68,7 +68,7 @@ def _mb(x: float) -> str:
     return f"{x:,.0f} B ({x / 2**20:.3f} MiB)"
 
 
-def explain(dm) -> str:
+def explain(dm, cluster=None) -> str:
     from autopar.cost import dp_comm_elements, zero_memory_bytes, evaluate
     ctx, sync = dm.ctx, dm._sync
     mode, n = dm.plan.dp, dm.mesh.axis_size("dp")
@@ -140,7 +140,25 @@ def explain(dm) -> str:
     else:
         line += " (no dm.optimizer(...) built yet)"
     lines.append(line)
+    lines += predicted_section(dm, cluster)
     return "\n".join(lines)
+
+
+def predicted_section(dm, cluster) -> list:
+    """The cost model's prediction (``dm.predict``), each cost as its formula and its number;
+    without a cluster, the local preset if it was calibrated before (nothing is measured here)."""
+    from autopar.cost.cluster import cached_local
+    if cluster is False:       # a pipeline stage: the pipeline's own section predicts the step
+        return []
+    c = cluster if cluster is not None else cached_local()
+    if c is None:
+        return ["\npredicted step: dm.explain(cluster='local' | 'dgx-h100' | 'dgx-a100-80gb') prints the cost "
+                "model's prediction (the local preset calibrates this machine once, in a few seconds)"]
+    try:
+        est = dm.predict(c)
+    except Exception as exc:
+        return [f"\npredicted step: unavailable ({type(exc).__name__}: {exc})"]
+    return ["\npredicted (cost model, autopar.estimate):"] + ["  " + x for x in est.explain().splitlines()]
 
 
 def _tp_section(dm) -> list:
@@ -193,7 +211,7 @@ def _bubble_formula(s) -> str:
     return "(a custom schedule: no closed form)"
 
 
-def explain_pipeline(pm) -> str:
+def explain_pipeline(pm, cluster=None) -> str:
     from autopar.passes.pipeline import BALANCE_SLACK
     ctx, s = pm.ctx, pm.schedule
     lines = [f"autopar plan: {pm.plan} on {pm.mesh} (this is rank {pm.mesh.rank}, pp index {pm.pp_index})"]
@@ -213,9 +231,10 @@ def explain_pipeline(pm) -> str:
     sent = {k: v for k, v in (pm.comm_stats.bytes.items() if pm.comm_stats else []) if k[0] == "pp"}
     for (axis, k, phase), v in sorted(sent.items()):
         lines.append(f"  sent point to point, {phase}: {_mb(v)} in {pm.comm_stats.calls[(axis, k, phase)]} messages")
+    lines += predicted_section(pm, cluster)
     for k, st in pm.stages.items():
         lines.append(f"\n---- stage {k} ----")
-        lines.append(st.explain())
+        lines.append(st.explain(cluster=False))
     return "\n".join(lines)
 
 

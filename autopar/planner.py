@@ -28,7 +28,8 @@ from typing import Optional
 from .cost import cluster as _cluster
 from .cost.comm import collective_time
 from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches
-from .estimate import ADAM_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, _oversubscription, evaluate_plan
+from .estimate import (ADAM_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, _oversubscription,
+                       closed_form_pipeline, evaluate_plan)
 from .mesh import Mesh
 from .plan import DP_MODES, Plan
 from .profile import GroupCost, Profile
@@ -36,6 +37,7 @@ from .profile import GroupCost, Profile
 __all__ = ["plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
 
 RECOMPUTE = ("none", "selective", "full")
+DETAIL_TOP = 5      # candidates the detailed estimate re-ranks
 
 
 class InfeasiblePlan(ValueError):
@@ -116,8 +118,10 @@ class _Chain:
         self.pre_names = set(pre.params) | set(pre.reads)
         self.post_names = set(post.params) | set(post.reads)
         self.pre, self.post = pre, post
+        self.pre_read, self.post_read = set(pre.read_by_backward), set(post.read_by_backward)
+        self.tied = [x for x in prof.tied if x in self.pre_names and x in self.post_names]
         if not layers:
-            self.layer, self.layer_names = GroupCost("layer"), set()
+            self.layer, self.layer_names, self.layer_read = GroupCost("layer"), set(), set()
             return
         # repeated blocks: the first layer stands for each (the chain's layers share a signature);
         # different layers are averaged (the detailed estimate then uses each as it is)
@@ -125,9 +129,6 @@ class _Chain:
         self.layer = layers[0] if same else _average(layers)
         self.layer_names = set(layers[0].params)
         self.layer_read = set(layers[0].read_by_backward) & self.layer_names
-        self.pre_read = set(pre.read_by_backward)
-        self.post_read = set(post.read_by_backward)
-        self.tied = [x for x in prof.tied if x in self.pre_names and x in self.post_names]
 
 
 def _average(layers: list) -> GroupCost:
@@ -226,19 +227,19 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     else:
         Fr = v * math.ceil(per_stage) * Fl + max(Fp, Fo)
         Br = v * math.ceil(per_stage) * Bl + max(Bp, Bo)
-        Wr = v * math.ceil(per_stage) * Wl + max(Wp, Wo)
         if mode == "zero3":
             Fr = max(Fr, v * math.ceil(per_stage) * unit_g)
             Br = max(Br, v * math.ceil(per_stage) * unit_gb)
         hop = collective_time("p2p", ch.layer.out_bytes * k, 2, lpp)
-        sched = plan.pp_schedule
-        if sched == "zero_bubble":
-            w = min(Wr, Br / 2)
-            pipe = m * (Fr + Br) + (p - 1) * (Fr + Br - 2 * w)
-        elif sched == "interleaved":
-            pipe = m * (Fr + Br) + (p - 1) * (Fr + Br) / v
-        else:
-            pipe = (m + p - 1) * (Fr + Br)
+        mid = v * math.ceil(per_stage)
+        fb = [mid * (Fl + Bl) + Fp + Bp] + [mid * (Fl + Bl)] * (p - 2) + [mid * (Fl + Bl) + Fo + Bo]
+        ws = [0.0] * p
+        if plan.pp_schedule == "zero_bubble":
+            ws = [min(mid * Wl + Wp, (mid * Bl + Bp) / 2)] + [min(mid * Wl, mid * Bl / 2)] * (p - 2) + \
+                [min(mid * Wl + Wo, (mid * Bl + Bo) / 2)]
+        if mode == "zero3":
+            fb = [max(x, mid * (unit_g + unit_gb)) for x in fb]
+        pipe = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws)
         pipe += 2 * (p - 1) * hop
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
         tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
@@ -305,14 +306,14 @@ def _divisors(x: int) -> list[int]:
 
 
 def candidates(profiles: Profiles, world: int, c, gb: int, *, heads: int = 0, layers: int = 0,
-               mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 64):
+               mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 512):
     """Yield (axes, plan, recompute) of the search space (see the module docstring)."""
     for pp, dp, tp in _factorisations(world):
         axes = {"pp": pp, "dp": dp, "tp": tp}
         if mesh_axes is not None and any(axes.get(a, 1) != s for a, s in mesh_axes.items()) or \
                 (mesh_axes is not None and any(axes[a] > 1 and a not in mesh_axes for a in axes)):
             continue
-        if heads and heads % tp or (layers and pp > layers) or gb % dp:
+        if heads and heads % tp or pp > max(layers, 1) or gb % dp:
             continue
         yield from _plans_for(axes, gb, layers, recompute, max_microbatches)
 
@@ -365,6 +366,8 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
     heads, layers = base.heads, len(base.layers)
     chains: dict = {}
     limit = float(c.device.memory_bytes)
+    keep = max(top, 1)
+    best_times: list = []          # the `keep` best feasible times so far (the bound prunes against the last)
     best_t, scored, pruned = math.inf, [], 0
     smallest = math.inf
     bound_cache: dict = {}
@@ -389,34 +392,42 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
         fits = mem <= limit
         smallest = min(smallest, mem)
         scored.append(Candidate(pl, ax, rc, st, mem, fits))
-        if fits and st < best_t:
-            best_t = st
+        if fits:
+            best_times.append(st)
+            best_times.sort()
+            del best_times[keep:]
+            if len(best_times) == keep:
+                best_t = best_times[-1]
     feasible = sorted((x for x in scored if x.fits), key=lambda x: (x.step_time_s, x.memory_bytes))
     if not feasible:
         raise InfeasiblePlan(
             f"no plan for world size {world_size} fits in {limit / 2**30:.1f} GiB per device of {c.name}: the "
             f"smallest memory any candidate needs is {smallest / 2**30:.2f} GiB per rank "
             f"({len(scored)} candidates). Use more devices, a smaller global batch, or devices with more memory.")
-    best = feasible[0]
-    shown = feasible[:top] + sorted((x for x in scored if not x.fits), key=lambda x: x.memory_bytes)[:3]
+    shown = feasible[:top]
+    note = ""
+    if detail:     # the top candidates again by the detailed estimate (event-time replay): it decides
+        for x in shown[:DETAIL_TOP]:
+            try:
+                x.estimate = evaluate_plan(profiles, x.axes, x.plan, c, gb, recompute=x.recompute)
+            except Exception as exc:   # the report still stands on the closed form
+                note = f"detailed estimate of {x.plan} failed: {exc}"
+                continue
+            x.step_time_s, x.memory_bytes = x.estimate.step_time_s, x.estimate.memory_bytes
+            x.fits = x.memory_bytes <= limit
+        shown = sorted((x for x in shown if x.fits), key=lambda x: (x.estimate is None, x.step_time_s)) or shown
+    best = shown[0]
+    shown = shown + sorted((x for x in scored if not x.fits), key=lambda x: x.memory_bytes)[:3]
     for x in shown[1:]:
         x.reason = _why(x, best, limit)
     shown[0].reason = "chosen"
-    est = None
-    if detail:
-        try:
-            est = evaluate_plan(profiles, best.axes, best.plan, c, gb, recompute=best.recompute)
-        except Exception as exc:   # the report still stands on the closed form
-            est = None
-            note = f"detailed estimate failed: {exc}"
-        else:
-            note = ""
+    est = best.estimate
     report = PlanReport(plan=best.plan, mesh=Mesh(virtual=True, **best.axes),
                         step_time_s=est.step_time_s if est else best.step_time_s,
                         memory_bytes=est.memory_bytes if est else best.memory_bytes, candidates=shown,
                         recompute=best.recompute, estimate=est, searched=len(scored), pruned=pruned,
                         elapsed_s=time.perf_counter() - t0, cluster=c.name, global_batch=gb)
-    if detail and not est:
+    if note:
         report.notes.append(note)
     if best.recompute != "none":
         report.notes.append(f"the best plan recomputes activations ({best.recompute}); autopar.compile does not "

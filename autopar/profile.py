@@ -212,7 +212,7 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
         k = node.args[1].meta[meta.VAL]
         *b, s, _ = q.shape
         flash = node.meta.get("autopar_flash", True)
-        dropout = (node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)) or 0.0
+        dropout = (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) or 0.0
         if flash:
             return act[:3] + [node], float(math.prod(b) * s * 4), False
         probs = math.prod(b) * s * k.shape[-2]
@@ -255,10 +255,12 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 
 
 def profile(model, example_inputs, example_kwargs=None, *, tp: int = 1, sp: bool = False,
-            gm: fx.GraphModule | None = None, ctx0: CompileContext | None = None) -> Profile:
+            gm: fx.GraphModule | None = None, ctx0: CompileContext | None = None, flash: bool = True,
+            tp_layout: tuple = ()) -> Profile:
     """The per-group costs of ``model`` on one rank of a tp group of size ``tp`` (see the
-    module docstring). ``gm``/``ctx0``: an already captured logical graph to reuse (copied)."""
-    plan = Plan(tp=tp > 1, sp=sp and tp > 1)
+    module docstring). ``gm``/``ctx0``: an already captured logical graph to reuse (copied).
+    ``flash``: attention runs as a fused kernel (no a·s² probabilities kept)."""
+    plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else ())
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
     if gm is None:
@@ -284,7 +286,7 @@ def profile(model, example_inputs, example_kwargs=None, *, tp: int = 1, sp: bool
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
                 for name in ctx.params}
     batch_before = _batch_nodes(gm.graph)
-    _mark_flash(gm)
+    _mark_flash(gm, flash)
     gm = passes.shard(gm, ctx)
     if tp > 1:
         gm = passes.collectives(gm, ctx)
@@ -377,12 +379,11 @@ def profile(model, example_inputs, example_kwargs=None, *, tp: int = 1, sp: bool
                    tied=tied, seq=seq, hidden=hidden, heads=heads)
 
 
-def _mark_flash(gm: fx.GraphModule) -> None:
-    """Attention runs as a fused (flash / memory-efficient) kernel unless it is told to use
-    the math form; ``autopar_flash`` = False marks the math form (set by ``profile``'s caller)."""
+def _mark_flash(gm: fx.GraphModule, flash: bool) -> None:
+    """Mark each attention node fused (flash / memory-efficient kernel) or math form."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and _op(n) in _ATTENTION:
-            n.meta.setdefault("autopar_flash", getattr(gm, "_autopar_flash", True))
+            n.meta["autopar_flash"] = flash
 
 
 def _rows(gm: fx.GraphModule) -> int:

@@ -592,6 +592,15 @@ def _write_cache(path: str, entries: dict) -> None:
     os.replace(tmp, path)
 
 
+def cached_local(cache_path: str | None = None) -> Optional[Cluster]:
+    """The local preset if this machine was calibrated before (nothing is measured), else None."""
+    entries = _read_cache(cache_path or _default_cache_path())
+    try:
+        return _cluster_from_dict(entries[_cache_key()]) if _cache_key() in entries else None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def calibrate_local(*, force: bool = False, cache_path: str | None = None) -> Cluster:
     """Measure this machine and return a Cluster named "local" (cached; a few seconds when not).
 

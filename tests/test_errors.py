@@ -83,8 +83,11 @@ def test_stock_optimizer_on_zero2_is_refused():
 
 
 def test_auto_plan_says_what_it_picked(caplog):
+    x = torch.randn(8, 16)
     with caplog.at_level("WARNING", logger="autopar"):
-        dm = autopar.compile(TinyMLP(), VMESH, example_inputs=(torch.randn(8, 16),))
-    assert dm.plan == autopar.Plan(dp="zero3")
-    assert "plan='auto' picked Plan(dp='zero3')" in caplog.text
+        dm = autopar.compile(TinyMLP(), VMESH, example_inputs=(x,), cluster="dgx-h100")
+    report = autopar.plan(TinyMLP(), 2, example_inputs=(x,), cluster="dgx-h100", mesh_axes={"dp": 2},
+                          recompute=("none",))
+    assert dm.plan == report.plan
+    assert f"plan='auto' picked {report.plan}" in caplog.text
     assert "plan='auto' picked" in dm.explain()
