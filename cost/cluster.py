@@ -251,7 +251,7 @@ _GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
-_CACHE_VERSION = 9
+_CACHE_VERSION = 10
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -408,6 +408,38 @@ def _exchange_probe(kind: str, rounds: int = 24) -> float:
     return max(total - rounds * alone * slow, 0.0) / rounds
 
 
+def _async_exchange_probe(rounds: int = 40) -> float:
+    """Seconds an asynchronous point-to-point exchange adds to a step of compute, as a pipeline
+    uses it: each rank of a pair posts ``irecv`` and ``isend`` (4 KiB), computes about 1 ms,
+    then waits. On a CPU the transfer progresses only when gloo's thread gets the core back,
+    so the exchange does not hide behind the compute: the excess per round (over the compute,
+    slowed by ranks / cores when they share cores) is the message's effective latency."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    a = torch.randn(160, 160)
+    reps = 1
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1e-3:
+        a @ a
+        reps += 1
+    alone = _timed_median(lambda: [a @ a for _ in range(reps)], 0.05)
+    x, y = torch.ones(1024), torch.empty(1024)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(rounds):
+        r, s = dist.irecv(y, src=peer, tag=i), dist.isend(x, dst=peer, tag=i)
+        for _ in range(reps):
+            a @ a
+        r.wait()
+        s.wait()
+    total = time.perf_counter() - t0
+    slow = max(1.0, world / (os.cpu_count() or 1))
+    return max(total / rounds - alone * slow, 0.0)
+
+
 def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     """Every kind's medians, for groups of 2 and of the whole world (all groups at once), in
     one spawn."""
@@ -418,6 +450,7 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     if world > (os.cpu_count() or 1):
         for kind in _KINDS:
             out[("exchange", kind)] = _exchange_probe(kind)
+    out[("exchange", "p2p")] = max(out.get(("exchange", "p2p"), 0.0), 2 * _async_exchange_probe())
     return out
 
 
