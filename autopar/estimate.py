@@ -271,7 +271,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         bwd_g = [collective_time("all_gather", sum(_padded(g.params[x], n) for x in g.read_by_backward
                                                    if x in g.params) * pbytes, n, link_dp) for g in gs]
         kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
-        red = [collective_time(kind, _padded_sum(g.params, n) * pbytes, n, link_dp) for g in gs]
+        red = _bucket_times(gs, kind, n, pbytes, link_dp, plan.bucket_bytes, per_group=mode == "zero3")
         dp_fwd_gather.append(fwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_reduce.append(red)
@@ -371,6 +371,28 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                                     "backward (busiest stage)": max(stage_sum(B, s) for s in range(S)) * m,
                                     "optimizer": max(opt_time)},
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem)
+
+
+def _bucket_times(gs, kind, n, pbytes, link, bucket_bytes, per_group=False) -> list:
+    """Seconds of the gradient reductions that become ready when each group's backward ends:
+    buckets filled in backward order, the first cut at 1 MiB and the others at
+    ``bucket_bytes`` (the collectives pass's rule); ZeRO-3 reduces each layer's unit."""
+    out = [0.0] * len(gs)
+    if n <= 1:
+        return out
+    if per_group:
+        return [collective_time(kind, _padded_sum(g.params, n) * pbytes, n, link) for g in gs]
+    cap, acc = min(1 << 20, bucket_bytes), 0.0
+    for i in reversed(range(len(gs))):
+        for shp in gs[i].params.values():
+            size = _padded(shp, n) * pbytes
+            if acc and acc + size > cap:
+                out[i] += collective_time(kind, acc, n, link)
+                acc, cap = 0.0, bucket_bytes
+            acc += size
+    if acc:
+        out[0] += collective_time(kind, acc, n, link)
+    return out
 
 
 def _padded_sum(params: dict, n: int) -> int:

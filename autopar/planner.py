@@ -37,7 +37,6 @@ from .profile import GroupCost, Profile
 __all__ = ["plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
 
 RECOMPUTE = ("none", "selective", "full")
-DETAIL_TOP = 5      # candidates the detailed estimate re-ranks
 
 
 class InfeasiblePlan(ValueError):
@@ -216,7 +215,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         if mode == "zero3":
             fwd = collective_time("all_gather", (pre_pad + post_pad) * pb, n, ldp) + \
                 Fp + Fo + ch.L * max(Fl, unit_g)
-            bwd = Bp + Bo + ch.L * max(Bl, unit_gb)
+            red_l = collective_time("reduce_scatter", lay_pad * gbytes, n, ldp)   # shares the stream
+            bwd = Bp + Bo + ch.L * max(Bl, unit_gb + red_l)
         else:
             fwd, bwd = Fp + ch.L * Fl + Fo, Bp + ch.L * Bl + Bo
         if mode == "zero1":
@@ -270,10 +270,14 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     if p > 1:
         extra += gbytes * psi            # micro-batch gradients accumulated until the flush
     peak = base + act + work + extra
-    grads_end = gbytes * (psi if mode == "ddp" else pad / n)
+    # a bucket completing: its gradients and their flat copy (+ the reduced shard, + the
+    # backend's staging copy); ZeRO-2/3 keep the flat buffers until backward ends
+    last = min(gbytes * pad, float(plan.bucket_bytes))
     staging = c.name == "local"
-    flat_end = 0.0 if mode in ("ddp", "zero1") else gbytes * pad * (2 if staging else 1)
-    peak = max(peak, base + grads_end + flat_end)
+    if mode in ("ddp", "zero1"):
+        peak = max(peak, base + 2 * last + (gbytes * psi - last if mode == "ddp" else 0.0))
+    else:
+        peak = max(peak, base + gbytes * pad * (1 + 1 / n) + last * (2 if staging else 1))
     return step, peak
 
 
@@ -404,20 +408,30 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
             f"no plan for world size {world_size} fits in {limit / 2**30:.1f} GiB per device of {c.name}: the "
             f"smallest memory any candidate needs is {smallest / 2**30:.2f} GiB per rank "
             f"({len(scored)} candidates). Use more devices, a smaller global batch, or devices with more memory.")
-    shown = feasible[:top]
     note = ""
-    if detail:     # the top candidates again by the detailed estimate (event-time replay): it decides
-        for x in shown[:DETAIL_TOP]:
+    if detail:     # the best candidates again by the detailed estimate (event-time replay): it decides and
+        shown = []  # reports; one the closed form thought fits but the walk over the step does not is dropped
+        for x in feasible[:5 * top]:
             try:
                 x.estimate = evaluate_plan(profiles, x.axes, x.plan, c, gb, recompute=x.recompute)
-            except Exception as exc:   # the report still stands on the closed form
+            except Exception as exc:   # the closed form stands for it
                 note = f"detailed estimate of {x.plan} failed: {exc}"
-                continue
-            x.step_time_s, x.memory_bytes = x.estimate.step_time_s, x.estimate.memory_bytes
-            x.fits = x.memory_bytes <= limit
-        shown = sorted((x for x in shown if x.fits), key=lambda x: (x.estimate is None, x.step_time_s)) or shown
+            else:
+                x.step_time_s, x.memory_bytes = x.estimate.step_time_s, x.estimate.memory_bytes
+                x.fits = x.memory_bytes <= limit
+            if x.fits:
+                shown.append(x)
+            if len(shown) == top:
+                break
+        if not shown:
+            raise InfeasiblePlan(
+                f"no plan for world size {world_size} fits in {limit / 2**30:.1f} GiB per device of {c.name} by "
+                f"the detailed estimate; the closed form's best needed {feasible[0].memory_bytes / 2**30:.2f} GiB")
+        shown.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
+    else:
+        shown = feasible[:top]
     best = shown[0]
-    shown = shown + sorted((x for x in scored if not x.fits), key=lambda x: x.memory_bytes)[:3]
+    shown = shown + sorted((x for x in scored if not x.fits and x not in shown), key=lambda x: x.memory_bytes)[:3]
     for x in shown[1:]:
         x.reason = _why(x, best, limit)
     shown[0].reason = "chosen"

@@ -1,0 +1,198 @@
+"""The cost model's formulas, and its predictions against published training runs.
+
+Sources (each test names its own):
+- Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+  SC'20: figure 1 (7.5B parameters, N_d = 64, mixed-precision Adam, K = 12) and table 1.
+- Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys
+  2023: table 2 (activation bytes per transformer layer).
+- Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", SC'21: table 1 (GPT models on DGX A100 80GB nodes of NVIDIA's Selene: tensor-,
+  pipeline-parallel sizes, GPUs, batch, achieved teraFLOP/s per GPU), equation 3 (the FLOPs
+  per iteration that table counts, with activation recomputation), section 2.2 (bubbles).
+"""
+
+import pytest
+import sympy as sp
+
+import autopar
+from autopar.comm import ring_bytes
+from autopar.cost.comm import ALGORITHMS, NBYTES, P, bytes_per_rank_expr, collective_time
+from autopar.cost.cluster import Link, get_cluster
+from autopar.cost.formulas import N, PSI, evaluate
+from autopar.cost.memory import (MIXED_PRECISION, activation_bytes_per_layer, inflight_microbatches,
+                                 model_state_bytes)
+from autopar.estimate import Profiles, closed_form_pipeline, evaluate_plan
+from autopar.models import NAMED, named
+from autopar.schedule import build_schedule, simulate
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ---- communication ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_bytes_per_rank_formula_is_what_the_counters_record(kind, p):
+    expr = bytes_per_rank_expr(kind)
+    assert float(expr.subs({NBYTES: 1000.0, P: p})) == pytest.approx(ring_bytes(kind, 1000.0, p))
+
+
+def test_every_formula_is_symbolic_in_alpha_beta():
+    for kind, algos in ALGORITHMS.items():
+        for name, expr in algos.items():
+            assert {str(s) for s in expr.free_symbols} <= {"alpha", "beta", "n", "p"}, (kind, name)
+
+
+def test_alpha_beta_times():
+    nvlink = Link("nvlink", 300e9, 5e-6)
+    # ring all-reduce of 1 GB over 8: 2·7·α + 2·7/8·1e9/300e9
+    assert collective_time("all_reduce", 1e9, 8, nvlink, "ring") == pytest.approx(14 * 5e-6 + 1.75e9 / 300e9)
+    # small messages: the tree's log2(p) latency beats the ring's p - 1 (auto picks the faster)
+    small = collective_time("all_reduce", 1024, 64, nvlink)
+    assert small == pytest.approx(min(collective_time("all_reduce", 1024, 64, nvlink, a)
+                                      for a in ("ring", "tree", "rabenseifner")))
+    assert small < collective_time("all_reduce", 1024, 64, nvlink, "ring")
+    assert collective_time("p2p", 1e6, 2, nvlink) == pytest.approx(5e-6 + 1e6 / 300e9)
+    assert collective_time("all_gather", 1e6, 1, nvlink) == 0.0
+
+
+# ---- memory: published figures ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,published_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+def test_zero_figure_1_memory(mode, published_gb):
+    """ZeRO (SC'20) figure 1: 7.5B parameters on 64 GPUs, mixed precision Adam (K = 12):
+    baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device."""
+    got = evaluate(model_state_bytes(mode, MIXED_PRECISION), Psi=7.5e9, N=64) / 1e9
+    assert got == pytest.approx(published_gb, rel=0.05)
+
+
+@pytest.mark.parametrize("psi,nd,published", [(7.5e9, 1024, (120, 30.1, 15.1, 0.12)),
+                                              (128e9, 64, (2048, 536, 284, 32)),
+                                              (1e12, 1024, (16000, 4011.7, 2013.7, 15.6))])
+def test_zero_table_1_memory(psi, nd, published):
+    """ZeRO (SC'20) table 1, per-device GB of model states by stage and DP degree."""
+    for mode, gb in zip(("ddp", "zero1", "zero2", "zero3"), published):
+        assert evaluate(model_state_bytes(mode, MIXED_PRECISION), Psi=psi, N=nd) / 1e9 == pytest.approx(gb, rel=0.05)
+
+
+def test_memory_formulas_are_symbolic():
+    assert model_state_bytes("zero2", MIXED_PRECISION) == 2 * PSI + 14 * PSI / N
+    s, b, h, a, t = sp.symbols("s b h a t", positive=True)
+    assert sp.simplify(activation_bytes_per_layer() - s * b * h * (34 + 5 * a * s / h)) == 0
+    assert sp.simplify(activation_bytes_per_layer(tp=True) - s * b * h * (10 + 24 / t + 5 * a * s / (h * t))) == 0
+    assert sp.simplify(activation_bytes_per_layer(recompute="full") - 2 * s * b * h) == 0
+    assert sp.simplify(activation_bytes_per_layer(flash=True) - 34 * s * b * h) == 0
+
+
+@pytest.fixture(scope="module")
+def gpt3_one_layer():
+    model, example = named("gpt3-175b", layers=1)
+    return Profiles(model, example, flash=False), Profiles(model, example, flash=True)
+
+
+@pytest.mark.parametrize("tp,sp_,recompute,formula", [
+    (1, False, "none", lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+    (8, False, "none", lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+    (8, True, "none", lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+    (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+    (8, True, "selective", lambda s, b, h, a, t: 34 * s * b * h / t),
+    (1, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
+])
+def test_activations_of_the_compiled_graph_match_korthikanti_table_2(gpt3_one_layer, tp, sp_, recompute, formula):
+    """Korthikanti et al. table 2 at GPT-3 175B's layer (s=2048, h=12288, a=96, 16-bit, dropout):
+    the bytes autopar's profile finds saved for backward in the captured graph of one layer
+    (by the saved-tensor table of autograd's formulas, after the tp / sp passes) are the
+    published formula, within 5%."""
+    from autopar.estimate import _saved
+    math_attention, _ = gpt3_one_layer
+    prof = math_attention.get(tp, sp_)
+    layer = prof.layers[0]
+    b = prof.rows
+    expected = formula(2048, b, 12288, 96, tp)
+    assert _saved(layer, recompute) == pytest.approx(expected, rel=0.05)
+
+
+def test_flash_attention_removes_the_quadratic_term(gpt3_one_layer):
+    _, flash = gpt3_one_layer
+    layer = flash.base.layers[0]
+    assert layer.saved_quadratic == 0
+    assert layer.saved == pytest.approx(34 * 2048 * flash.base.rows * 12288, rel=0.05)
+
+
+# ---- pipeline bubbles ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,p,m,v,published", [
+    ("gpipe", 4, 8, 1, 3 / 11), ("1f1b", 8, 32, 1, 7 / 39), ("interleaved", 4, 8, 2, 3 / 19),
+    ("zero_bubble", 4, 8, 1, 3 / 27)])
+def test_closed_form_bubbles_equal_the_replayed_schedule(name, p, m, v, published):
+    """Narayanan et al. section 2.2: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1)
+    interleaved; Qi et al. (ZB-H1) (p-1)/(3m+p-1) with F = B = W: the closed forms the planner
+    scores with equal the event-time replay of the real schedules."""
+    split = name == "zero_bubble"
+    f, b, w = (1.0, 1.0, 1.0) if split else (1.0, 2.0, 0.0)
+    fb = [v * (f + b + w)] * p if split else [v * (f + b)] * p
+    total = closed_form_pipeline(name, m, v, fb, [v * w] * p)
+    tl = simulate(build_schedule(name, p, m, v))
+    assert total == pytest.approx(tl.makespan)
+    assert 1 - m * fb[0] / total == pytest.approx(published)
+    assert tl.bubble_fraction() == pytest.approx(published)
+
+
+def test_inflight_microbatches():
+    assert inflight_microbatches("gpipe", 4, 8) == 8
+    assert inflight_microbatches("1f1b", 4, 8, stage=0) == 4
+    assert inflight_microbatches("1f1b", 4, 8, stage=3) == 1
+    assert inflight_microbatches("interleaved", 4, 16, v=2) == pytest.approx(4 * (1 + 3 / 8))
+
+
+# ---- published training runs -----------------------------------------------------------------------------
+
+NARAYANAN_TABLE_1 = [
+    # model, tensor-parallel, pipeline-parallel, GPUs, batch, achieved teraFLOP/s per GPU
+    ("gpt-39b", 8, 2, 512, 1536, 138),
+    ("gpt-76b", 8, 4, 1024, 1792, 140),
+    ("gpt-146b", 8, 8, 1536, 2304, 148),
+]
+
+
+def _published_flops(cfg, batch) -> float:
+    """Narayanan et al. equation 3: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per iteration."""
+    s, l, h, V = cfg.seq, cfg.layers, cfg.dim, cfg.vocab
+    return 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def _published_setup(name, t, p, gpus, batch):
+    model, example = named(name)
+    profiles = Profiles(model, example, flash=False)      # 2021: attention kept its scores
+    d = gpus // (t * p)
+    axes = {"pp": p, "dp": d, "tp": t}
+    # Megatron-LM then: plain data parallelism, tensor parallelism without sequence
+    # parallelism, 1F1B with micro-batches of one sequence, full activation recomputation
+    plan = autopar.Plan(dp="ddp", tp=True, pp_schedule="1f1b", microbatches=batch // d)
+    return profiles, axes, plan
+
+
+@pytest.mark.parametrize("name,t,p,gpus,batch,published", NARAYANAN_TABLE_1)
+def test_throughput_of_published_megatron_runs(name, t, p, gpus, batch, published):
+    """Narayanan et al. (SC'21) table 1 on DGX A100 80GB (dgx-a100-80gb preset): predicted
+    teraFLOP/s per GPU (the paper's FLOPs count over the predicted step time) within 20%."""
+    profiles, axes, plan = _published_setup(name, t, p, gpus, batch)
+    est = evaluate_plan(profiles, axes, plan, get_cluster("dgx-a100-80gb"), batch, recompute="full")
+    tflops = _published_flops(NAMED[name], batch) / (est.step_time_s * gpus) / 1e12
+    assert tflops == pytest.approx(published, rel=0.20)
+    assert est.fits       # it ran on 80 GB devices
+    # the schedule's bubble (p-1)/(m+p-1), plus the imbalance of the end stages (embedding, head)
+    assert (p - 1) / (plan.microbatches + p - 1) - 1e-9 <= est.bubble_fraction <= 0.2
+
+
+def test_planner_beats_or_matches_the_published_configuration():
+    """Given the model, cluster and batch of Narayanan et al.'s 39.1B run (512 GPUs, batch
+    1536), the planner finds a plan it predicts at least as fast as the published one."""
+    name, t, p, gpus, batch, _ = NARAYANAN_TABLE_1[0]
+    profiles, axes, plan = _published_setup(name, t, p, gpus, batch)
+    c = get_cluster("dgx-a100-80gb")
+    published = evaluate_plan(profiles, axes, plan, c, batch, recompute="full")
+    report = autopar.plan(None, gpus, example_inputs=(), cluster=c, global_batch=batch, profiles=profiles)
+    assert report.step_time_s <= published.step_time_s
+    assert report.memory_bytes <= c.device.memory_bytes
+    assert report.candidates[0].reason == "chosen"

@@ -1,0 +1,158 @@
+"""The planner and the estimate contract: exhaustive agreement, infeasibility, speed, reports."""
+import dataclasses
+import json
+import time
+
+import pytest
+
+import autopar
+from autopar.cost.cluster import Cluster, Device, Link, get_cluster
+from autopar.estimate import Profiles, evaluate_plan
+from autopar.models import GPTConfig, TinyGPT, gpt_batch, named
+from autopar.planner import InfeasiblePlan, _Chain, _score
+
+pytestmark = pytest.mark.timeout(300)
+
+# a fixed CPU-like cluster, so that these tests do not depend on this machine's calibration
+CPU = Cluster(name="cpu-fixed", device=Device("cpu", 1e11, 2.5e10, 24 * 10**9, 1.0, 0.6, dtype_bytes=4,
+                                              op_overhead=6e-6),
+              gpus_per_node=8, intra=Link("gloo", 1.5e9, 2e-4), inter=Link("gloo", 1.5e9, 2e-4),
+              host=Link("host", 2.5e10, 1e-7), mixed_precision=False)
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    c = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)
+    x, _ = gpt_batch(c, 16)
+    model = TinyGPT(c)
+    return model, (x,), Profiles(model, (x,))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("cluster", ["dgx-h100", CPU], ids=["dgx-h100", "cpu"])
+def test_planner_choice_equals_exhaustive_enumeration(small_gpt, world, cluster):
+    model, example, profiles = small_gpt
+    fast = autopar.plan(model, world, example_inputs=example, cluster=cluster, profiles=profiles)
+    full = autopar.plan(model, world, example_inputs=example, cluster=cluster, profiles=profiles, exhaustive=True)
+    assert (fast.plan, fast.mesh.axes, fast.recompute) == (full.plan, full.mesh.axes, full.recompute)
+    assert fast.step_time_s == pytest.approx(full.step_time_s)
+    assert full.pruned == 0 and full.searched >= fast.searched
+    # the closed form's optimum over the whole space (scored here one by one) is among the
+    # candidates the branch and bound kept for the detailed re-ranking
+    best = min(_all_scores(profiles, world, get_cluster(cluster), 16), key=lambda c: c[0])
+    assert (best[1], best[3]) in {(c.plan, c.recompute) for c in fast.candidates}
+
+
+def _all_scores(profiles, world, c, gb):
+    from autopar.planner import candidates
+    base = profiles.base
+    for axes, plan, rc in candidates(profiles, world, c, gb, heads=base.heads, layers=len(base.layers)):
+        ch = _Chain(profiles.get(axes["tp"], plan.sp))
+        t, mem = _score(ch, {k: v for k, v in axes.items() if v > 1} or {"dp": 1}, plan, rc, c, gb)
+        if mem <= c.device.memory_bytes:
+            yield t, plan, axes, rc
+
+
+def test_report_lists_candidates_with_reasons(small_gpt):
+    model, example, profiles = small_gpt
+    r = autopar.plan(model, 4, example_inputs=example, cluster="dgx-h100", profiles=profiles, top=6)
+    assert r.candidates[0].reason == "chosen" and r.candidates[0].plan == r.plan
+    assert all(c.reason for c in r.candidates)
+    assert all("slower" in c.reason or "GiB" in c.reason for c in r.candidates[1:])
+    times = [c.step_time_s for c in r.candidates if c.fits]
+    assert times == sorted(times)
+    text = r.explain()
+    assert "why not" in text and str(r.plan) in text
+
+
+def test_memory_limit_decides(small_gpt):
+    """On a device too small for ddp's replicated states, the planner shards them."""
+    model, example, profiles = small_gpt
+    need = evaluate_plan(profiles, {"dp": 4}, autopar.Plan(dp="ddp"), CPU, 16).memory_bytes
+    tight = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, memory_bytes=int(need * 0.95)))
+    r = autopar.plan(model, 4, example_inputs=example, cluster=tight, profiles=profiles, mesh_axes={"dp": 4},
+                     recompute=("none",))
+    assert r.memory_bytes <= tight.device.memory_bytes < need
+    assert r.plan.dp != "ddp"
+    assert all(c.plan.dp != "ddp" for c in r.candidates if c.fits)
+
+
+def test_infeasible_is_a_clear_error(small_gpt):
+    model, example, profiles = small_gpt
+    tiny = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, memory_bytes=10_000))
+    with pytest.raises(InfeasiblePlan, match=r"smallest memory any candidate needs is \d+\.\d+ GiB"):
+        autopar.plan(model, 2, example_inputs=example, cluster=tiny, profiles=profiles)
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    model, example = named("gpt3-175b")
+    return model, example
+
+
+def test_gpt3_175b_on_1024_virtual_gpus_plans_in_under_a_minute(gpt3):
+    model, example = gpt3
+    t0 = time.perf_counter()
+    r = autopar.plan(model, 1024, example_inputs=example, cluster="dgx-a100-80gb", global_batch=1536)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, f"planning took {elapsed:.1f} s"
+    assert r.mesh.size == 1024 and r.memory_bytes <= 80e9
+    assert r.estimate is not None and r.estimate.fits
+    # a 175B model does not fit without sharding something
+    assert r.mesh.axis_size("tp") > 1 or r.mesh.axis_size("pp") > 1 or r.plan.dp == "zero3"
+
+
+def test_estimate_on_a_large_virtual_mesh(gpt3):
+    model, example = gpt3
+    mesh = autopar.Mesh(pp=8, dp=24, tp=8, virtual=True)
+    plan = autopar.Plan(dp="zero1", tp=True, sp=True, pp_schedule="1f1b", microbatches=64)
+    e = autopar.estimate(model, mesh, plan, example_inputs=example, cluster="dgx-h100", global_batch=1536)
+    assert e.step_time_s > 0 and 0 < e.bubble_fraction < 1
+    assert e.memory_bytes > 0 and e.comm_bytes > 0
+    assert set(e.comm_bytes_by_axis) == {"tp", "dp", "pp"}
+    # the tp bytes are Megatron's with sequence parallelism: per layer and micro-batch 8·b·s·h·(t-1)/t
+    # (2 bytes per element) plus the backward re-gather of the 2 column inputs, 2·b·s·h·(t-1)/t
+    layers_per_rank, bsh = 96 // 8, 1 * 2048 * 12288 * 2
+    per_layer = (8 + 2) * bsh * 7 / 8
+    assert e.comm_bytes_by_axis["tp"] >= 64 * layers_per_rank * per_layer
+    assert "bubble" in e.explain() and "Psi" in e.explain()
+
+
+def test_estimate_chrome_trace_has_compute_and_communication_lanes(small_gpt):
+    model, example, profiles = small_gpt
+    e = evaluate_plan(profiles, {"dp": 4}, autopar.Plan(dp="zero3"), CPU, 16)
+    trace = e.chrome_trace()
+    json.dumps(trace)
+    lanes = {(ev["pid"], ev["tid"]) for ev in trace["traceEvents"] if ev["ph"] == "X"}
+    assert (0, 0) in lanes and (0, 1) in lanes          # compute, communication
+    names = [ev["name"] for ev in trace["traceEvents"] if ev["ph"] == "X"]
+    assert any(n.startswith("all_gather") for n in names) and any(n.startswith("B ") for n in names)
+    pp = evaluate_plan(profiles, {"pp": 2, "dp": 2}, autopar.Plan(pp_schedule="1f1b", microbatches=4), CPU, 16)
+    assert {ev["pid"] for ev in pp.chrome_trace()["traceEvents"] if ev["ph"] == "X"} == {0, 1}
+
+
+def test_compiled_module_explains_its_predicted_costs():
+    c = GPTConfig(layers=2)
+    x, _ = gpt_batch(c, 8)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=2, virtual=True), example_inputs=(x,),
+                         plan=autopar.Plan(dp="zero2"))
+    text = dm.explain(cluster="dgx-h100")
+    assert "predicted (cost model" in text
+    assert "2*Psi + 14*Psi/N" in text            # the formula, then its number
+    e = dm.predict("dgx-h100")
+    assert f"{e.comm_bytes:,.0f} B" in text and f"{e.step_time_s * 1e3:12.3f} ms" in text
+
+
+def test_estimate_refuses_mismatched_inputs(small_gpt):
+    model, example, profiles = small_gpt
+    with pytest.raises(ValueError, match="does not split"):
+        evaluate_plan(profiles, {"dp": 3}, autopar.Plan(), CPU, 16)
+    with pytest.raises(ValueError, match="uses mesh axis"):
+        autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), autopar.Plan(tp=True), example_inputs=example,
+                         cluster=CPU)
+    with pytest.raises(ValueError, match="unknown cluster|preset"):
+        autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), autopar.Plan(), example_inputs=example,
+                         cluster="dgx-z900")
+    with pytest.raises(ValueError, match="recompute"):
+        autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), autopar.Plan(), example_inputs=example,
+                         cluster=CPU, recompute="half")
