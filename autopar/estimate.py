@@ -39,7 +39,13 @@ from .profile import GroupCost, Profile
 
 __all__ = ["Estimate", "estimate", "evaluate_plan", "Profiles"]
 
-ADAM_OPS_PER_TENSOR = 12   # torch.optim.AdamW's per-tensor step (lerp, mul, addcmul, sqrt, div, ...)
+# autopar's data-parallel runtime dispatches per parameter tensor and step, besides the arithmetic
+# (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-1/2's copy of the gathered
+# parameters into the replicas after the step). Counted on this repository's runtime at dp=1
+# (tests/jobs.py-style step, fwd+bwd of the compiled module against the plain model): ddp
+# +0.9 ms, ZeRO-2/3 +4.8 ms for 52 tensors at ~6 us per op; the optimizer +0.65 ms for ZeRO-1/2.
+SYNC_OPS_PER_TENSOR = {"ddp": 3, "zero1": 16, "zero2": 16, "zero3": 16}
+GATHER_OPS_PER_TENSOR = {"zero1": 2, "zero2": 2}
 
 
 # ---- results ------------------------------------------------------------------------------
@@ -290,14 +296,18 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                 held = math.prod(shp) if mode == "ddp" else _padded(shp, n) // max(n, 1)
                 tied_bytes += held * pbytes
     # optimizer step: reads and writes parameters, gradients and state of this rank's shard
-    # (AdamW's single-tensor step dispatches about a dozen ops per parameter tensor: on the local
-    # CPU that dispatch, not the arithmetic, is most of its time)
-    opt_time = [(_compute_time(0.0, 3 * states[s], c) + ADAM_OPS_PER_TENSOR * n_tensors[s] * c.device.op_overhead)
-                * slow for s in range(S)]
+    # (AdamW's single-tensor loop: on the local CPU its per-tensor cost, not the arithmetic, is
+    # most of its time) and the runtime's per-tensor work of the data-parallel sync
+    ovh = c.device.op_overhead
+    opt_time = [(_compute_time(0.0, 3 * states[s], c) + n_tensors[s] * (c.device.step_overhead
+                 + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow for s in range(S)]
+    sync_time = [n_tensors[s] * SYNC_OPS_PER_TENSOR[mode] * ovh * slow for s in range(S)]
 
     # ---- time ---------------------------------------------------------------------------------
     timeline: list = []
     if S == 1:
+        B = list(B)
+        B[0] += sync_time[0]        # the bucket bookkeeping runs inside backward
         step, compute, exposed, bubble = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0],
                                                        dp_time_tail[0], opt_time[0], mode, n, timeline, simulate)
         tp_exposed = sum(tpf) + sum(tpb)
@@ -313,7 +323,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         hop = [collective_time("p2p", p2p_bytes[s], 2, link_pp) for s in range(S)]
         pipe, bubble, busy = _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
-        after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] for s in range(S)]
+        after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync_time[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
         tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
         step = pipe + max(per_rank_after) + 2 * tied_t

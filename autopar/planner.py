@@ -28,8 +28,8 @@ from typing import Optional
 from .cost import cluster as _cluster
 from .cost.comm import collective_time
 from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches
-from .estimate import (ADAM_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, _oversubscription,
-                       closed_form_pipeline, evaluate_plan)
+from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _compute_time,
+                       _oversubscription, closed_form_pipeline, evaluate_plan)
 from .mesh import Mesh
 from .plan import DP_MODES, Plan
 from .profile import GroupCost, Profile
@@ -209,7 +209,9 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
     states = _states(mode, psi, pad, n, dt)
-    opt = (_compute_time(0.0, 3 * states, c) + ADAM_OPS_PER_TENSOR * n_tensors * ovh) * slow
+    opt = (_compute_time(0.0, 3 * states, c) + n_tensors * (c.device.step_overhead
+           + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow
+    opt += n_tensors * SYNC_OPS_PER_TENSOR[mode] * ovh * slow       # the runtime's per-tensor sync work
     tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
     if S == 1:
         if mode == "zero3":

@@ -73,6 +73,8 @@ class Device:
     matmul_efficiency: float   # achieved fraction of peak_flops on large matmuls
     memory_efficiency: float   # achieved fraction of mem_bandwidth
     dtype_bytes: int = 2       # element size of the training dtype (2 for bf16/fp16; 4 for local fp32)
+    step_overhead: float = 0.0  # seconds of an optimizer step per parameter tensor beyond its arithmetic
+    #                             (AdamW's single-tensor loop on the local CPU; GPU presets: 0, fused)
     op_overhead: float = 0.0   # seconds of framework dispatch per op (measured on the local CPU, where
     #                            small ops are dominated by it; GPU presets: 0, as the host runs ahead
     #                            of the device and kernel launches overlap compute)
@@ -251,7 +253,7 @@ _GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
-_CACHE_VERSION = 10
+_CACHE_VERSION = 11
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -498,6 +500,17 @@ def _measure_pointwise_efficiency(mem_bw: float) -> float:
     return min(1.0, statistics.median(rates) / mem_bw)
 
 
+def _measure_step_overhead() -> float:
+    """Seconds per parameter tensor of ``torch.optim.AdamW.step`` on small tensors (48 of 64 x 64):
+    its per-tensor loop, not its arithmetic."""
+    import torch
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(48)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _timed_median(opt.step, 0.2) / len(params)
+
+
 def _measure_op_overhead() -> float:
     """Seconds of framework time per op: a chain of tiny autograd ops (forward, then backward),
     whose arithmetic is nothing, divided by the ops run (each forward op runs about two in
@@ -543,6 +556,7 @@ def _measure_local() -> Cluster:
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
         overhead = _measure_op_overhead()
+        step_overhead = _measure_step_overhead()
         pointwise = _measure_pointwise_efficiency(mem_bw)
     finally:
         torch.set_num_threads(threads)
@@ -564,12 +578,13 @@ def _measure_local() -> Cluster:
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead: forward + backward of 64 tiny (4x4) matmul + gelu ops on 1 thread / ops run: "
-        f"{overhead * 1e6:.1f} us",
+        f"{overhead * 1e6:.1f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
+        f"{step_overhead * 1e6:.1f} us",
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores)" if crowded else "",
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=1.0, memory_efficiency=pointwise,
-                    dtype_bytes=4, op_overhead=overhead)
+                    dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                    mixed_precision=False, shared=crowded)
