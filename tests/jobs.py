@@ -703,11 +703,12 @@ def profiled_peak_bytes(fn) -> int:
     return peak
 
 
-def measured_plans(names=None, steps=7):
-    """Bytes per step, peak memory and step time of each plan in PREDICT_PLANS on this rank."""
+def measured_plans(names=None, steps=7, extra=()):
+    """Bytes per step, peak memory and step time of each plan in PREDICT_PLANS (and ``extra``
+    (name, axes, plan kwargs) ones) on this rank."""
     torch.set_num_threads(1)
     out = {}
-    for name, axes, kw in PREDICT_PLANS:
+    for name, axes, kw in tuple(PREDICT_PLANS) + tuple(extra):
         if names is not None and name not in names:
             continue
         out[name] = measured_plan(axes, kw, steps)
