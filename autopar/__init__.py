@@ -8,7 +8,7 @@
 
 
 
-from . import cost, passes
+from . import cost, models, passes
 from .api import compile
 from .estimate import Estimate, estimate
 from .planner import InfeasiblePlan, PlanReport, plan
@@ -21,4 +21,4 @@ from . import testing
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
-           "InfeasiblePlan"]
+           "InfeasiblePlan", "models"]

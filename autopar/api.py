@@ -54,7 +54,7 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
                     if isinstance(t, torch.Tensor) and t.dim()}
             report = _plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                            cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
-                           recompute=("none",), detail=False)
+                           recompute=("none",))
             runner_up = report.candidates[1] if len(report.candidates) > 1 else None
             chosen = [str(report.plan), (
                 f"plan='auto' picked {report.plan} on {mesh} with the cost model ({c.name}): predicted "

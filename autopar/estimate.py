@@ -327,6 +327,16 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
         tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
         step = pipe + max(per_rank_after) + 2 * tied_t
+        for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
+            mine = [s for s in range(S) if s % p == r]
+            t0 = pipe
+            for label, lane, dur in (("dp reduction (deferred)", "comm", sum(sum(dp_bwd_reduce[s]) + sync_time[s] for s in mine)),
+                                     ("tied gradients", "comm", 2 * tied_t),
+                                     ("optimizer", "compute", sum(opt_time[s] for s in mine)),
+                                     ("all_gather params", "comm", sum(dp_time_tail[s] for s in mine))):
+                if dur:
+                    timeline.append((r, lane, label, t0, t0 + dur))
+                    t0 += dur
         tp_exposed = m * max(sum(tpf[a:b]) + sum(tpb[a:b]) for a, b in bounds)
         compute = busy - tp_exposed
         exposed = tp_exposed + max(per_rank_after) - min(opt_time) + 2 * tied_t
