@@ -377,12 +377,19 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
     best_t, scored, pruned = math.inf, [], 0
     smallest = math.inf
     bound_cache: dict = {}
+    refused: list = []
     for axes, pl, rc in candidates(profiles, world_size, c, gb, heads=heads, layers=layers, mesh_axes=mesh_axes,
                                    recompute=recompute):
         key = (axes["tp"], pl.sp)
         if key not in chains:
-            chains[key] = _Chain(profiles.get(*key))
+            try:
+                chains[key] = _Chain(profiles.get(*key))
+            except ValueError as exc:       # the tp pass refuses this size (heads, fused parts)
+                chains[key] = None
+                refused.append(f"tp={key[0]}{' with sp' if key[1] else ''}: {exc}")
         ch = chains[key]
+        if ch is None:
+            continue
         ax = _clean_axes(axes)
         if not exhaustive:
             bkey = (tuple(axes.values()), pl.sp, rc)
@@ -445,6 +452,7 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
                         elapsed_s=time.perf_counter() - t0, cluster=c.name, global_batch=gb)
     if note:
         report.notes.append(note)
+    report.notes += [f"not searched: {r.splitlines()[0]}" for r in refused]
     if best.recompute != "none":
         report.notes.append(f"the best plan recomputes activations ({best.recompute}); autopar.compile does not "
                             "implement recomputation yet, so compile(plan='auto') takes the best plan without it")

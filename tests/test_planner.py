@@ -156,3 +156,16 @@ def test_estimate_refuses_mismatched_inputs(small_gpt):
     with pytest.raises(ValueError, match="recompute"):
         autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), autopar.Plan(), example_inputs=example,
                          cluster=CPU, recompute="half")
+
+
+def test_plan_command_prints_the_table(tmp_path):
+    import subprocess
+    import sys
+    trace = tmp_path / "t.json"
+    out = subprocess.run([sys.executable, "-m", "autopar", "plan", "--model", "llama-7b", "--layers", "4",
+                          "--cluster", "dgx-h100", "--world", "16", "--batch", "64", "--top", "5", "--flash",
+                          "--trace", str(trace)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "autopar.plan: Plan(" in out.stdout and "why not" in out.stdout and "chosen" in out.stdout
+    assert "formulas (symbolic = value)" in out.stdout
+    assert json.loads(trace.read_text())["traceEvents"]
