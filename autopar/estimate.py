@@ -380,7 +380,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         from .cost.formulas import dp_comm_elements
         formulas.append((f"dp elements / step ({mode})", str(dp_comm_elements(mode)), f"{by_axis.get('dp', 0):,.0f} B"))
     if p > 1:
-        formulas.append(("bubble", _bubble_text(plan, p, m, v), f"{bubble:.4f}"))
+        formulas.append(("bubble", _bubble_text(plan, p, m, v),
+                         f"{bubble:.4f} replayed with these stages' times and transfers"))
     device_mem = float(c.device.memory_bytes)
     return Estimate(plan=plan, mesh_axes=dict(axes), cluster=c.name, global_batch=global_batch,
                     step_time_s=step, memory_bytes=total, comm_bytes=sum(by_axis.values()),
@@ -526,11 +527,13 @@ def _oversubscription(c, axes) -> float:
 
 
 def _bubble_text(plan, p, m, v) -> str:
+    """The schedule's bubble for equal stages, as formula = number."""
     if plan.pp_schedule == "interleaved":
-        return f"(p-1)/(v*m+p-1) = {p - 1}/({v}*{m}+{p - 1})"
+        return f"(p-1)/(v*m+p-1) = {p - 1}/({v}*{m}+{p - 1}) = {(p - 1) / (v * m + p - 1):.4f} for equal stages;"
     if plan.pp_schedule == "zero_bubble":
-        return f"(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)), p={p}, m={m}"
-    return f"(p-1)/(m+p-1) = {p - 1}/({m}+{p - 1})"
+        return (f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = {(p - 1) / (3 * m + p - 1):.4f} for F=B=W, p={p}, "
+                f"m={m};")
+    return f"(p-1)/(m+p-1) = {p - 1}/({m}+{p - 1}) = {(p - 1) / (m + p - 1):.4f} for equal stages;"
 
 
 def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate):
@@ -642,6 +645,16 @@ def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate):
             timeline.append((r, "compute", str(a), s0, e))
     busy = max(sum(e - s0 for _, s0, e in evs) for evs in tl.events)
     return tl.makespan, tl.bubble_fraction(), busy
+
+
+def predict_module(dm, cluster="local", global_batch=None, recompute: str = "none") -> Estimate:
+    """``dm.predict``: the estimate of a compiled module's plan from the profile of the graph it
+    was compiled from (``global_batch`` defaults to the example's)."""
+    prof = dm.ctx.profile
+    if prof is None:
+        raise RuntimeError("no cost-model profile was recorded at compile time (see the log for why)")
+    rows = global_batch or prof.rows * (dm.plan.microbatches if dm.plan.pp_schedule else 1)
+    return evaluate_plan(prof, dict(dm.mesh.axes), dm.plan, _cluster.get_cluster(cluster), rows, recompute=recompute)
 
 
 # ---- the public function -------------------------------------------------------------------------

@@ -370,13 +370,8 @@ class PipelineModule(DistributedModule):
         """The cost model's prediction of one training step of this plan (``autopar.estimate``
         on the graph this module was compiled from): an ``autopar.estimate.Estimate``.
         ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's."""
-        from .cost.cluster import get_cluster
-        from .estimate import evaluate_plan
-        prof = self.ctx.profile
-        if prof is None:
-            raise RuntimeError("no cost-model profile was recorded at compile time (see the log for why)")
-        rows = global_batch or prof.rows * (self.plan.microbatches if self.plan.pp_schedule else 1)
-        return evaluate_plan(prof, dict(self.mesh.axes), self.plan, get_cluster(cluster), rows, recompute=recompute)
+        from .estimate import predict_module
+        return predict_module(self, cluster, global_batch, recompute)
 
     def dump(self, path: str) -> list[str]:
         from .explain import dump_pipeline
