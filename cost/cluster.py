@@ -345,14 +345,20 @@ def _ring_allreduce_bytes(nbytes: float, n: int) -> float:
 
 def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
     """Least-squares fit of seconds = alpha + beta * moved, weighted by 1/seconds so that each
-    point counts by its relative error (plain residuals would let the 8 MiB points decide
-    alpha too, and the small messages are the ones that measure it)."""
-    import numpy as np
-    x, t = np.asarray(moved, dtype=float), np.asarray(seconds, dtype=float)
-    w = 1.0 / t
-    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
-    return float(alpha), float(beta)
+    point counts by its relative error (plain residuals would let the large messages decide
+    alpha too, and the small messages are the ones that measure it). The 2x2 normal equations
+    of the weighted problem, solved in closed form."""
+    w = [1.0 / t**2 for t in seconds]            # squared weights of the residuals (t - a - b x) / t
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, moved))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, moved))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, moved, seconds))
+    det = sw * sxx - sx * sx
+    if det == 0:
+        return seconds[0], 0.0
+    beta = (sw * sxy - sx * sy) / det
+    return (sy - beta * sx) / sw, beta
 
 
 _PER_RANK = {"all_reduce": lambda s, n: 2 * (n - 1) / n * s, "all_gather": lambda s, n: (n - 1) / n * s,
