@@ -2,6 +2,7 @@
 
     python -m autopar demo [--world N] [--steps K] [--out DIR]
     python -m autopar plan --model gpt3-175b --cluster dgx-a100-80gb --world 1024 --batch 1536
+    python -m autopar calibrate [--force]
 """
 import argparse
 import sys
@@ -25,7 +26,18 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="candidates to show")
     p.add_argument("--flash", action="store_true", help="attention as a fused kernel (no a*s^2 scores kept)")
     p.add_argument("--trace", default=None, help="write the chosen plan's predicted step as a Chrome trace here")
+    cal = sub.add_parser("calibrate", help="measure this machine for the cost model's local preset (cached)")
+    cal.add_argument("--force", action="store_true", help="measure again even if cached")
     args = ap.parse_args(argv)
+    if args.cmd == "calibrate":
+        from autopar.cost.cluster import calibrate_local
+        c = calibrate_local(force=args.force)
+        print(c.source)
+        print(c.device)
+        for level in ("intra", "shared"):
+            if getattr(c, level) is not None:
+                print(f"{level}: {getattr(c, level)}")
+        return 0
     if args.cmd == "demo":
         from autopar.demo import main as demo
         return demo(args.world, args.steps, args.out)

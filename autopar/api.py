@@ -49,7 +49,7 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
     chosen = [None, None]
     if mesh.rank == 0 or mesh.virtual:
         try:
-            c = get_cluster(cluster) if cluster is not None else (cached_local() or get_cluster("local"))
+            c = get_cluster(cluster) if cluster is not None else (cached_local() or _calibrate_here())
             rows = {t.shape[0] for t in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {})))
                     if isinstance(t, torch.Tensor) and t.dim()}
             report = _plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
@@ -69,6 +69,19 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
     if mesh.rank == 0:
         log.warning("autopar: %s", chosen[1])
     return Plan.parse(chosen[0]), chosen[1]
+
+
+def _calibrate_here():
+    """The local preset, measured now: it spawns a few gloo processes, which a daemonic process
+    (a rank started by autopar.testing.run or a multiprocessing pool) cannot do."""
+    import multiprocessing
+    from .cost.cluster import calibrate_local
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(
+            "plan='auto' needs this machine's cost-model calibration, which is not cached yet and cannot be "
+            "measured from this (daemonic) process: run `python -m autopar calibrate` once (or call "
+            "autopar.cost.cluster.calibrate_local() before starting the ranks), or pass cluster='dgx-h100' / a Cluster")
+    return calibrate_local()
 
 
 def _check_axes(plan: Plan, mesh: Mesh) -> None:

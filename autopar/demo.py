@@ -59,7 +59,11 @@ def _rank_main(steps: int, out_dir: str):
 
 
 def main(world: int = 2, steps: int = 5, out_dir: str = "autopar_out") -> int:
+    from autopar.cost.cluster import cached_local, calibrate_local
     print(f"autopar demo: TinyGPT on {world} local CPU processes (gloo), plan='auto'")
+    if cached_local() is None:      # the ranks read it; they cannot measure it themselves
+        print("calibrating this machine for the cost model (once; cached in ~/.cache/autopar) ...")
+        calibrate_local()
     res = autopar.testing.run(_rank_main, world, steps, out_dir, timeout=300)
     r0 = res[0]
     print(f"plan picked: {r0['plan']}   Ψ = {r0['psi']:,} parameters ({r0['psi_pad']:,} padded to {world} shards)")

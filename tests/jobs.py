@@ -761,3 +761,13 @@ def measured_plan(axes, kw, steps):
         times.append(time.perf_counter() - t0)
     dist.barrier()
     return {"bytes": nbytes, "by_axis": by_axis, "peak": peak, "peaks": peaks, "base": base, "times": times}
+
+
+def auto_plan_uncalibrated():
+    """compile(plan='auto') in a rank (a daemonic process) with no cached calibration."""
+    x, _ = mlp_batch()
+    try:
+        autopar.compile(TinyMLP(), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(x,))
+    except ValueError as exc:
+        return str(exc)
+    return "compiled"

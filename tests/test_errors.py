@@ -91,3 +91,9 @@ def test_auto_plan_says_what_it_picked(caplog):
     assert dm.plan == report.plan
     assert f"plan='auto' picked {report.plan}" in caplog.text
     assert "plan='auto' picked" in dm.explain()
+
+
+def test_auto_plan_without_calibration_in_a_rank_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
+    msgs = run(jobs.auto_plan_uncalibrated, 2, timeout=90)
+    assert all("python -m autopar calibrate" in m for m in msgs)
