@@ -136,8 +136,8 @@ def _profile(gm, ctx: CompileContext):
     ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
     from .profile import profile
     try:
-        return profile(None, (), gm=gm, ctx0=ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1,
-                       sp=ctx.plan.sp, tp_layout=ctx.plan.tp_layout)
+        return profile(gm, ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
+                       tp_layout=ctx.plan.tp_layout)
     except Exception as exc:     # the cost model must never stop a compile
         log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
         return None

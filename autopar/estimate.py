@@ -72,10 +72,6 @@ class Estimate:
     fits: bool = True
     device_memory: float = 0.0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.global_batch / self.step_time_s if self.step_time_s else 0.0
-
     def explain(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_axes.items())
         lines = [f"estimate: {self.plan} on Mesh({mesh}), cluster {self.cluster}, global batch {self.global_batch}",
@@ -127,9 +123,8 @@ class Profiles:
     def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True):
         from .capture import capture
         from .context import CompileContext
-        self._model, self._inputs, self._kwargs = model, tuple(example_inputs), dict(example_kwargs or {})
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
-        self._gm = capture(model, self._inputs, self._kwargs, self._ctx)
+        self._gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), self._ctx)
         self.flash = flash
         self._cache: dict = {}
 
@@ -137,8 +132,7 @@ class Profiles:
         from .profile import profile
         key = (tp, sp and tp > 1)
         if key not in self._cache:
-            self._cache[key] = profile(self._model, self._inputs, self._kwargs, tp=tp, sp=key[1],
-                                       gm=self._gm, ctx0=self._ctx, flash=self.flash)
+            self._cache[key] = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash)
         return self._cache[key]
 
     @property

@@ -124,7 +124,7 @@ class _Chain:
             return
         # repeated blocks: the first layer stands for each (the chain's layers share a signature);
         # different layers are averaged (the detailed estimate then uses each as it is)
-        same = len({g.signature for g in layers}) == 1
+        same = len(prof.signatures()) == 1
         self.layer = layers[0] if same else _average(layers)
         self.layer_names = set(layers[0].params)
         self.layer_read = set(layers[0].read_by_backward) & self.layer_names

@@ -1,7 +1,8 @@
 """What one rank computes, keeps and sends, read from the compiled graph: the cost model's input.
 
-``profile`` runs capture and the shard and collectives passes on a virtual mesh (no processes,
-meta tensors are fine), then walks the annotated graph once. Every node is put in a *group*:
+``profile`` runs the shard and collectives passes on a copy of the captured graph for a virtual
+mesh (no processes; a meta-device model captures without memory), then walks the annotated
+graph once. Every node is put in a *group*:
 a numbered layer (``blocks.3``: the first numbered module on its path), or ``pre`` / ``post``
 for what runs before the first and after the last layer. Per group it records, for this
 rank's slice:
@@ -36,7 +37,6 @@ import torch
 from torch import fx
 
 from . import meta
-from .capture import capture
 from .context import CompileContext
 from .mesh import Mesh
 from .placement import Layout, Partial, Shard
@@ -254,21 +254,18 @@ def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple(sig)
 
 
-def profile(model, example_inputs, example_kwargs=None, *, tp: int = 1, sp: bool = False,
-            gm: fx.GraphModule | None = None, ctx0: CompileContext | None = None, flash: bool = True,
+def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
             tp_layout: tuple = ()) -> Profile:
-    """The per-group costs of ``model`` on one rank of a tp group of size ``tp`` (see the
-    module docstring). ``gm``/``ctx0``: an already captured logical graph to reuse (copied).
-    ``flash``: attention runs as a fused kernel (no a·s² probabilities kept)."""
+    """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
+    ``ctx0``; neither is changed: the passes run on a copy) on one rank of a tp group of size
+    ``tp`` (see the module docstring). ``flash``: attention runs as a fused kernel (no a·s²
+    probabilities kept)."""
     plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else ())
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
-    if gm is None:
-        gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), ctx)
-    else:
-        gm = copy.deepcopy(gm)
-        for f in ("params", "in_spec", "out_spec", "constant_inputs"):
-            setattr(ctx, f, copy.copy(getattr(ctx0, f)))
+    gm = copy.deepcopy(gm)
+    for f in ("params", "in_spec", "out_spec", "constant_inputs"):
+        setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)
     from . import passes
     from .cost.compute import node_flops

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from .comm import bytes_per_rank
+
 __all__ = ["Link", "Device", "Cluster", "PRESETS", "get_cluster", "calibrate_local"]
 
 GB = 1e9      # datasheets use decimal units
@@ -338,11 +340,6 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     return medians
 
 
-def _ring_allreduce_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n * S."""
-    return 2 * (n - 1) / n * nbytes
-
-
 def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
     """Least-squares fit of seconds = alpha + beta * moved, weighted by 1/seconds so that each
     point counts by its relative error (plain residuals would let the large messages decide
@@ -359,10 +356,6 @@ def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, fl
         return seconds[0], 0.0
     beta = (sw * sxy - sx * sy) / det
     return (sy - beta * sx) / sw, beta
-
-
-_PER_RANK = {"all_reduce": lambda s, n: 2 * (n - 1) / n * s, "all_gather": lambda s, n: (n - 1) / n * s,
-             "reduce_scatter": lambda s, n: (n - 1) / n * s, "p2p": lambda s, n: 2 * s}
 
 
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -474,7 +467,8 @@ def _measure_kinds(world: int) -> tuple[tuple, list[float]]:
         if kind == "exchange":
             continue
         seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
-        moved = [_PER_RANK[kind](s, g) for s in _GLOO_SIZES]
+        # a p2p probe is a round trip: two messages of the size
+        moved = [bytes_per_rank(kind, s, g) * (2 if kind == "p2p" else 1) for s in _GLOO_SIZES]
         alpha, beta = _fit_alpha_beta(moved, seconds)
         if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
             beta = seconds[-1] / moved[-1]

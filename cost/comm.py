@@ -27,7 +27,7 @@ from __future__ import annotations
 import sympy as sp
 
 __all__ = ["ALPHA", "BETA", "NBYTES", "P", "ALGORITHMS", "collective_time", "collective_time_expr",
-           "bytes_per_rank_expr"]
+           "bytes_per_rank_expr", "bytes_per_rank"]
 
 ALPHA, BETA, NBYTES, P = sp.symbols("alpha beta n p", positive=True)
 
@@ -75,6 +75,12 @@ def _fn(kind: str, algorithm: str):
     return _LAMBDAS[key]
 
 
+def bytes_per_rank(kind: str, nbytes: float, p: int) -> float:
+    """Bytes each rank sends in one ``kind`` collective of an ``nbytes`` buffer over ``p`` ranks
+    (a point-to-point message: its bytes)."""
+    return float(nbytes) if kind == "p2p" else _SENT[kind](float(nbytes), float(p))
+
+
 def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "auto") -> float:
     """Seconds of one ``kind`` collective of an ``nbytes`` buffer over ``p`` ranks on ``link``
     (anything with ``bandwidth`` in bytes/s and ``latency`` in s). ``algorithm="auto"``
@@ -87,8 +93,7 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     fits = [f for f in getattr(link, "fits", ()) if f[0] == kind]
     if fits:       # a measured link: the fit of this collective for the nearest group size
         _, _, a, b = min(fits, key=lambda f: (abs(f[1] - p), -f[1]))
-        sent = nbytes if kind == "p2p" else _SENT[kind](float(nbytes), float(p))
-        return a + b * sent
+        return a + b * bytes_per_rank(kind, nbytes, p)
     alpha, beta = link.latency, 1.0 / link.bandwidth
     names = ALGORITHMS[kind] if algorithm == "auto" else [algorithm]
     return min(_fn(kind, a)(alpha, beta, float(nbytes), float(p)) for a in names)
