@@ -21,7 +21,7 @@ from .context import CompileContext
 from .explain import graph_text
 from .mesh import Mesh
 from .plan import Plan
-from .runtime import DistributedModule, emit, slice_batch
+from .runtime import DistributedModule, check_collective_order, emit, slice_batch
 from .wsplit import split_weight_grads
 
 log = logging.getLogger("autopar")
@@ -122,10 +122,12 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
     # layouts first: collectives and localize read them; localize on the final graph, then the
-    # sequence-parallel regions become one node each (they hold localized ops)
+    # sequence-parallel regions become one node each (they hold localized ops); overlap last,
+    # on the final order of the nodes
     gm = _layout_passes(gm, ctx)
     dm = emit(gm, model, ctx)
     ctx.snapshots.append(("emit", dm.module.code))
+    check_collective_order([dm], ctx)      # before any step: a mismatch is an error, not a hang
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
@@ -144,7 +146,7 @@ def _profile(gm, ctx: CompileContext):
 
 
 def _layout_passes(gm, ctx: CompileContext, prefix: str = ""):
-    for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel):
+    for p in (passes.shard, passes.collectives, passes.localize, passes.sequence_parallel, passes.overlap):
         if p is passes.sequence_parallel and not ctx.plan.sp:
             continue
         gm = p(gm, ctx)
@@ -202,6 +204,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
         ctx.snapshots += sctx.snapshots       # stage<k>_shard, stage<k>_collectives, ...
         ctx.snapshots.append((f"stage{spec.index}_emit", dm.module.code))
         stages[spec.index] = dm            # dm.ctx is the stage's context
+    check_collective_order([stages[k] for k in sorted(stages)], ctx)
     pm = PipelineModule(stages, ctx, schedule, stats)
     del gm, top
     gc.collect()

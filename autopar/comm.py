@@ -21,6 +21,7 @@ them is differentiable and backward communication comes from autograd:
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -55,9 +56,14 @@ class CommInfo:
 
 
 class CommStats:
-    """Bytes and calls per (axis, kind, phase); ``log`` keeps each call for explain()."""
+    """Bytes and calls per (axis, kind, phase); ``log`` keeps each call for explain().
+
+    While ``trace`` is a list (``DistributedModule.record_timeline``), every collective adds
+    ``("comm", label, start, end)`` (issue to completion) and every wait that blocked the
+    calling thread adds ``("wait", label, start, end)`` (``time.perf_counter`` seconds)."""
 
     def __init__(self):
+        self.trace: list | None = None
         self.reset()
 
     def reset(self):
@@ -99,6 +105,21 @@ class AxisComm(nn.Module):
     def _phase(self) -> str:
         return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
+    def _run(self, kind: str, label: str, launch, async_op: bool):
+        """Issue a collective; under tracing, time it (and wrap an asynchronous handle)."""
+        trace = self.stats.trace
+        if trace is None:
+            return launch(async_op)
+        name = f"{kind}[{self.axis}] {label}".strip()
+        t0 = time.perf_counter()
+        work = launch(async_op)
+        if not async_op:
+            t1 = time.perf_counter()
+            trace.append(("comm", name, t0, t1))
+            trace.append(("wait", name, t0, t1))
+            return work
+        return _TracedWork(work, name, t0, trace)
+
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
         self._check()
@@ -107,7 +128,9 @@ class AxisComm(nn.Module):
         if self.size == 1:
             out.copy_(inp.reshape(-1))
             return None
-        return dist.all_gather_single(out, inp.contiguous(), group=self.group, async_op=async_op)
+        inp = inp.contiguous()
+        return self._run("all_gather", label, lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a),
+                         async_op)
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
@@ -117,8 +140,9 @@ class AxisComm(nn.Module):
         if self.size == 1:
             out.copy_(inp.reshape(-1))
             return None
-        return dist.reduce_scatter_single(out, inp.contiguous(), op=dist.ReduceOp.SUM,
-                                          group=self.group, async_op=async_op)
+        inp = inp.contiguous()
+        return self._run("reduce_scatter", label, lambda a: dist.reduce_scatter_single(
+            out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a), async_op)
 
     def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None,
                     op=dist.ReduceOp.SUM):
@@ -128,7 +152,41 @@ class AxisComm(nn.Module):
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
         if self.size == 1:
             return None
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+        return self._run("all_reduce", label, lambda a: dist.all_reduce(t, op=op, group=self.group, async_op=a),
+                         async_op)
+
+
+class _TracedWork:
+    """An asynchronous collective's handle that records when it completed (a callback on its
+    future where the backend offers one, else when the wait returned) and how long a wait
+    blocked."""
+
+    def __init__(self, work, name: str, start: float, trace: list):
+        self._work, self._name, self._start, self._trace = work, name, start, trace
+        self._done_at: float | None = None
+        self._recorded = False
+        try:
+            work.get_future().add_done_callback(self._on_done)
+        except (RuntimeError, AttributeError):
+            pass
+
+    def _on_done(self, _fut) -> None:
+        self._done_at = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, *args) -> bool:
+        t0 = time.perf_counter()
+        result = self._work.wait(*args)
+        t1 = time.perf_counter()
+        if not self._recorded:
+            self._recorded = True
+            end = self._done_at if self._done_at is not None else t1
+            self._trace.append(("comm", self._name, self._start, min(end, t1)))
+            if t1 - t0 > 2e-5:       # a wait that found the transfer done did not block
+                self._trace.append(("wait", self._name, t0, t1))
+        return result
 
 
 # ---- dim-0 sharding with padding ----------------------------------------------------------

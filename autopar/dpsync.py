@@ -11,17 +11,22 @@ pass inserted for ddp and ZeRO-1/2/3:
                                           parameters; backward reduces their gradients (one node
                                           per bucket: autograd runs it once all are ready)
 
-ZeRO-3 gathers a unit (one numbered layer) at a time: the first use of a unit in forward
-gathers all of it and prefetches the next; saved-tensor hooks swap the gathered tensors
-autograd keeps for tokens, and backward gathers a unit again when it first needs it,
-prefetching the one below.
+    dp_unit_start(sync, k) / dp_unit_wait(sync, k)
+                                          ZeRO-3: issue / complete unit k's all-gather, placed
+                                          by the overlap pass (passes/overlap.py)
+
+ZeRO-3 gathers a unit (one numbered layer) at a time, as one flat all-gather, where the
+graph's start and wait nodes say; saved-tensor hooks swap the gathered tensors autograd keeps
+for tokens, and backward gathers a unit again when it first needs it, issuing the ones below
+ahead within ``prefetch_bytes``.
 
 Gradients are reduced in buckets fixed at compile time (the collectives pass), in reverse
-order of first use, each launched asynchronously as soon as all its members are ready
-(ddp: all-reduce; ZeRO-2/3: reduce-scatter, the full gradient dropped at once; ZeRO-1:
-accumulated into a persistent full-gradient buffer and reduce-scattered when backward ends).
-Buckets launch strictly in order on every rank, so ranks issue the same collectives.
-Gradients are averaged over the axis, as DDP and FSDP do.
+order of first use, each launched asynchronously as soon as all its members are ready and
+waited on when backward ends (ddp: all-reduce; ZeRO-2/3: reduce-scatter, the full gradient
+dropped at once; ZeRO-1: accumulated into a persistent full-gradient buffer, its bucket
+reduce-scattered). Buckets launch strictly in order on every rank, so ranks issue the same
+collectives. Gradients are averaged over the axis, as DDP and FSDP do. With ``overlap`` off
+each collective is waited on as soon as it is issued.
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from torch.autograd import Variable
 
 from .comm import AxisComm, ShardSpec
 
-__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync", "dp_local_chunk"]
+__all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync", "dp_local_chunk", "dp_unit_start",
+           "dp_unit_wait"]
 
 
 class _Bucket:
@@ -51,11 +57,15 @@ class DataParallelSync(nn.Module):
 
     def __init__(self, mode: str, comm: AxisComm, specs: dict[str, ShardSpec],
                  buckets: list[list[str]], params: dict[str, nn.Parameter],
-                 replicas: dict[str, torch.Tensor], units: list[list[str]] = ()):
+                 replicas: dict[str, torch.Tensor], units: list[list[str]] = (), *,
+                 overlap: bool = True, prefetch_bytes: int | None = None, reduce_comm: AxisComm | None = None):
         super().__init__()
         self.mode, self.comm, self.specs = mode, comm, specs
+        self.reduce_comm = reduce_comm or comm      # gradient buckets' group (a second one with overlap)
         self.sharded = mode != "ddp"
-        self.eager = mode != "zero1"
+        # overlap: buckets go out as they fill and are waited on when backward ends, backward
+        # gathers run ahead within prefetch_bytes; off: every collective is waited on at once
+        self.overlap, self.prefetch_bytes = overlap, prefetch_bytes
         self.buckets = [_Bucket(b, specs, self.sharded) for b in buckets]
         self.bucket_of = {n: (i, j) for i, b in enumerate(self.buckets) for j, n in enumerate(b.names)}
         # plain dicts, not registered: the owning module registers the tensors themselves
@@ -80,6 +90,11 @@ class DataParallelSync(nn.Module):
         self._acc: dict[str, torch.Tensor] = {}
         self._acc_owned: set[str] = set()
         self.events: list[tuple[str, object]] = []
+        # ZeRO-3: most bytes of gathers in flight at once (issued, not yet waited on); with a
+        # prefetch budget B it stays within B + the largest unit (the one being waited for)
+        self.peak_inflight_bytes = 0
+        self._last_use: dict[int, int] = {}      # unit -> when forward last used it
+        self._clock = 0
         self.record_versions()
 
     def extra_repr(self) -> str:
@@ -87,6 +102,23 @@ class DataParallelSync(nn.Module):
                 f"buckets={[len(b.names) for b in self.buckets]}")
 
     # ---- parameters --------------------------------------------------------------------
+    def unit_bytes(self, k: int) -> int:
+        """Bytes unit ``k``'s gather holds in flight: the gathered parameters and this rank's
+        send buffer, (N + 1)/N of the unit (as ``passes.overlap.unit_ahead_bytes``)."""
+        u = self.units[k]
+        return (self.comm.size + 1) * u.width * self._params[u.names[0]].element_size()
+
+    def start_unit(self, k: int) -> None:
+        """Forward (graph node ``dp_unit_start``): issue unit ``k``'s gather."""
+        if k not in self._inflight and k not in self._fwd and k not in self._fwd_done:
+            self._issue(k, "forward")
+
+    def wait_unit(self, k: int) -> None:
+        """Forward (graph node ``dp_unit_wait``): unit ``k``'s parameters, gathered, for its uses."""
+        if k not in self._fwd and k not in self._fwd_done:
+            self._fwd[k] = self._complete(k, "forward")
+            self._fwd_done.add(k)
+
     def _issue(self, k: int, phase: str) -> None:
         """Start the all-gather of unit ``k`` (asynchronously)."""
         u = self.units[k]
@@ -94,6 +126,7 @@ class DataParallelSync(nn.Module):
         out = staging.new_empty(self.comm.size * u.width)
         work = self.comm.all_gather_flat(out, staging, label=f"unit {k}", async_op=True, phase=phase)
         self._inflight[k] = (work, out)
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, sum(self.unit_bytes(j) for j in self._inflight))
 
     def _complete(self, k: int, phase: str) -> dict[str, torch.Tensor]:
         """The full parameters of unit ``k`` (waiting for its prefetch, or gathering now)."""
@@ -108,15 +141,11 @@ class DataParallelSync(nn.Module):
                 for n, off, size in zip(u.names, u.offsets, u.sizes)}
 
     def gather_for_forward(self, name: str) -> torch.Tensor:
-        """ZeRO-3 forward: the full parameter; the first use of a unit gathers all of it and
-        prefetches the next unit."""
+        """ZeRO-3 forward: the full parameter, from its unit's gather (issued and waited on by
+        the graph's ``dp_unit_start`` / ``dp_unit_wait`` nodes)."""
         k = self.unit_of[name]
-        members = self._fwd.get(k)
-        if members is None:
-            members = self._fwd[k] = self._complete(k, "forward")
-            self._fwd_done.add(k)
-            if k + 1 < len(self.units) and k + 1 not in self._inflight and k + 1 not in self._fwd_done:
-                self._issue(k + 1, "forward")
+        self.wait_unit(k)       # where the overlap pass placed it; a graph without it gathers here
+        members = self._fwd[k]
         full = members.pop(name)
         if not members:
             del self._fwd[k]
@@ -153,7 +182,10 @@ class DataParallelSync(nn.Module):
         self._gathered[full.untyped_storage().data_ptr()] = name
 
     def release(self, full: torch.Tensor) -> None:
-        self._gathered.pop(full.untyped_storage().data_ptr(), None)
+        name = self._gathered.pop(full.untyped_storage().data_ptr(), None)
+        if name is not None:      # backward needs units in reverse order of their last forward use
+            self._clock += 1
+            self._last_use[self.unit_of[name]] = self._clock
 
     def _pack(self, t: torch.Tensor):
         name = self._gathered.get(t.untyped_storage().data_ptr()) if self._gathered else None
@@ -171,16 +203,31 @@ class DataParallelSync(nn.Module):
         if members is None:
             members = self._bwd[k] = self._complete(k, "backward")
             self.saved_in_backward.update(self.units[k].names)
-            waiting = [j for j, c in self._pending.items()
-                       if c > 0 and j != k and j not in self._bwd and j not in self._inflight]
-            if waiting:   # backward runs layers in reverse: prefetch the next one down
-                below = [j for j in waiting if j < k]
-                self._issue(max(below) if below else max(waiting), "backward")
+            self._prefetch_backward(k)
         full = members[name]
         self._pending[k] -= 1
         if self._pending[k] <= 0:
             self._bwd.pop(k, None)
         return full.as_strided(size, stride, offset)
+
+    def _prefetch_backward(self, k: int | None) -> None:
+        """Backward runs units in reverse order of their last forward use: issue the gathers of
+        the next ones while unit ``k`` computes (``None``: at the end of forward, for the first
+        ones backward needs), as far as ``prefetch_bytes`` allows (None: one unit)."""
+        if not self.overlap:
+            return
+        waiting = [j for j, c in self._pending.items()
+                   if c > 0 and j != k and j not in self._bwd and j not in self._inflight]
+        order = sorted(waiting, key=lambda j: self._last_use.get(j, -1), reverse=True)
+        ahead = sum(self.unit_bytes(j) for j in self._inflight)
+        for j in order:
+            if self.prefetch_bytes is None:
+                if self._inflight:
+                    return
+            elif ahead + self.unit_bytes(j) > self.prefetch_bytes:
+                return
+            self._issue(j, "backward")
+            ahead += self.unit_bytes(j)
 
     @contextmanager
     def forward_scope(self):
@@ -189,8 +236,10 @@ class DataParallelSync(nn.Module):
         if self.mode != "zero3":
             yield
             return
+        self._drop_inflight()       # a backward prefetch of a forward whose backward never ran
         self._pending.clear()
         self._bwd.clear()
+        self._last_use.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -198,10 +247,16 @@ class DataParallelSync(nn.Module):
             self._gathered.clear()
             self._fwd.clear()
             self._fwd_done.clear()
-            for work, _ in self._inflight.values():   # a prefetch nobody used: finish it
-                if work is not None:
-                    work.wait()
-            self._inflight.clear()
+            self._drop_inflight()
+        if not self.defer:          # backward's first units go out now, while the loss computes
+            self._prefetch_backward(None)
+
+    def _drop_inflight(self) -> None:
+        """Finish and forget gathers nobody will use (every rank issued them alike)."""
+        for work, _ in self._inflight.values():
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
 
     # ---- gradients ---------------------------------------------------------------------
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
@@ -236,7 +291,7 @@ class DataParallelSync(nn.Module):
         self._fill(bi, grads)
         if len(grads) > 1 or self.mode != "zero3":
             self.events.extend(("ready", name) for name in self.buckets[bi].names)
-        if self.eager:
+        if self.overlap:
             self._launch_ready()
 
     def _accumulate(self, name: str, grad) -> None:
@@ -305,10 +360,13 @@ class DataParallelSync(nn.Module):
             label = f"grads, bucket {bi}"
             if self.sharded:
                 st["out"] = buf.new_empty(self.buckets[bi].width)
-                st["work"] = self.comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True,
-                                                           phase="backward")
+                st["work"] = self.reduce_comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True,
+                                                                  phase="backward")
             else:
-                st["work"] = self.comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
+                st["work"] = self.reduce_comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
+            if not self.overlap and st["work"] is not None:     # the baseline: wait now
+                st["work"].wait()
+                st["work"] = _DONE
             self.events.append(("launch", bi))
             self._next += 1
 
@@ -343,6 +401,7 @@ class DataParallelSync(nn.Module):
         # otherwise stay whole until the next forward
         self._bwd.clear()
         self._pending.clear()
+        self._drop_inflight()
 
     # ZeRO-1: the full-gradient buffer persists; the rank's own section doubles as its shard
     # gradients. Local gradients enter pre-divided by N; the own section keeps whatever it
@@ -373,6 +432,17 @@ class DataParallelSync(nn.Module):
         for name, off in zip(b.names, b.offsets):
             p = self._params[name]
             p.grad = own[off:off + p.numel()].view(p.shape)
+
+
+class _Done:
+    """A collective already waited on."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 # ---- the functions the emitted graph calls -------------------------------------------------
@@ -421,6 +491,16 @@ def dp_gather(shard: torch.Tensor, sync: DataParallelSync, name: str) -> torch.T
 
 def dp_release(full: torch.Tensor, sync: DataParallelSync, name: str) -> None:
     sync.release(full)
+
+
+def dp_unit_start(sync: DataParallelSync, unit: int) -> None:
+    """ZeRO-3: issue the all-gather of gather unit ``unit`` (placed by the overlap pass)."""
+    sync.start_unit(unit)
+
+
+def dp_unit_wait(sync: DataParallelSync, unit: int) -> None:
+    """ZeRO-3: wait for unit ``unit``'s gather before its first use."""
+    sync.wait_unit(unit)
 
 
 def dp_local_chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:

@@ -303,7 +303,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         B = list(B)
         B[0] += sync_time[0]        # the bucket bookkeeping runs inside backward
         step, compute, exposed, bubble = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0],
-                                                       dp_time_tail[0], opt_time[0], mode, n, timeline, simulate)
+                                                       dp_time_tail[0], opt_time[0], mode, n, timeline, simulate,
+                                                       plan.overlap)
         tp_exposed = sum(tpf) + sum(tpb)
         exposed += tp_exposed
         compute -= tp_exposed
@@ -311,9 +312,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         Fs = [stage_sum(F, s) for s in range(S)]
         Bs = [stage_sum(B, s) for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
-        if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched)
-            Fs = [max(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
-            Bs = [max(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
+        if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
+            both = max if plan.overlap else (lambda a, b: a + b)
+            Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
+            Bs = [both(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
         hop = [collective_time("p2p", p2p_bytes[s], 2, link_pp) for s in range(S)]
         pipe, bubble, busy = _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
@@ -530,8 +532,30 @@ def _bubble_text(plan, p, m, v) -> str:
     return f"(p-1)/(m+p-1) = {p - 1}/({m}+{p - 1}) = {(p - 1) / (m + p - 1):.4f} for equal stages;"
 
 
-def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate):
-    """One stage, two streams: returns (step, compute busy, exposed communication, bubble=0)."""
+def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, overlap=True):
+    """One stage, two streams: returns (step, compute busy, exposed communication, bubble=0).
+    With the overlap pass, ZeRO-3 gathers go one unit ahead and gradient buckets are reduced
+    while backward goes on (ZeRO-1 too); without it, each collective is waited on when issued."""
+    if not overlap:
+        compute = sum(F) + sum(B) + opt
+        step = compute + sum(gf) + sum(gb) + sum(red) + tail
+        t = 0.0
+        for i in range(len(F)):
+            for lane, name, d in (("comm", f"all_gather unit {i}", gf[i] if mode == "zero3" else 0.0),
+                                  ("compute", f"F {i}", F[i])):
+                if d:
+                    timeline.append((0, lane, name, t, t + d))
+                    t += d
+        for i in reversed(range(len(B))):
+            for lane, name, d in (("comm", f"all_gather unit {i} (backward)", gb[i] if mode == "zero3" else 0.0),
+                                  ("compute", f"B {i}", B[i]), ("comm", f"reduce grads {i}", red[i] if n > 1 else 0.0)):
+                if d:
+                    timeline.append((0, lane, name, t, t + d))
+                    t += d
+        timeline.append((0, "compute", "optimizer", t, t + opt))
+        if tail:
+            timeline.append((0, "comm", "all_gather params", t + opt, t + opt + tail))
+        return step, compute, step - compute, 0.0
     if not simulate:
         compute = sum(F) + sum(B) + opt
         if mode == "zero3":
@@ -539,8 +563,7 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate):
             bwd = sum(max(b, g) for b, g in zip(B, gb))
         else:
             fwd, bwd = sum(F), sum(B)
-        reduce_tail = red[0] if mode != "zero1" else sum(red)
-        step = fwd + bwd + reduce_tail + opt + tail
+        step = fwd + bwd + red[0] + opt + tail
         return step, compute, step - compute, 0.0
     comp_t = comm_t = 0.0
     f_end: list = []
@@ -568,15 +591,11 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate):
         comp_t = s0 + B[i]
         ready = comp_t
         timeline.append((0, "compute", f"B {i}", s0, comp_t))
-        if mode != "zero1" and n > 1:
+        if n > 1:
             start = max(comm_t, comp_t)
             comm_t = start + red[i]
             timeline.append((0, "comm", f"{'all_reduce' if mode == 'ddp' else 'reduce_scatter'} grads {i}",
                              start, comm_t))
-    if mode == "zero1" and n > 1:
-        start = max(comm_t, comp_t)
-        comm_t = start + sum(red)
-        timeline.append((0, "comm", "reduce_scatter grads", start, comm_t))
     s0 = max(comp_t, comm_t)
     comp_t = s0 + opt
     timeline.append((0, "compute", "optimizer", s0, comp_t))

@@ -5,6 +5,7 @@ bytes it moves per rank, so a plan can be debugged by reading (and diffing) the 
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -179,11 +180,13 @@ def _tp_section(dm) -> list:
     return out
 
 
-def dump(dm, path: str) -> list[str]:
-    """Write every pass's graph, the emitted code and explain() under ``path``."""
+def dump(dm, path: str, cluster=None) -> list[str]:
+    """Write every pass's graph, the emitted code and explain() under ``path``; after
+    ``dm.record_timeline()``, timeline.json too (measured and predicted lanes per rank)."""
     os.makedirs(path, exist_ok=True)
     for old in os.listdir(path):   # a previous dump's files, so the folder shows this compile only
-        if re.fullmatch(r"\d\d_\w+\.(txt|py)|explain\.txt|schedule\.(txt|svg)|(schedule_)?trace\.json", old):
+        if re.fullmatch(r"\d\d_\w+\.(txt|py)|explain\.txt|schedule\.(txt|svg)|(schedule_)?trace\.json|timeline\.json",
+                        old):
             os.remove(os.path.join(path, old))
     written = []
     for i, (name, text) in enumerate(dm.ctx.snapshots):
@@ -193,9 +196,30 @@ def dump(dm, path: str) -> list[str]:
         written.append(fn)
     fn = os.path.join(path, "explain.txt")
     with open(fn, "w") as f:
-        f.write(dm.explain() + "\n")
+        f.write(dm.explain(cluster) + "\n")
     written.append(fn)
+    if getattr(dm, "timelines", None):
+        written.append(_write_timeline(dm, path, cluster))
     return written
+
+
+def _write_timeline(dm, path: str, cluster) -> str:
+    """timeline.json: the recorded step of every rank, and the cost model's prediction of the
+    same plan beside it (given ``cluster``, or the local preset when calibrated)."""
+    import json
+    from .cost.cluster import cached_local
+    from .timeline import chrome_trace
+    predicted = None
+    c = cluster if cluster is not None else cached_local()
+    if c is not None:
+        try:
+            predicted = dm.predict(c)
+        except Exception as exc:     # the measured lanes are worth writing without a prediction
+            logging.getLogger("autopar").warning("autopar: no predicted timeline (%s: %s)", type(exc).__name__, exc)
+    fn = os.path.join(path, "timeline.json")
+    with open(fn, "w") as f:
+        json.dump(chrome_trace(dm.timelines, predicted), f)
+    return fn
 
 
 # ---- pipelines ---------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class Mesh:
         self.axes: dict[str, int] = dict(axes)
         self.virtual = virtual
         self._device_mesh = None
+        self._channels: dict = {}
         if virtual:
             self.rank = 0 if rank is None else rank
             if not 0 <= self.rank < self.size:
@@ -73,13 +74,29 @@ class Mesh:
         inner = math.prod(list(self.axes.values())[list(self.axes).index(axis) + 1:])
         return (self.rank // inner) % self.axes[axis]
 
-    def group(self, axis: str):
-        """The process group of this rank's slice along ``axis`` (None for a virtual mesh)."""
+    def group(self, axis: str, channel: str = ""):
+        """The process group of this rank's slice along ``axis`` (None for a virtual mesh).
+        A ``channel`` name gives a second group over the same ranks (created on first use,
+        by every rank at the same point of the program: ``torch.distributed.new_group`` is
+        collective), so that its collectives do not queue behind the first group's: the
+        gradient reductions use one, as FSDP puts them on a stream of their own."""
         if axis not in self.axes:
             raise ValueError(f"mesh {self} has no axis {axis!r}")
         if self._device_mesh is None:
             return None
-        return self._device_mesh.get_group(axis)
+        if not channel:
+            return self._device_mesh.get_group(axis)
+        key = (axis, channel)
+        if key not in self._channels:
+            import torch.distributed as dist
+            ranks = self._device_mesh.mesh.movedim(list(self.axes).index(axis), -1).reshape(-1, self.axes[axis])
+            mine = None
+            for row in ranks.tolist():          # every rank creates every group, in one order
+                g = dist.new_group(row)
+                if self.rank in row:
+                    mine = g
+            self._channels[key] = mine
+        return self._channels[key]
 
     @property
     def device_mesh(self):

@@ -51,6 +51,18 @@ class Plan:
     """Largest gradient bucket (bytes) of the bucketed backward collectives; the first bucket
     is cut at 1 MiB so that communication starts early (as DDP does). ZeRO-3 also cuts its
     gather units (one per numbered layer) at this size."""
+    overlap: bool = True
+    """Run the overlap pass: every collective is an asynchronous start and a wait, starts as
+    early and waits as late as dependencies and ``prefetch_bytes`` allow (ZeRO-3 gathers issued
+    ahead, gradient buckets reduced while backward runs). False: each collective is waited on
+    as soon as it starts (the baseline the overlap is measured against)."""
+    prefetch_bytes: Optional[int] = None
+    """ZeRO-3: the most bytes of gathered parameters issued ahead of their use, in forward and
+    in backward (on top of the unit in use); None: one unit ahead, as FSDP does; 0: none."""
+    collective_matmul: bool = False
+    """Tensor parallel with sp: run each all-gather + column-parallel matmul and each
+    row-parallel matmul + reduce-scatter as ring steps, the matmul of one chunk overlapping the
+    transfer of the next (``autopar.collmatmul``)."""
 
     def __post_init__(self):
         if self.dp not in DP_MODES:
@@ -93,6 +105,15 @@ class Plan:
                              "integer or None")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"Plan(bucket_bytes={self.bucket_bytes!r}) must be a positive integer")
+        if not isinstance(self.overlap, bool) or not isinstance(self.collective_matmul, bool):
+            raise TypeError(f"Plan overlap and collective_matmul take True/False, got overlap={self.overlap!r} "
+                            f"collective_matmul={self.collective_matmul!r}")
+        if self.prefetch_bytes is not None and (not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
+            raise ValueError(f"Plan(prefetch_bytes={self.prefetch_bytes!r}) must be a non-negative integer "
+                             "(bytes) or None (one unit ahead)")
+        if self.collective_matmul and not self.sp:
+            raise ValueError("Plan(collective_matmul=True) needs tp=True and sp=True: it decomposes the "
+                             "sequence-parallel all-gather / reduce-scatter around the tp matmuls")
 
     def _check_custom_schedule(self) -> None:
         from .schedule import Schedule

@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from . import meta
 from .comm import AxisComm, CommStats, ShardSpec
 from .context import CompileContext
 from .dpsync import DataParallelSync
 from .tpcomm import SavedRegather
 
-__all__ = ["DistributedModule", "emit"]
+__all__ = ["DistributedModule", "emit", "collective_sequences", "check_collective_order"]
 
 
 def _attr(obj, dotted: str):
@@ -66,7 +67,14 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
                 root[node.target] = _attr(gm, node.target)
             elif node.op == "call_module":     # fused regions (sequence parallelism)
                 root[node.target] = gm.get_submodule(node.target)
-    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units)
+    # with overlap, gradient reductions run on a second dp group: a bucket's reduction in flight
+    # never holds up the next unit's gather (gloo works through one group's collectives in order)
+    reduce_comm = None
+    if ctx.plan.overlap and ctx.grad_buckets and comm.size > 1 and not ctx.mesh.virtual:
+        reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)
+    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units,
+                            overlap=ctx.plan.overlap, prefetch_bytes=ctx.plan.prefetch_bytes,
+                            reduce_comm=reduce_comm)
     root[SYNC] = sync
     if tp_comm is not None:
         root[COMM_TP] = tp_comm
@@ -124,6 +132,7 @@ class DistributedModule(nn.Module):
         self._tp = tp_comm              # the tp axis (None without tensor parallelism)
         self._names = list(sync.specs)  # trainable parameters, canonical names
         self._optimizer = None
+        self.timelines: list = []       # per rank, from the last record_timeline()
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -310,9 +319,20 @@ class DistributedModule(nn.Module):
         from .estimate import predict_module
         return predict_module(self, cluster, global_batch, recompute)
 
-    def dump(self, path: str) -> list[str]:
+    def record_timeline(self):
+        """``with dm.record_timeline(): <one step>`` records when each collective ran and how
+        long each wait blocked, on every rank; afterwards ``dm.timelines`` holds each rank's
+        ``autopar.timeline.Timeline`` (``exposed_comm_s``, ``lanes()``) and ``dm.dump`` writes
+        them as a Chrome trace beside the cost model's prediction. Every rank must record."""
+        from .timeline import record
+        return record(self)
+
+    def dump(self, path: str, cluster=None) -> list[str]:
+        """Every pass's graph, the emitted code, explain(), and (after ``record_timeline``)
+        timeline.json: the measured step of every rank beside the predicted one (``cluster``:
+        default the calibrated local preset, if on disk)."""
         from .explain import dump
-        return dump(self, path)
+        return dump(self, path, cluster)
 
 
 def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
@@ -323,3 +343,57 @@ def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
                          f"by dp={n}; use a global batch that is a multiple of {n}")
     k = t.shape[0] // n
     return t[i * k:(i + 1) * k]
+
+
+# ---- every rank issues the same collectives --------------------------------------------------
+
+def collective_sequences(modules, ctx: CompileContext) -> dict[str, list[str]]:
+    """Per mesh axis, the collectives this rank's graphs issue, in order (graph nodes that
+    communicate, forward and the backward they cause, then the dp gradient buckets and ZeRO-3
+    gather units with their members)."""
+    seq: dict[str, list[str]] = {}
+    for dm in modules:
+        for node in dm.module.graph.nodes:
+            info = node.meta.get(meta.COMM)
+            if info is not None:
+                seq.setdefault(info.axis, []).append(f"{node.name}: {info}")
+        sync = dm._sync
+        for kind, groups in (("gather unit", sync.units), ("gradient bucket", sync.buckets)):
+            seq.setdefault("dp", []).extend(f"{kind} {i}: {len(b.names)} tensors, {b.width} elements/rank "
+                                            f"({', '.join(b.names)})" for i, b in enumerate(groups))
+    return {axis: s for axis, s in seq.items() if ctx.mesh.axis_size(axis) > 1}
+
+
+def check_collective_order(modules, ctx: CompileContext) -> None:
+    """Before the first step: every rank's sequence of collectives on each dp / tp group must
+    equal its peers' (they run one program, but a rank compiled from another model, other
+    example inputs or another plan would otherwise wait forever in a collective its peers never
+    issue). One all-gather of the sequences over the world; a mismatch anywhere is a ValueError
+    on every rank naming the group and the first differing collective. (pp ranks run different
+    stages by design: the schedule's sends and receives are matched by its simulation.)"""
+    mesh = ctx.mesh
+    if mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = ({a: mesh.coordinate(a) for a in mesh.axes}, collective_sequences(modules, ctx))
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    for axis in ("dp", "tp"):
+        if mesh.axis_size(axis) < 2:
+            continue
+        groups: dict = {}
+        for rank, (coords, _) in enumerate(rows):
+            groups.setdefault(tuple(sorted((a, c) for a, c in coords.items() if a != axis)), []).append(rank)
+        for members in groups.values():
+            first = rows[members[0]][1].get(axis, [])
+            for other in members[1:]:
+                seq = rows[other][1].get(axis, [])
+                if seq == first:
+                    continue
+                i = next((k for k, (x, y) in enumerate(zip(first, seq)) if x != y), min(len(first), len(seq)))
+                a = first[i] if i < len(first) else "nothing (its sequence ends here)"
+                b = seq[i] if i < len(seq) else "nothing (its sequence ends here)"
+                raise ValueError(
+                    f"the ranks of {axis} group {members} would issue different collectives: at collective "
+                    f"#{i} on {axis}, rank {members[0]} issues {a!r} but rank {other} issues {b!r} (rank "
+                    f"{members[0]}: {len(first)} collectives, rank {other}: {len(seq)}). Running would hang "
+                    "there. Every rank must compile the same model with the same example inputs and the same plan.")

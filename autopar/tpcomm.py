@@ -18,6 +18,9 @@ of a ``P(sum)`` tensor is the whole gradient (each addend's).
     tp_split(x, d, size)     R -> S(d)        backward: all-gather (no forward communication)
     tp_param_sync(params)    ``tp_copy`` of a group of parameters: one all-reduce of their gradients
 
+The overlap pass splits the forward collectives into ``tp_start`` (issue, asynchronously) and
+``tp_wait`` (complete; the autograd node with the conjugate backward).
+
 Two ops are lowered rather than run on their local pieces (vocabulary parallelism):
 
     tp_vocab_embedding(w, idx, lo, hi)
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 from .comm import AxisComm, all_reduce, copy_to_axis
 from .placement import Replicate, Shard
 
-__all__ = ["TPParam", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
+__all__ = ["TPParam", "Pending", "tp_start", "tp_wait", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
            "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
 
 
@@ -82,6 +85,95 @@ def _scatter(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) -
     comm.reduce_scatter_flat(out.view(-1), x.view(-1), label=label)
     lo, hi = chunk_range(size, n, comm.index)
     return out[:hi - lo].movedim(0, dim).contiguous()
+
+
+class Pending:
+    """A tp collective in flight (``tp_start``): the input (with its autograd history), the
+    handle and the receive buffer; ``tp_wait`` completes it."""
+    __slots__ = ("kind", "x", "comm", "args", "work", "out")
+
+    def __init__(self, kind, x, comm, args, work, out):
+        self.kind, self.x, self.comm, self.args, self.work, self.out = kind, x, comm, args, work, out
+
+
+def tp_start(kind: str, x: torch.Tensor, comm: AxisComm, *args) -> Pending:
+    """Issue ``kind`` (all_reduce | all_gather | reduce_scatter) on ``x`` asynchronously; ``args``
+    as the synchronous function's (all_gather: dim, size, partial_grad; reduce_scatter: dim, size)."""
+    with torch.no_grad():
+        if kind == "all_reduce":
+            out = x.detach().clone()
+            work = comm.all_reduce_(out, label="partial sum", async_op=True, phase="forward")
+            return Pending(kind, x, comm, args, work, out)
+        dim, size = args[0], args[1]
+        n, c = comm.size, -(-size // comm.size)
+        y = x.detach().movedim(dim, 0)
+        rows = c if kind == "all_gather" else n * c
+        if y.shape[0] < rows:
+            y = torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
+        y = y.contiguous()
+        if kind == "all_gather":
+            out = y.new_empty((n * c,) + tuple(y.shape[1:]))
+            work = comm.all_gather_flat(out.view(-1), y.view(-1), label=f"S({dim}) -> R", async_op=True,
+                                        phase="forward")
+        else:
+            out = y.new_empty((c,) + tuple(y.shape[1:]))
+            work = comm.reduce_scatter_flat(out.view(-1), y.view(-1), label=f"P(sum) -> S({dim})",
+                                            async_op=True, phase="forward")
+        return Pending(kind, x, comm, args, work, (out, y))
+
+
+def tp_wait(p: Pending) -> torch.Tensor:
+    """Complete a ``tp_start``: the result the synchronous function gives, with its backward."""
+    return _WAITS[p.kind].apply(p.x, p)
+
+
+class _AllReduceWait(torch.autograd.Function):
+    """forward: wait for the all-reduce / backward: identity (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        if p.work is not None:
+            p.work.wait()
+        return p.out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherWait(torch.autograd.Function):
+    """forward: wait for the all-gather / backward: as ``tp_gather``'s."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        dim, size, partial = p.args
+        ctx.comm, ctx.dim, ctx.size, ctx.partial = p.comm, dim, size, partial
+        if p.work is not None:
+            p.work.wait()
+        out = p.out[0][:size].movedim(0, dim).contiguous()
+        regather = getattr(p.comm, "regather", None)
+        if partial and regather is not None:
+            regather.note(out, x.detach(), p.comm, dim, size)
+        return out
+
+    backward = staticmethod(lambda ctx, g: _Gather.backward(ctx, g)[:2])
+
+
+class _ScatterWait(torch.autograd.Function):
+    """forward: wait for the reduce-scatter / backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        dim, size = p.args
+        ctx.comm, ctx.dim, ctx.size = p.comm, dim, size
+        if p.work is not None:
+            p.work.wait()
+        lo, hi = chunk_range(size, p.comm.size, p.comm.index)
+        return p.out[0][:hi - lo].movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.comm, ctx.dim, ctx.size, f"grad of P(sum) -> S({ctx.dim})"), None
 
 
 def _local(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor:
@@ -140,6 +232,9 @@ class _ParamSync(torch.autograd.Function):
         ctx.comm.all_reduce_(flat, label=f"grads of {len(grads)} replicated parameters read per rank")
         parts = flat.split([g.numel() for g in grads])
         return (None,) + tuple(x.view_as(g) for x, g in zip(parts, grads))
+
+
+_WAITS = {"all_reduce": _AllReduceWait, "all_gather": _GatherWait, "reduce_scatter": _ScatterWait}
 
 
 def tp_param_sync(comm: AxisComm, params: list) -> tuple:

@@ -255,7 +255,7 @@ _GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
-_CACHE_VERSION = 11
+_CACHE_VERSION = 12
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -294,12 +294,18 @@ def _measure_memory_bandwidth() -> float:
 
 
 def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all_reduce",
-                group_size: int | None = None) -> list[float]:
+                group_size: int | None = None, busy: bool = False) -> list[float]:
     """Run on every rank by ``autopar.testing.run``: median seconds of an fp32 ``kind``
     collective (all_reduce, all_gather, reduce_scatter; p2p: the pair's first rank sends to the
     second and back) of each size in bytes (the whole buffer), in groups of ``group_size``
     consecutive ranks all working at once (default: the world). A barrier before each timed
-    call lines the ranks up, so the time is the collective's and not the wait for a late peer."""
+    call lines the ranks up, so the time is the collective's and not the wait for a late peer.
+
+    ``busy``: each timed call follows about 1 ms of matmuls, as a collective in a training step
+    follows compute, and the time is the call's excess over that compute (slowed by ranks /
+    cores when they share cores): a rank entering the collective waits for peers still in their
+    time slice and for gloo's threads to be scheduled, which back-to-back calls never see
+    (measured here: 1.5-3x the lined-up time for small messages)."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -310,6 +316,14 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     groups = [dist.new_group(list(range(k, k + g))) for k in range(0, world, g)] if g < world else [None]
     group = groups[rank // g] if g < world else None
     n, first = g, (rank // g) * g
+    a = torch.randn(160, 160)
+    alone, work = 0.0, 0
+    for r in range(world if busy else 0):      # in turn, the others waiting: the rate alone on a core
+        if r == rank:
+            work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
+            alone = _timed_median(lambda: [a @ a for _ in range(work)], 0.02)
+        dist.barrier()
+    slow = max(1.0, world / (os.cpu_count() or 1))
     medians = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
@@ -334,8 +348,10 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
+            for _ in range(work):
+                a @ a
             op()
-            times.append(time.perf_counter() - t0)
+            times.append(max(time.perf_counter() - t0 - alone * slow, 1e-6))
         medians.append(statistics.median(times))
     return medians
 
@@ -446,7 +462,7 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     one spawn."""
     import torch.distributed as dist
     world = dist.get_world_size()
-    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g) for kind in _KINDS for g in sorted({2, world})
+    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in sorted({2, world})
            if not (kind == "p2p" and g != 2)}
     if world > (os.cpu_count() or 1):
         for kind in _KINDS:
@@ -573,7 +589,8 @@ def _measure_local() -> Cluster:
         f"memory_efficiency {pointwise:.2f}: median of GeLU, LayerNorm and add rates on 512x256 fp32 / that",
         f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
         f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
-        f"{_GLOO_WARMUP} warm-ups, slowest rank; 1/time-weighted least squares of "
+        f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls (its excess over them), slowest rank; "
+        "1/time-weighted least squares of "
         "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",

@@ -7,7 +7,8 @@ For the data-parallel axis every consumer needs its parameters whole (``dp:R``):
                backward gathers again what it reads and reduce-scatters the gradient
     zero1/2    forward reads the full replicas; one ``dp_bucket_sync`` node per gradient
                bucket reduce-scatters their gradients into the rank's shards (ZeRO-2: as
-               soon as the bucket is ready; ZeRO-1: when backward ends)
+               soon as the bucket is ready (the overlap pass and the runtime decide when
+               collectives start and are waited on)
     ddp        one ``dp_bucket_sync`` node per bucket all-reduces its gradients
 
 A replicated activation that a node's strategy wants sharded (a mask built for the whole
@@ -219,9 +220,8 @@ def _unit_info(units, k, name, specs, ctx, n, bucket) -> CommInfo:
     if name != unit[0]:
         return CommInfo("all_gather", "dp", 0.0, "forward", f"part of unit {k}, gathered with {unit[0]}")
     nbytes = sum(specs[m].n * specs[m].chunk_numel * ctx.params[m].dtype.itemsize for m in unit)
-    ahead = f"; prefetches unit {k + 1}" if k + 1 < len(units) else ""
     return CommInfo("all_gather", "dp", ring_bytes("all_gather", nbytes, n), "forward",
-                    f"unit {k} ({len(unit)} params){ahead}; backward: gathered again if read, "
+                    f"unit {k} ({len(unit)} params); backward: gathered again if read, "
                     f"gradients reduce_scatter in bucket {bucket}")
 
 

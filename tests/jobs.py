@@ -29,8 +29,9 @@ def mlp_batch(batch=8, seed=1):
     return torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
 
 
-def parity_all():
-    """Every dp mode on the MLP (uneven 7-row layer), the bias-free MLP and the small GPT."""
+def parity_all(overlap: bool = True):
+    """Every dp mode on the MLP (uneven 7-row layer), the bias-free MLP and the small GPT
+    (``overlap``: the plan's overlap pass on or off)."""
     world = dist.get_world_size()
     mesh = autopar.Mesh(dp=world)
     out = {}
@@ -38,7 +39,7 @@ def parity_all():
     c = GPTConfig()
     tok, tgt = gpt_batch(c, 8)
     for mode in MODES:
-        plan = autopar.Plan(dp=mode)
+        plan = autopar.Plan(dp=mode, overlap=overlap)
         out[("mlp", mode)] = parity(TinyMLP, mesh, plan, (x,), y, mse)
         out[("gpt", mode)] = parity(lambda: TinyGPT(c), mesh, plan, (tok,), tgt, lm_loss)
     return out
@@ -133,6 +134,9 @@ def memory(mode):
     local_x, local_t = dm.shard_batch(x), dm.shard_batch(target)
     out = dm(local_x)
     after_forward = live_tensor_bytes() - base
+    sync = dm._sync      # ZeRO-3: the gathers issued for backward as forward ended, and the unit sizes
+    ahead_after_forward = sum(sync.unit_bytes(k) for k in sync._inflight) if mode == "zero3" else 0
+    unit_bytes = [sync.unit_bytes(k) for k in range(len(sync.units))] if mode == "zero3" else [0]
     loss = mse(out, local_t)
     del out
     loss.backward()
@@ -157,6 +161,8 @@ def memory(mode):
         "opt_bytes": optimizer_state_bytes(opt),
         "census": census,
         "after_forward": after_forward,
+        "ahead_after_forward": ahead_after_forward,
+        "unit_bytes": unit_bytes,
         "local_batch_bytes": local_x.numel() * 4 * 2,
         "original_alive": original_alive,
     }
@@ -289,7 +295,7 @@ def meta_materialise():
 def accumulation_all():
     """Two backward passes (micro-batches, no zero_grad between) accumulate into the same
     gradients as one pass over the whole batch; a backward through two forwards is refused
-    (or accumulated, while its bucket has not gone out)."""
+    (its bucket went out with the first forward's gradients, as DDP refuses)."""
     import copy
     world = dist.get_world_size()
     x, y = mlp_batch(8 * world)
@@ -380,15 +386,17 @@ def tp_mesh(tp: int):
     return autopar.Mesh(dp=world // tp, tp=tp) if world > tp else autopar.Mesh(tp=tp)
 
 
-def parity_tp(tp: int, sp: bool, modes=("ddp",), models=("mlp", "gpt")):
-    """MLP and GPT under tensor (and sequence) parallelism, with each dp mode in ``modes``."""
+def parity_tp(tp: int, sp: bool, modes=("ddp",), models=("mlp", "gpt"), plan_kw=None):
+    """MLP and GPT under tensor (and sequence) parallelism, with each dp mode in ``modes``
+    (``plan_kw``: more Plan fields, e.g. overlap=False, collective_matmul=True)."""
+    plan_kw = plan_kw or {}
     mesh = tp_mesh(tp)
     out = {}
     x, y = mlp_batch()
     c = GPTConfig()
     tok, tgt = gpt_batch(c, 8)
     for mode in modes:
-        plan = autopar.Plan(dp=mode, tp=True, sp=sp)
+        plan = autopar.Plan(dp=mode, tp=True, sp=sp, **plan_kw)
         if "mlp" in models:
             out[("mlp", mode)] = parity(TinyMLP, mesh, plan, (x,), y, mse)
         if "gpt" in models:
@@ -771,3 +779,89 @@ def auto_plan_uncalibrated():
     except ValueError as exc:
         return str(exc)
     return "compiled"
+
+
+# ---- issue 6: the overlap pass ---------------------------------------------------------------
+
+def order_mismatch():
+    """Rank 1 compiles a GPT with one layer more than rank 0's, under ddp, zero3 and tp: each
+    compile must fail on every rank with the first differing collective, never hang."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=2 + dist.get_rank())
+    tok, _ = gpt_batch(c, 8)
+    out = {}
+    for name, mesh, plan in (("ddp", autopar.Mesh(dp=2), autopar.Plan(dp="ddp")),
+                             ("zero3", autopar.Mesh(dp=2), autopar.Plan(dp="zero3")),
+                             ("tp", autopar.Mesh(tp=2), autopar.Plan(tp=True))):
+        try:
+            autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    # the ranks are still in step: a matching compile and a step run
+    c = GPTConfig(layers=2)
+    tok, tgt = gpt_batch(c, 8)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=2), example_inputs=(tok,), plan=autopar.Plan(dp="zero3"))
+    lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt)).backward()
+    out["after"] = True
+    return out
+
+
+def timeline_and_dump(out_dir, plan_kw):
+    """Record one step's timeline, dump it (measured and predicted lanes) and report what a
+    test checks: per rank, the lanes, exposed communication and the collectives counted."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=2)
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(tok,),
+                         plan=autopar.Plan(**plan_kw))
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    _step(dm, opt, (tok,), tgt, lm_loss)
+    dm.comm_stats.reset()
+    with dm.record_timeline():
+        _step(dm, opt, (tok,), tgt, lm_loss)
+    calls = sum(dm.comm_stats.calls.values())
+    files = dm.dump(out_dir) if dist.get_rank() == 0 else []
+    tl = dm.timelines[dist.get_rank()]
+    return {"calls": calls, "events": tl.events, "lanes": tl.lanes(), "exposed": tl.exposed_comm_s,
+            "duration": tl.duration_s, "n_timelines": len(dm.timelines), "files": [os.path.basename(f) for f in files]}
+
+
+def prefetch_memory(multiples, steps=3):
+    """ZeRO-3 on a GPT with 4 layers: for prefetch budgets of ``multiples`` of the largest
+    unit's in-flight bytes (None: the default, one unit ahead), the most gather bytes in flight
+    at once (the runtime's count), the unit sizes, and the measured peak of a step's
+    allocations (profiler, median of ``steps``)."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=4, dim=64, heads=4)
+    tok, tgt = gpt_batch(c, 8)
+    out = {}
+    layer = None
+    for m in multiples:
+        budget = None if m is None else m * (layer or 0)
+        torch.manual_seed(0)
+        dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(tok,),
+                             plan=autopar.Plan(dp="zero3", prefetch_bytes=budget))
+        units = [dm._sync.unit_bytes(k) for k in range(len(dm._sync.units))]
+        if layer is None:
+            layer = max(units)
+            if m:
+                raise ValueError("the first budget multiple must be 0 or None (it measures the unit size)")
+        lx, lt = dm.shard_batch((tok,)), dm.shard_batch(tgt)
+
+        def body():
+            lm_loss(dm(*lx), lt).backward()
+        body()
+        for p in dm.parameters():
+            p.grad = None
+        gc.collect()
+        dm._sync.peak_inflight_bytes = 0
+        peaks = []
+        for _ in range(steps):
+            peaks.append(profiled_peak_bytes(body))
+            for p in dm.parameters():
+                p.grad = None
+        out[m] = {"budget": budget, "inflight": dm._sync.peak_inflight_bytes, "units": units,
+                  "peak": sorted(peaks)[len(peaks) // 2]}
+    return out

@@ -17,17 +17,19 @@ def test_dump_and_explain(tmp_path, mode):
     res = run(jobs.dump_and_explain, 2, mode, str(tmp_path), timeout=120)
     before, after, files = res[0]
     names = [os.path.basename(f) for f in files]
-    assert names == ["00_capture.txt", "01_shard.txt", "02_collectives.txt", "03_localize.txt", "04_emit.py",
-                     "explain.txt"]
+    assert names == ["00_capture.txt", "01_shard.txt", "02_collectives.txt", "03_localize.txt", "04_overlap.txt",
+                     "05_emit.py", "explain.txt"]
     coll = open(files[2]).read()
     assert "dp:S(0)" in coll and "dp:R" in coll and "B/rank" in coll
     if mode == "zero3":
         assert "blocks_0_qkv_weight_full: f32[96, 32]  dp:R" in coll
         assert "dp_gather(blocks_0_qkv_weight, sync_dp, 'blocks.0.qkv.weight')" in coll
         # block 0 is one unit: its 12 parameters, 50,816 B padded, (N-1)/N of it per rank
-        assert "forward all_gather[dp] 25,408 B/rank; unit 1 (12 params); prefetches unit 2" in coll
+        assert "forward all_gather[dp] 25,408 B/rank; unit 1 (12 params); backward" in coll
+        over = open(files[4]).read()      # unit 2's gather issued as unit 1 is waited on
+        assert over.index("unit1_wait") < over.index("unit2_start") < over.index("unit2_wait")
         assert "part of unit 1, gathered with blocks.0.ln1.weight" in coll
-    compile(open(files[4]).read(), "04_emit.py", "exec")     # the emitted code is real Python
+    compile(open(files[5]).read(), "05_emit.py", "exec")     # the emitted code is real Python
     assert "measured: no step run yet" in before
     formula = "3*Psi*(N - 1)/N" if mode == "zero3" else "2*Psi*(N - 1)/N"
     assert formula in after and "measured since the counters were last reset" in after

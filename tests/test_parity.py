@@ -16,9 +16,12 @@ from autopar.testing import run
 import jobs
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False), (4, False)],
+                ids=["world2", "world4", "world2-overlap-off", "world4-overlap-off"])
 def reports(request):
-    return request.param, run(jobs.parity_all, request.param, timeout=240)
+    """Both ways: with the overlap pass (the default) and with every collective waited on at once."""
+    world, overlap = request.param
+    return world, run(jobs.parity_all, world, overlap, timeout=240)
 
 
 @pytest.mark.timeout(400)

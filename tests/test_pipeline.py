@@ -56,8 +56,8 @@ def test_parity_every_schedule_pp4():
 
 @pytest.mark.timeout(500)
 def test_parity_pp2_dp2_every_zero_mode():
-    configs = [("gpt", {"pp": 2, "dp": 2}, dict(dp=mode, pp_schedule=s, microbatches=4, virtual_stages=v))
-               for mode, (s, v) in zip(jobs.MODES, SCHEDULES)]
+    configs = [("gpt", {"pp": 2, "dp": 2}, dict(dp=mode, pp_schedule=s, microbatches=4, virtual_stages=v, overlap=o))
+               for mode, (s, v) in zip(jobs.MODES, SCHEDULES) for o in (True, False)]   # overlap pass on and off
     _check(run(jobs.parity_pp, 4, configs, timeout=450))
 
 
@@ -67,7 +67,8 @@ def test_parity_3d_mesh_pp2_dp2_tp2():
     each stage."""
     axes = {"pp": 2, "dp": 2, "tp": 2}
     configs = [("gpt", axes, dict(dp="zero2", tp=True, pp_schedule="1f1b", microbatches=4)),
-               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4))]
+               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4)),
+               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="1f1b", microbatches=4, overlap=False))]
     _check(run(jobs.parity_pp, 8, configs, timeout=550))
 
 

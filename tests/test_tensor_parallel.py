@@ -26,17 +26,23 @@ def _check(reports, label):
             assert len(rep.losses) == 3 and rep.ref_losses[-1] < rep.ref_losses[0]
 
 
+OVERLAP = [{}, {"overlap": False}]     # both ways: the overlap pass on (the default) and off
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("sp,kw", [(False, {}), (True, {}), (False, {"overlap": False}), (True, {"overlap": False}),
+                                   (True, {"collective_matmul": True})],
+                         ids=["tp", "tp+sp", "tp-overlap-off", "tp+sp-overlap-off", "tp+sp-collective-matmul"])
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)], ids=["tp2", "tp4"])
-def test_parity_tensor_parallel(world, tp, sp):
-    _check(run(jobs.parity_tp, world, tp, sp, timeout=300), f"tp={tp} sp={sp}")
+def test_parity_tensor_parallel(world, tp, sp, kw):
+    _check(run(jobs.parity_tp, world, tp, sp, ("ddp",), ("mlp", "gpt"), kw, timeout=300), f"tp={tp} sp={sp} {kw}")
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("kw", OVERLAP, ids=["", "overlap-off"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_parity_dp2_tp2_every_dp_mode(sp):
-    _check(run(jobs.parity_tp, 4, 2, sp, jobs.MODES, timeout=500), f"dp=2 x tp=2 sp={sp}")
+def test_parity_dp2_tp2_every_dp_mode(sp, kw):
+    _check(run(jobs.parity_tp, 4, 2, sp, jobs.MODES, ("mlp", "gpt"), kw, timeout=500), f"dp=2 x tp=2 sp={sp} {kw}")
 
 
 @pytest.mark.timeout(600)
@@ -52,9 +58,20 @@ def _compile(model, inputs, plan, **mesh):
     return autopar.compile(model, autopar.Mesh(virtual=True, rank=0, **mesh), example_inputs=inputs, plan=plan)
 
 
+_STARTED = {"all_gather": "tp_gather", "all_reduce": "tp_all_reduce", "reduce_scatter": "tp_reduce_scatter"}
+
+
 def _tp_nodes(dm):
-    return [n for n in dm.module.graph.nodes if n.op == "call_function"
-            and getattr(n.target, "__name__", "").startswith("tp_")]
+    """(function name, args) of each tp node of the emitted graph; a collective the overlap
+    pass split into tp_start / tp_wait counts once, as the function it replaced."""
+    out = []
+    for n in dm.module.graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name == "tp_start":
+            out.append((_STARTED[n.args[0]], n.args[1:]))
+        elif name.startswith("tp_") and name != "tp_wait":
+            out.append((name, n.args))
+    return out
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -65,7 +82,7 @@ def test_megatron_block_collectives(layers):
     c = GPTConfig(layers=layers)
     tok, _ = gpt_batch(c, 8)
     dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=2)
-    kinds = sorted(n.target.__name__ for n in _tp_nodes(dm))
+    kinds = sorted(name for name, _ in _tp_nodes(dm))
     assert kinds == sorted(["tp_all_reduce"] * 2 * layers + ["tp_copy"] * 2 * layers), kinds
     tp = dm.ctx.tp_params
     for i in range(layers):
@@ -88,10 +105,10 @@ def test_sequence_parallel_block_collectives(layers):
     dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True, sp=True), tp=2)
     nodes = _tp_nodes(dm)
     by = {}
-    for n in nodes:
-        by.setdefault(n.target.__name__, []).append(n)
+    for name, args in nodes:
+        by.setdefault(name, []).append(args)
     assert len(by["tp_reduce_scatter"]) == 2 * layers
-    varying_gathers = [n for n in by["tp_gather"] if n.args[4]]
+    varying_gathers = [args for args in by["tp_gather"] if args[4]]
     assert len(varying_gathers) == 2 * layers          # before qkv and fc
     assert len(by["tp_gather"]) == 2 * layers + 1      # + before the (tied, replicated) head
     assert len(by["tp_split"]) == 2                    # token and position embeddings enter SP
@@ -100,7 +117,7 @@ def test_sequence_parallel_block_collectives(layers):
     # the replicated norm and bias parameters read on sequence shards: one gradient all-reduce
     # per layer (ln1, ln2 weight and bias, proj and out biases) and one for ln_f
     assert len(by["tp_param_sync"]) == layers + 1
-    assert [len(n.args[1]) for n in by["tp_param_sync"]] == [6] * layers + [2]
+    assert [len(args[1]) for args in by["tp_param_sync"]] == [6] * layers + [2]
     # each pointwise region between the collectives is one node of the graph
     fused = [n for n in dm.module.graph.nodes if n.op == "call_module"]
     assert [n.target for n in fused] == [f"sp_region_{k}" for k in range(2 * layers + 1)]
@@ -220,7 +237,7 @@ def test_vocab_parallel_never_gathers_logits():
     c = GPTConfig(layers=2)
     tok, tgt = gpt_batch(c, 8)
     dm = _compile(jobs.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True), tp=2)
-    kinds = sorted(n.target.__name__ for n in _tp_nodes(dm))
+    kinds = sorted(name for name, _ in _tp_nodes(dm))
     assert "tp_gather" not in kinds, kinds
     assert kinds.count("tp_vocab_embedding") == 1 and kinds.count("tp_vocab_cross_entropy") == 1
     # the blocks' 2+2 per layer, the lookup's P(sum) all-reduce and f before the split head
@@ -238,7 +255,8 @@ def test_op_without_rule_runs_replicated_with_a_warning():
     assert len(warnings) == 1 and "runs replicated" in warnings[0]
     assert "cumsum" in dm.explain()
     cumsum = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.cumsum.default)
-    assert cumsum.args[0].target.__name__ == "tp_gather"
+    assert cumsum.args[0].target.__name__ == "tp_wait"       # of the gather's tp_start
+    assert cumsum.args[0].args[0].args[0] == "all_gather"
     _check(run(jobs.parity_small_tp, 2, timeout=200), "small tp models")
 
 
@@ -247,5 +265,5 @@ def test_row_product_read_by_column_product():
     f (its gradient is a sum over tp); the parity runs in the test above."""
     x, _ = jobs.mlp_batch()
     dm = _compile(jobs.RowThenColumn(), (x,), autopar.Plan(tp=True), tp=2)
-    kinds = [n.target.__name__ for n in _tp_nodes(dm)]
+    kinds = [name for name, _ in _tp_nodes(dm)]
     assert kinds == ["tp_copy", "tp_all_reduce", "tp_copy", "tp_gather"], kinds
