@@ -10,9 +10,10 @@ collectives and parameters):
 - communication: ``cost.comm``'s alpha-beta time of each collective on the link of its mesh
   axis (``Cluster.axis_link``); tensor-parallel collectives sit on the compute stream (they
   block the next op); data-parallel ones on a communication stream that overlaps compute as
-  the runtime does (ZeRO-3 prefetches the next layer's gather; gradient buckets are reduced
-  while backward continues; ZeRO-1's reduce-scatter and ZeRO-1/2's parameter all-gather
-  after the step are exposed);
+  the runtime does with the overlap pass (ZeRO-3 prefetches the next layer's gather;
+  gradient buckets, ZeRO-1's too, are reduced while backward continues; ZeRO-1/2's parameter
+  all-gather after the step is exposed); with ``Plan(overlap=False)`` every collective is
+  exposed, one after another;
 - pipeline: the plan's schedule replayed in event time with each stage's F, B (and W) times
   and the point-to-point transfer of the activation that crosses each cut; the deferred
   data-parallel reduction and the optimizer step follow;
