@@ -125,9 +125,9 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     # sequence-parallel regions become one node each (they hold localized ops); overlap last,
     # on the final order of the nodes
     gm = _layout_passes(gm, ctx)
+    check_collective_order([(gm, ctx)], ctx)    # before any communication: a mismatch is an error, not a hang
     dm = emit(gm, model, ctx)
     ctx.snapshots.append(("emit", dm.module.code))
-    check_collective_order([dm], ctx)      # before any step: a mismatch is an error, not a hang
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
@@ -192,11 +192,15 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = [name for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1]
     stages, stats = {}, CommStats()
+    laid = []
     for spec in ctx.stages:
         if spec.index % p != mesh.coordinate("pp"):
             continue
         sctx = _stage_context(ctx, spec, top.get_submodule(f"stage_{spec.index}"), shared)
-        sgm = _layout_passes(top.get_submodule(f"stage_{spec.index}"), sctx, prefix=f"stage{spec.index}_")
+        laid.append((spec, sctx, _layout_passes(top.get_submodule(f"stage_{spec.index}"), sctx,
+                                                prefix=f"stage{spec.index}_")))
+    check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)     # before any communication
+    for spec, sctx, sgm in laid:
         dm = emit(sgm, model, sctx, stats)
         if schedule.split_backward:
             n_split = split_weight_grads(dm.module, _batch_free(dm.module))
@@ -204,7 +208,6 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, example_inputs, exa
         ctx.snapshots += sctx.snapshots       # stage<k>_shard, stage<k>_collectives, ...
         ctx.snapshots.append((f"stage{spec.index}_emit", dm.module.code))
         stages[spec.index] = dm            # dm.ctx is the stage's context
-    check_collective_order([stages[k] for k in sorted(stages)], ctx)
     pm = PipelineModule(stages, ctx, schedule, stats)
     del gm, top
     gc.collect()

@@ -90,8 +90,9 @@ class DataParallelSync(nn.Module):
         self._acc: dict[str, torch.Tensor] = {}
         self._acc_owned: set[str] = set()
         self.events: list[tuple[str, object]] = []
-        # ZeRO-3: most bytes of gathers in flight at once (issued, not yet waited on); with a
-        # prefetch budget B it stays within B + the largest unit (the one being waited for)
+        # ZeRO-3: most bytes of gathers in flight at once (issued, not yet waited on): within the
+        # prefetch budget, or one unit where a unit alone is larger (backward takes the units
+        # in the reverse order of forward's last use, the order they are issued ahead in)
         self.peak_inflight_bytes = 0
         self._last_use: dict[int, int] = {}      # unit -> when forward last used it
         self._clock = 0

@@ -53,6 +53,7 @@ class PipelineModule(DistributedModule):
         self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
         self._optimizer = None
         self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
+        self.timelines: list = []   # per rank, from the last record_timeline()
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -173,7 +174,7 @@ class PipelineModule(DistributedModule):
         bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
         works = [dist.irecv(b, src=src, tag=self._tag(kind, a.stage, a.mb, j)) for j, b in enumerate(bufs)]
-        return bufs, works
+        return bufs, self._traced(works, f"recv[pp] {'activations' if kind == 0 else 'gradients'} {a}")
 
     def _isend(self, kind, target: Action, tensors, peer_stage):
         dst = self._rank_of_stage(peer_stage)
@@ -181,8 +182,25 @@ class PipelineModule(DistributedModule):
         self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
                                "activations" if kind == 0 else "gradients",
                                sum(t.numel() * t.element_size() for t in tensors))
-        return [dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
-                for j, t in enumerate(tensors)]
+        return self._traced([dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
+                             for j, t in enumerate(tensors)],
+                            f"send[pp] {'activations' if kind == 0 else 'gradients'} for {target}")
+
+    def _traced(self, works, name):
+        """Under ``record_timeline``, the transfers' handles record completion and blocking waits."""
+        trace = self.comm_stats.trace
+        if trace is None:
+            return works
+        from .comm import _TracedWork
+        now = time.perf_counter()
+        return [_TracedWork(w, name, now, trace) for w in works]
+
+    def record_timeline(self):
+        """``with pm.record_timeline(): pm.train_step(...)`` records every collective and
+        point-to-point transfer of the step on every rank (see DistributedModule.record_timeline);
+        ``pm.timelines`` holds each rank's Timeline."""
+        from .timeline import record
+        return record(self)
 
     def _take(self, s, key):
         bufs, works = s.recv.pop(key)

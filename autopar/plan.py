@@ -111,6 +111,9 @@ class Plan:
         if self.prefetch_bytes is not None and (not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0):
             raise ValueError(f"Plan(prefetch_bytes={self.prefetch_bytes!r}) must be a non-negative integer "
                              "(bytes) or None (one unit ahead)")
+        if self.prefetch_bytes is not None and self.dp != "zero3":
+            raise ValueError(f"Plan(prefetch_bytes={self.prefetch_bytes}) sets how far ZeRO-3 gathers parameters "
+                             f"ahead, but dp={self.dp!r} keeps them whole; use dp='zero3' or drop prefetch_bytes")
         if self.collective_matmul and not self.sp:
             raise ValueError("Plan(collective_matmul=True) needs tp=True and sp=True: it decomposes the "
                              "sequence-parallel all-gather / reduce-scatter around the tp matmuls")

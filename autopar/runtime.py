@@ -67,10 +67,12 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
                 root[node.target] = _attr(gm, node.target)
             elif node.op == "call_module":     # fused regions (sequence parallelism)
                 root[node.target] = gm.get_submodule(node.target)
-    # with overlap, gradient reductions run on a second dp group: a bucket's reduction in flight
-    # never holds up the next unit's gather (gloo works through one group's collectives in order)
+    # with overlap, gradient reductions run on a second dp group, so that a bucket's reduction in
+    # flight does not hold up the next unit's gather (measured on gloo: a gather issued behind a
+    # reduce-scatter on one group waited for it). Every rank creates it (new_group is collective):
+    # the condition depends on the plan and mesh only
     reduce_comm = None
-    if ctx.plan.overlap and ctx.grad_buckets and comm.size > 1 and not ctx.mesh.virtual:
+    if ctx.plan.overlap and comm.size > 1 and not ctx.mesh.virtual:
         reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units,
                             overlap=ctx.plan.overlap, prefetch_bytes=ctx.plan.prefetch_bytes,
@@ -347,34 +349,40 @@ def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
 
 # ---- every rank issues the same collectives --------------------------------------------------
 
-def collective_sequences(modules, ctx: CompileContext) -> dict[str, list[str]]:
-    """Per mesh axis, the collectives this rank's graphs issue, in order (graph nodes that
-    communicate, forward and the backward they cause, then the dp gradient buckets and ZeRO-3
-    gather units with their members)."""
-    seq: dict[str, list[str]] = {}
-    for dm in modules:
-        for node in dm.module.graph.nodes:
+def collective_sequences(graphs, ctx: CompileContext) -> dict[str, list[str]]:
+    """Per mesh axis, the collectives this rank's graphs will issue, in order: the plan, then
+    per (graph, its context) every node that communicates (forward, and the backward it
+    causes), the ZeRO-3 gather units and the gradient buckets with their members and widths."""
+    from autopar.passes.collectives import shard_specs
+    seq: dict[str, list[str]] = {axis: [f"plan {ctx.plan} on {ctx.mesh}"] for axis in ctx.mesh.axes}
+    for gm, gctx in graphs:
+        for node in gm.graph.nodes:
             info = node.meta.get(meta.COMM)
             if info is not None:
                 seq.setdefault(info.axis, []).append(f"{node.name}: {info}")
-        sync = dm._sync
-        for kind, groups in (("gather unit", sync.units), ("gradient bucket", sync.buckets)):
-            seq.setdefault("dp", []).extend(f"{kind} {i}: {len(b.names)} tensors, {b.width} elements/rank "
-                                            f"({', '.join(b.names)})" for i, b in enumerate(groups))
+        specs = shard_specs(gctx)
+        sharded = gctx.plan.dp != "ddp"
+        for kind, groups in (("gather unit", gctx.gather_units), ("gradient bucket", gctx.grad_buckets)):
+            for i, names in enumerate(groups):
+                width = sum(specs[n].chunk_numel if sharded else specs[n].numel for n in names)
+                seq.setdefault("dp", []).append(f"{kind} {i}: {len(names)} tensors, {width} elements/rank "
+                                                f"({', '.join(names)})")
     return {axis: s for axis, s in seq.items() if ctx.mesh.axis_size(axis) > 1}
 
 
-def check_collective_order(modules, ctx: CompileContext) -> None:
-    """Before the first step: every rank's sequence of collectives on each dp / tp group must
-    equal its peers' (they run one program, but a rank compiled from another model, other
-    example inputs or another plan would otherwise wait forever in a collective its peers never
-    issue). One all-gather of the sequences over the world; a mismatch anywhere is a ValueError
-    on every rank naming the group and the first differing collective. (pp ranks run different
-    stages by design: the schedule's sends and receives are matched by its simulation.)"""
+def check_collective_order(graphs, ctx: CompileContext) -> None:
+    """Before emit (a compile's first communication, bar plan='auto''s broadcast): every rank's
+    sequence of collectives on each dp / tp group must equal its peers' (they run one program,
+    but a rank compiled from another model, other example inputs or another plan would
+    otherwise wait forever in a collective its peers never issue). ``graphs``: (graph module,
+    its context) per graph this rank runs. One all-gather of the sequences over the world; a
+    mismatch anywhere is a ValueError on every rank naming the group and the first differing
+    collective. (pp ranks run different stages by design: the schedule's sends and receives
+    are matched by its simulation.)"""
     mesh = ctx.mesh
     if mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    mine = ({a: mesh.coordinate(a) for a in mesh.axes}, collective_sequences(modules, ctx))
+    mine = ({a: mesh.coordinate(a) for a in mesh.axes}, collective_sequences(graphs, ctx))
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
     for axis in ("dp", "tp"):

@@ -865,3 +865,37 @@ def prefetch_memory(multiples, steps=3):
         out[m] = {"budget": budget, "inflight": dm._sync.peak_inflight_bytes, "units": units,
                   "peak": sorted(peaks)[len(peaks) // 2]}
     return out
+
+
+def pipeline_timeline(out_dir):
+    """1F1B on pp=2: a recorded train_step's lanes hold the point-to-point transfers; dump
+    writes timeline.json beside the schedule files."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=4)
+    x, t = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    pm = autopar.compile(TinyGPT(c), autopar.Mesh(pp=2), example_inputs=(x,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=4))
+    pm.train_step((x,), t, _lm)
+    with pm.record_timeline():
+        pm.train_step((x,), t, _lm)
+    files = pm.dump(out_dir) if dist.get_rank() == 0 else []
+    if dist.get_rank():
+        pm.dump(out_dir + "_1")        # collective over pp: every rank dumps
+    tl = pm.timelines[dist.get_rank()]
+    return {"names": sorted({name.split(" ")[0] for k, name, *_ in tl.events if k == "comm"}),
+            "n": len(pm.timelines), "files": [os.path.basename(f) for f in files]}
+
+
+def order_mismatch_plans():
+    """The ranks pass different plans (overlap on one, off on the other): the compile fails on
+    both with the first differing collective (here the plan itself), before any group is made."""
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=2)
+    tok, _ = gpt_batch(c, 8)
+    try:
+        autopar.compile(TinyGPT(c), autopar.Mesh(dp=2), example_inputs=(tok,),
+                        plan=autopar.Plan(dp="zero2", overlap=dist.get_rank() == 0))
+        return None
+    except ValueError as exc:
+        return str(exc)

@@ -197,3 +197,18 @@ def test_prefetch_stays_within_the_memory_budget():
                 assert got["peak"] <= base + budget, (m, got["peak"], base, budget)
         assert r[0]["inflight"] <= max(r[0]["units"])          # no prefetch: one gather at a time
         assert r[2]["inflight"] > r[1]["inflight"]               # the larger budget is used
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_timeline_shows_the_transfers(tmp_path):
+    per_rank = run(jobs.pipeline_timeline, 2, str(tmp_path / "d"), timeout=240)
+    for r in per_rank:
+        assert r["n"] == 2
+        assert {"send[pp]", "recv[pp]"} <= set(r["names"]), r["names"]
+    assert "timeline.json" in per_rank[0]["files"] and "trace.json" in per_rank[0]["files"]
+
+
+@pytest.mark.timeout(200)
+def test_different_plans_on_the_ranks_are_an_error():
+    for msg in run(jobs.order_mismatch_plans, 2, timeout=150):
+        assert msg is not None and "at collective #0 on dp" in msg and "overlap=False" in msg, msg
