@@ -214,14 +214,18 @@ class DataParallelSync(nn.Module):
     def _prefetch_backward(self, k: int | None) -> None:
         """Backward runs units in reverse order of their last forward use: issue the gathers of
         the next ones while unit ``k`` computes (``None``: at the end of forward, for the first
-        ones backward needs), as far as ``prefetch_bytes`` allows (None: one unit)."""
+        ones backward needs), as far as ``prefetch_bytes`` allows (None: one unit), and never
+        more than units - 2 ahead (never every unit gathered at once)."""
         if not self.overlap:
             return
         waiting = [j for j, c in self._pending.items()
                    if c > 0 and j != k and j not in self._bwd and j not in self._inflight]
         order = sorted(waiting, key=lambda j: self._last_use.get(j, -1), reverse=True)
         ahead = sum(self.unit_bytes(j) for j in self._inflight)
+        most = max(len(self.units) - 2, 0)     # some unit always not gathered, with the one in use
         for j in order:
+            if len(self._inflight) + 1 > most:
+                return
             if self.prefetch_bytes is None:
                 if self._inflight:
                     return

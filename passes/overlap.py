@@ -9,7 +9,8 @@
         the wait before the unit's first ``dp_gather``; the start after the wait of unit j,
         the earliest j whose units j+1..k, issued ahead of their use, fit in
         ``plan.prefetch_bytes`` (None: j = k-1, one unit ahead, as FSDP's default; a unit
-        larger than the budget is issued right before its wait)
+        larger than the budget is issued right before its wait), and never so far that every
+        unit would be gathered at once (at most units - 2 ahead of the one in use)
     plan.collective_matmul (tp + sp)
         tp_gather(x) -> linear      =>  all_gather_matmul(x, w, b)
         linear -> tp_reduce_scatter =>  matmul_reduce_scatter(x, w, b)
@@ -129,11 +130,13 @@ def unit_ahead_bytes(ctx: CompileContext) -> list[int]:
 
 def _issue_after(sizes: list[int], k: int, budget) -> int:
     """The unit j after whose wait unit k's gather is issued (-1: at the start of forward;
-    k: right before its own wait)."""
+    k: right before its own wait). Never more than len(sizes) - 2 units ahead: with the unit
+    in use, some unit is always not gathered."""
+    most = max(len(sizes) - 2, 0)
     if budget is None:
-        return k - 1
+        return k - 1 if most >= 1 else k
     j, ahead = k, 0
-    while j - 1 >= -1 and ahead + sizes[j] <= budget:
+    while j - 1 >= -1 and ahead + sizes[j] <= budget and k - j + 1 <= most:
         ahead += sizes[j]
         j -= 1
     return j
