@@ -39,7 +39,6 @@ forward, cross-entropy, backward, optimizer.step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import shlex
@@ -57,6 +56,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 from jobs import _census_sample, _lm, profiled_peak_bytes  # noqa: E402
+from bench_dp import _quiet_stderr  # noqa: E402  (benchmarks/ is the script's folder)
 
 LR = 1e-3
 SEED = 0
@@ -125,20 +125,6 @@ class Impl:
     def step(self):
         self.opt.zero_grad(set_to_none=True)
         self.body()
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Kineto prints a line to fd 2 at every profiler start/stop; keep the report readable."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def rank_main(cfg_kw: dict, batch: int, rounds: int, warmup: int) -> dict:
