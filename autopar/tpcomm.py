@@ -19,7 +19,9 @@ of a ``P(sum)`` tensor is the whole gradient (each addend's).
     tp_param_sync(params)    ``tp_copy`` of a group of parameters: one all-reduce of their gradients
 
 The overlap pass splits the forward collectives into ``tp_start`` (issue, asynchronously) and
-``tp_wait`` (complete; the autograd node with the conjugate backward).
+``tp_wait`` (complete; the autograd node with the conjugate backward), and fuses ``tp_copy``
+with the linear that reads it into ``tp_copy_linear``, whose backward all-reduce of the input
+gradient travels while the weight gradient is computed.
 
 Two ops are lowered rather than run on their local pieces (vocabulary parallelism):
 
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from .comm import AxisComm, all_reduce, copy_to_axis
 from .placement import Replicate, Shard
 
-__all__ = ["TPParam", "Pending", "tp_start", "tp_wait", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
+__all__ = ["TPParam", "Pending", "tp_start", "tp_wait", "tp_copy_linear", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
            "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
 
 
@@ -235,6 +237,42 @@ class _ParamSync(torch.autograd.Function):
 
 
 _WAITS = {"all_reduce": _AllReduceWait, "all_gather": _GatherWait, "reduce_scatter": _ScatterWait}
+
+
+class _CopyLinear(torch.autograd.Function):
+    """forward: linear(x, w, b) on a replicated x read by per-rank compute /
+    backward: the input gradient's all-reduce over tp (Megatron's f) issued asynchronously,
+    the weight and bias gradients computed while it travels, then waited on (as Megatron's
+    asynchronous tensor-parallel all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = gw = gb = work = None
+        if ctx.needs_input_grad[0]:
+            gx = g.matmul(weight.to(g.dtype))
+            work = ctx.comm.all_reduce_(gx, label="grad of replicated input (async, under the weight gradient)",
+                                        async_op=True, phase="backward")
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        if work is not None:
+            work.wait()
+        return gx, gw, gb, None
+
+
+def tp_copy_linear(x: torch.Tensor, weight: torch.Tensor, bias, comm: AxisComm) -> torch.Tensor:
+    """``linear(tp_copy(x), weight, bias)`` with the backward all-reduce of x's gradient
+    overlapping the weight gradient (the overlap pass fuses the pair)."""
+    return _CopyLinear.apply(x, weight, bias, comm)
 
 
 def tp_param_sync(comm: AxisComm, params: list) -> tuple:

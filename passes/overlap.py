@@ -11,6 +11,9 @@
         ``plan.prefetch_bytes`` (None: j = k-1, one unit ahead, as FSDP's default; a unit
         larger than the budget is issued right before its wait), and never so far that every
         unit would be gathered at once (at most units - 2 ahead of the one in use)
+    tp_copy(x) -> linear (Megatron's f before a column product)
+        ->  tp_copy_linear(x, w, b): backward issues x's gradient all-reduce, computes the
+        weight gradient while it travels, then waits (Megatron's asynchronous all-reduce)
     plan.collective_matmul (tp + sp)
         tp_gather(x) -> linear      =>  all_gather_matmul(x, w, b)
         linear -> tp_reduce_scatter =>  matmul_reduce_scatter(x, w, b)
@@ -40,11 +43,13 @@ def overlap(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         n = _fuse_collective_matmuls(gm.graph, ctx.mesh.axis_size("tp"))
         ctx.notes.append(f"collective matmul: {n} all-gather/reduce-scatter + matmul pairs run as ring steps")
     n_tp = _split_tp(gm.graph, ctx.plan.overlap)
+    n_f = _fuse_copy_linear(gm.graph) if ctx.plan.overlap else 0
     n_units = _place_unit_gathers(gm, ctx) if ctx.plan.dp == "zero3" else 0
-    if n_tp or n_units:
+    if n_tp or n_units or n_f:
         how = "issued early, waited late" if ctx.plan.overlap else "each waited on at once (overlap off)"
-        ctx.notes.append(f"overlap: {n_tp} tp collectives and {n_units} ZeRO-3 unit gathers split into "
-                         f"start/wait, {how}")
+        ctx.notes.append(f"overlap: {n_tp} forward tp collectives and {n_units} ZeRO-3 unit gathers split into "
+                         f"start/wait, {how}; {n_f} backward all-reduces of Megatron's f under their "
+                         "linear's weight gradient")
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -109,6 +114,32 @@ def _fuse_collective_matmuls(g: fx.Graph, t: int) -> int:
         fused.meta[meta.COMM] = comm_node.meta.get(meta.COMM)
         user.replace_all_uses_with(fused)
         g.erase_node(user)
+        g.erase_node(node)
+        count += 1
+    return count
+
+
+def _fuse_copy_linear(g: fx.Graph) -> int:
+    """tp_copy(x) read only by a linear (Megatron's f before a column product) becomes
+    tp_copy_linear: in backward the input gradient's all-reduce is issued before the weight
+    gradient is computed and waited on after it."""
+    import torch
+    from autopar.tpcomm import tp_copy, tp_copy_linear
+    count = 0
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target is not tp_copy or len(node.users) != 1:
+            continue
+        (lin,) = node.users
+        if lin.target is not torch.ops.aten.linear.default or lin.args[0] is not node or node in lin.args[1:]:
+            continue
+        x, comm = node.args
+        w, b = lin.args[1], (lin.args[2] if len(lin.args) > 2 else None)
+        with g.inserting_before(lin):
+            fused = g.create_node("call_function", tp_copy_linear, (x, w, b, comm), name=f"{lin.name}_f")
+        fused.meta.update({k: v for k, v in lin.meta.items() if k != meta.COMM})
+        fused.meta[meta.COMM] = node.meta.get(meta.COMM)
+        lin.replace_all_uses_with(fused)
+        g.erase_node(lin)
         g.erase_node(node)
         count += 1
     return count

@@ -216,3 +216,13 @@ def test_pipeline_timeline_shows_the_transfers(tmp_path):
 def test_different_plans_on_the_ranks_are_an_error():
     for msg in run(jobs.order_mismatch_plans, 2, timeout=150):
         assert msg is not None and "at collective #0 on dp" in msg and "overlap=False" in msg, msg
+
+
+def test_megatron_f_backward_all_reduce_runs_under_the_weight_gradient():
+    """tp: Megatron's f before each column product is fused with it (tp_copy_linear: the input
+    gradient's all-reduce goes out before the weight gradient is computed); off, it is not."""
+    from autopar.tpcomm import tp_copy, tp_copy_linear
+    on = [n.target for n in _order(_compile(autopar.Plan(tp=True), tp=2)) if n.op == "call_function"]
+    off = [n.target for n in _order(_compile(autopar.Plan(tp=True, overlap=False), tp=2)) if n.op == "call_function"]
+    assert on.count(tp_copy_linear) == 4 and tp_copy not in on          # qkv and fc of 2 layers
+    assert off.count(tp_copy) == 4 and tp_copy_linear not in off

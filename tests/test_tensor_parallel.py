@@ -69,6 +69,8 @@ def _tp_nodes(dm):
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
         if name == "tp_start":
             out.append((_STARTED[n.args[0]], n.args[1:]))
+        elif name == "tp_copy_linear":       # Megatron's f fused with the linear that reads it
+            out.append(("tp_copy", (n.args[0], n.args[3])))
         elif name.startswith("tp_") and name != "tp_wait":
             out.append((name, n.args))
     return out
