@@ -828,7 +828,7 @@ def timeline_and_dump(out_dir, plan_kw):
             "duration": tl.duration_s, "n_timelines": len(dm.timelines), "files": [os.path.basename(f) for f in files]}
 
 
-def prefetch_memory(multiples, steps=3):
+def prefetch_memory(multiples, steps=5):
     """ZeRO-3 on a GPT with 4 layers: for prefetch budgets of ``multiples`` of the largest
     unit's in-flight bytes (None: the default, one unit ahead), the most gather bytes in flight
     at once (the runtime's count), the unit sizes, and the measured peak of a step's
@@ -863,7 +863,7 @@ def prefetch_memory(multiples, steps=3):
             for p in dm.parameters():
                 p.grad = None
         out[m] = {"budget": budget, "inflight": dm._sync.peak_inflight_bytes, "units": units,
-                  "peak": sorted(peaks)[len(peaks) // 2]}
+                  "peak": sorted(peaks)[len(peaks) // 2], "peaks": peaks}
     return out
 
 

@@ -188,11 +188,14 @@ def test_dump_writes_measured_and_predicted_timeline(tmp_path):
 def test_prefetch_stays_within_the_memory_budget():
     """ZeRO-3 on 4 layers with prefetch budgets of 0, one and two layer units and None (one
     unit ahead): the gathers in flight at once (issued, not yet waited on) never exceed the
-    budget (or one unit, when a unit is larger), and the measured peak of a step's allocations grows by no more than the budget over
-    no prefetch."""
+    budget (or one unit, when a unit is larger), and the measured peak of a step's allocations
+    (median of 5 steps) grows by no more than the budget over no prefetch (within that run's
+    step-to-step spread)."""
     out = run(jobs.prefetch_memory, 2, (0, 1, 2, None), timeout=300)
     for r in out:
-        base = r[0]["peak"]
+        # the profiler's peak of a step varies from step to step here (gloo's transient
+        # buffers): the comparison allows the no-prefetch run's own spread over its 5 steps
+        base = r[0]["peak"] + max(r[0]["peaks"]) - min(r[0]["peaks"])
         for m, got in r.items():
             largest = max(got["units"])
             budget = got["budget"] if got["budget"] is not None else largest
