@@ -64,29 +64,45 @@ def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
     return lo, min(lo + c, size)
 
 
+def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str,
+           async_op: bool = False, phase: str | None = None):
+    """Start an all-gather (S(dim) -> R) or reduce-scatter (P(sum) -> S(dim)) of ``x`` along
+    ``dim`` (``size``: the whole dim), padded to equal chunks: (handle, receive buffer, send
+    buffer), the dim moved first."""
+    n, c = comm.size, -(-size // comm.size)
+    y = x.movedim(dim, 0)
+    rows = c if kind == "all_gather" else n * c
+    if y.shape[0] < rows:
+        y = torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
+    y = y.contiguous()
+    if kind == "all_gather":
+        out = y.new_empty((n * c,) + tuple(y.shape[1:]))
+        work = comm.all_gather_flat(out.view(-1), y.view(-1), label=label, async_op=async_op, phase=phase)
+    else:
+        out = y.new_empty((c,) + tuple(y.shape[1:]))
+        work = comm.reduce_scatter_flat(out.view(-1), y.view(-1), label=label, async_op=async_op, phase=phase)
+    return work, out, y
+
+
+def _finish(kind: str, out: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor:
+    """The result of an ``_issue`` once complete: padding cut, the dim back in place, dense
+    (views downstream need it)."""
+    if kind == "all_gather":
+        rows = size
+    else:
+        lo, hi = chunk_range(size, comm.size, comm.index)
+        rows = hi - lo
+    return out[:rows].movedim(0, dim).contiguous()
+
+
 def _gather(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) -> torch.Tensor:
-    n = comm.size
-    c = -(-size // n)
-    x = x.movedim(dim, 0)
-    if x.shape[0] < c:
-        x = torch.cat([x, x.new_zeros((c - x.shape[0],) + tuple(x.shape[1:]))])
-    x = x.contiguous()
-    out = x.new_empty((n * c,) + tuple(x.shape[1:]))
-    comm.all_gather_flat(out.view(-1), x.view(-1), label=label)
-    return out[:size].movedim(0, dim).contiguous()   # views downstream need it dense
+    _, out, _ = _issue("all_gather", x, comm, dim, size, label)
+    return _finish("all_gather", out, comm, dim, size)
 
 
 def _scatter(x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str) -> torch.Tensor:
-    n = comm.size
-    c = -(-size // n)
-    x = x.movedim(dim, 0)
-    if x.shape[0] < n * c:
-        x = torch.cat([x, x.new_zeros((n * c - x.shape[0],) + tuple(x.shape[1:]))])
-    x = x.contiguous()
-    out = x.new_empty((c,) + tuple(x.shape[1:]))
-    comm.reduce_scatter_flat(out.view(-1), x.view(-1), label=label)
-    lo, hi = chunk_range(size, n, comm.index)
-    return out[:hi - lo].movedim(0, dim).contiguous()
+    _, out, _ = _issue("reduce_scatter", x, comm, dim, size, label)
+    return _finish("reduce_scatter", out, comm, dim, size)
 
 
 class Pending:
@@ -107,21 +123,9 @@ def tp_start(kind: str, x: torch.Tensor, comm: AxisComm, *args) -> Pending:
             work = comm.all_reduce_(out, label="partial sum", async_op=True, phase="forward")
             return Pending(kind, x, comm, args, work, out)
         dim, size = args[0], args[1]
-        n, c = comm.size, -(-size // comm.size)
-        y = x.detach().movedim(dim, 0)
-        rows = c if kind == "all_gather" else n * c
-        if y.shape[0] < rows:
-            y = torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
-        y = y.contiguous()
-        if kind == "all_gather":
-            out = y.new_empty((n * c,) + tuple(y.shape[1:]))
-            work = comm.all_gather_flat(out.view(-1), y.view(-1), label=f"S({dim}) -> R", async_op=True,
-                                        phase="forward")
-        else:
-            out = y.new_empty((c,) + tuple(y.shape[1:]))
-            work = comm.reduce_scatter_flat(out.view(-1), y.view(-1), label=f"P(sum) -> S({dim})",
-                                            async_op=True, phase="forward")
-        return Pending(kind, x, comm, args, work, (out, y))
+        label = f"S({dim}) -> R" if kind == "all_gather" else f"P(sum) -> S({dim})"
+        work, out, staging = _issue(kind, x.detach(), comm, dim, size, label, async_op=True, phase="forward")
+        return Pending(kind, x, comm, args, work, (out, staging))     # the send buffer lives until the wait
 
 
 def tp_wait(p: Pending) -> torch.Tensor:
@@ -152,13 +156,15 @@ class _GatherWait(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.size, ctx.partial = p.comm, dim, size, partial
         if p.work is not None:
             p.work.wait()
-        out = p.out[0][:size].movedim(0, dim).contiguous()
+        out = _finish("all_gather", p.out[0], p.comm, dim, size)
         regather = getattr(p.comm, "regather", None)
         if partial and regather is not None:
             regather.note(out, x.detach(), p.comm, dim, size)
         return out
 
-    backward = staticmethod(lambda ctx, g: _Gather.backward(ctx, g)[:2])
+    @staticmethod
+    def backward(ctx, g):
+        return _Gather.backward(ctx, g)[0], None
 
 
 class _ScatterWait(torch.autograd.Function):
@@ -170,8 +176,7 @@ class _ScatterWait(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.size = p.comm, dim, size
         if p.work is not None:
             p.work.wait()
-        lo, hi = chunk_range(size, p.comm.size, p.comm.index)
-        return p.out[0][:hi - lo].movedim(0, dim).contiguous()
+        return _finish("reduce_scatter", p.out[0], p.comm, dim, size)
 
     @staticmethod
     def backward(ctx, g):

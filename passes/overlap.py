@@ -108,15 +108,21 @@ def _fuse_collective_matmuls(g: fx.Graph, t: int) -> int:
             fn, args, kwargs, comm_node = matmul_reduce_scatter, (x, w, None, user.args[1], user.args[2]), {}, user
         else:
             continue
-        with g.inserting_before(user):
-            fused = g.create_node("call_function", fn, args, kwargs, name=f"{user.name}_{fn.__name__}")
-        fused.meta.update({k: v for k, v in user.meta.items() if k != meta.COMM})
-        fused.meta[meta.COMM] = comm_node.meta.get(meta.COMM)
-        user.replace_all_uses_with(fused)
-        g.erase_node(user)
-        g.erase_node(node)
+        _fuse_pair(g, node, user, fn, args, kwargs, comm_node, f"{user.name}_{fn.__name__}")
         count += 1
     return count
+
+
+def _fuse_pair(g: fx.Graph, first: fx.Node, second: fx.Node, fn, args, kwargs, comm_node: fx.Node, name: str) -> None:
+    """Replace ``first`` and its only reader ``second`` by one ``fn`` node where ``second`` was,
+    with ``second``'s value and layout and ``comm_node``'s collective."""
+    with g.inserting_before(second):
+        fused = g.create_node("call_function", fn, args, kwargs, name=name)
+    fused.meta.update({k: v for k, v in second.meta.items() if k != meta.COMM})
+    fused.meta[meta.COMM] = comm_node.meta.get(meta.COMM)
+    second.replace_all_uses_with(fused)
+    g.erase_node(second)
+    g.erase_node(first)
 
 
 def _fuse_copy_linear(g: fx.Graph) -> int:
@@ -134,13 +140,7 @@ def _fuse_copy_linear(g: fx.Graph) -> int:
             continue
         x, comm = node.args
         w, b = lin.args[1], (lin.args[2] if len(lin.args) > 2 else None)
-        with g.inserting_before(lin):
-            fused = g.create_node("call_function", tp_copy_linear, (x, w, b, comm), name=f"{lin.name}_f")
-        fused.meta.update({k: v for k, v in lin.meta.items() if k != meta.COMM})
-        fused.meta[meta.COMM] = node.meta.get(meta.COMM)
-        lin.replace_all_uses_with(fused)
-        g.erase_node(lin)
-        g.erase_node(node)
+        _fuse_pair(g, node, lin, tp_copy_linear, (x, w, b, comm), {}, node, f"{lin.name}_f")
         count += 1
     return count
 
