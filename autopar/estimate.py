@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .cost import cluster as _cluster
-from .cost.comm import collective_time
+from .cost.comm import collective_time, pipeline_hop_time
 from .cost.formulas import N as SYM_N, PSI
 from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches, model_state_bytes
 from .mesh import Mesh
@@ -41,11 +41,15 @@ from .profile import GroupCost, Profile
 __all__ = ["Estimate", "estimate", "evaluate_plan", "Profiles"]
 
 # autopar's data-parallel runtime dispatches per parameter tensor and step, besides the arithmetic
-# (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-1/2's copy of the gathered
-# parameters into the replicas after the step). Counted on this repository's runtime at dp=1
-# (tests/jobs.py-style step, fwd+bwd of the compiled module against the plain model): ddp
-# +0.9 ms, ZeRO-2/3 +4.8 ms for 52 tensors at ~6 us per op; the optimizer +0.65 ms for ZeRO-1/2.
-SYNC_OPS_PER_TENSOR = {"ddp": 3, "zero1": 16, "zero2": 16, "zero3": 16}
+# (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-3's gathered units laid
+# back into parameters, forward and backward; ZeRO-1/2's copy of the gathered parameters into
+# the replicas after the step), in ops of the local preset's op_overhead (~6.5 us as compiled
+# modules run them). ddp: the compiled module against the plain model at dp=1, +0.9 ms for 52
+# tensors, less the pass overhead (~0.35 ms). The others: thread CPU time of a step against
+# ddp's, same model, world 2 (one process per core; benchmarks/bench_plan.py's small GPT):
+# ZeRO-1/2 +0.3 ms in backward and +0.7 ms in the optimizer, ZeRO-3 +6.9 ms in forward and
+# backward.
+SYNC_OPS_PER_TENSOR = {"ddp": 2, "zero1": 3, "zero2": 3, "zero3": 22}
 GATHER_OPS_PER_TENSOR = {"zero1": 2, "zero2": 2}
 
 
@@ -148,8 +152,20 @@ def _compute_time(flops: float, nbytes: float, c) -> float:
     return max(flops / (d.peak_flops * d.matmul_efficiency), nbytes / (d.mem_bandwidth * d.memory_efficiency))
 
 
-def _comm_list_time(items, p: int, link) -> float:
-    return sum(collective_time(kind, nbytes / _ring_factor(kind, p), p, link) for kind, nbytes, _ in items)
+def group_time(g, c, k: float = 1.0) -> float:
+    """Seconds of one group's forward at ``k`` times its profiled rows on one device: the
+    roofline per op class, summed (the classes run one after another, not at once): matmuls at
+    peak·matmul_efficiency, the fused attention kernel at peak·attention_efficiency plus its
+    per-(row, head) setup, the other ops' bytes read + written at bandwidth·memory_efficiency,
+    and a dispatch per op."""
+    d = c.device
+    return (g.dense_flops * k / (d.peak_flops * d.matmul_efficiency)
+            + g.attention_flops * k / d.attention_rate + g.attention_heads * k * d.attention_overhead
+            + g.pointwise_bytes * k / (d.mem_bandwidth * d.memory_efficiency) + g.ops * d.op_overhead)
+
+
+def _comm_list_time(items, p: int, link, after: float | None = None) -> float:
+    return sum(collective_time(kind, nbytes / _ring_factor(kind, p), p, link, after=after) for kind, nbytes, _ in items)
 
 
 def _ring_factor(kind: str, p: int) -> float:
@@ -214,28 +230,38 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     dt = MIXED_PRECISION if c.mixed_precision else FP32
     pbytes = dt[0]
     slow = _oversubscription(c, axes)
-    crowded = c.shared if (slow > 1 and c.shared is not None) else None
+    world = math.prod(axes.values())
+    crowded = c.shared if (world > c.gpus_per_node and c.shared is not None) else None
+    S = p * v
+    # ranks sharing cores: a single stage's ranks all compute at once (each slowed by the
+    # measured slowdown); a pipeline's replay shares the cores as its ranks compute and idle
+    shared = pipeline_placement(p, world, c.gpus_per_node, slow) if (slow > 1 and S > 1) else None
+    cslow = 1.0 if shared else slow
     intra_tp = crowded or (c.axis_link(axes, "tp") if "tp" in axes else c.intra)
     link_dp = crowded or (c.axis_link(axes, "dp") if "dp" in axes else c.intra)
     link_pp = crowded or (c.axis_link(axes, "pp") if "pp" in axes else c.intra)
     # per group: forward / backward compute and the tp collectives on the compute stream
-    f_c = [(_compute_time(g.flops, g.bytes_moved, c) + g.ops * c.device.op_overhead) * slow for g in groups]
-    tpf = [_comm_list_time(g.tp_forward, t, intra_tp) for g in groups]
-    tpb = [_comm_list_time(g.tp_backward, t, intra_tp) for g in groups]
+    # (on a link of ranks sharing cores a collective's latency grows with the compute before
+    # it, ``after``: the group's compute spread over its collectives)
+    f_raw = [group_time(g, c) for g in groups]
+    f_c = [f * cslow for f in f_raw]
+    tpf = [_comm_list_time(g.tp_forward, t, intra_tp, after=f / max(1, len(g.tp_forward)))
+           for g, f in zip(groups, f_raw)]
+    tpb = [_comm_list_time(g.tp_backward, t, intra_tp, after=2 * f / max(1, len(g.tp_backward)))
+           for g, f in zip(groups, f_raw)]
     layer = [g.name not in ("pre", "post") for g in groups]
     extra = []
     for g, fc, is_layer in zip(groups, f_c, layer):
         if recompute == "full" and is_layer:
             extra.append(fc)
         elif recompute == "selective" and is_layer:
-            extra.append(_compute_time(g.attention_flops, 0.0, c) * slow)
+            extra.append(g.attention_flops / c.device.attention_rate * cslow)
         else:
             extra.append(0.0)
     F = [fc + a for fc, a in zip(f_c, tpf)]
     B = [2 * fc + b + e + (a if recompute == "full" and is_l else 0.0)
          for fc, b, e, a, is_l in zip(f_c, tpb, extra, tpf, layer)]
-    W = [_compute_time(g.matmul_flops, 0.0, c) * slow for g in groups]
-    S = p * v
+    W = [_compute_time(g.matmul_flops, 0.0, c) * cslow for g in groups]
     starts = _partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
     bounds = list(zip(starts, starts[1:] + [len(groups)]))
     stage_groups = [groups[a:b] for a, b in bounds]
@@ -243,6 +269,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     def stage_sum(xs, s):
         a, b = bounds[s]
         return sum(xs[a:b])
+
+    f_stage = [f_raw[a:b] for a, b in bounds]
 
     # ---- data-parallel bytes and times, per stage ------------------------------------------
     mode = plan.dp
@@ -268,18 +296,19 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         psi_stage.append(psi)
         n_tensors.append(len(shapes))
         states.append(float(model_state_bytes(mode, dt).subs({PSI: psi, SYM_N: n})))
-        fwd_g = [collective_time("all_gather", _padded_sum(g.params, n) * pbytes, n, link_dp) for g in gs]
+        fwd_g = [collective_time("all_gather", _padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
+                 for g, f in zip(gs, f_stage[s])]
         bwd_g = [collective_time("all_gather", sum(_padded(g.params[x], n) for x in g.read_by_backward
-                                                   if x in g.params) * pbytes, n, link_dp) for g in gs]
+                                                   if x in g.params) * pbytes, n, link_dp, after=2 * f)
+                 for g, f in zip(gs, f_stage[s])]
         kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
-        red = _bucket_times(gs, kind, n, pbytes, link_dp, plan.bucket_bytes, per_group=mode == "zero3")
+        red = _bucket_times(gs, kind, n, pbytes, link_dp, plan.bucket_bytes, per_group=mode == "zero3",
+                            backward=[2 * f * m for f in f_stage[s]],
+                            lead=0.0 if mode == "zero3" else sum(f_stage[s]) * m)
         dp_fwd_gather.append(fwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_reduce.append(red)
-        tail = 0.0
-        if mode in ("zero1", "zero2"):
-            tail = collective_time("all_gather", pad * pbytes, n, link_dp)
-        dp_time_tail.append(tail)
+        dp_time_tail.append(pad * pbytes if mode in ("zero1", "zero2") else 0.0)    # bytes, timed below
     # ---- point-to-point between stages ----------------------------------------------------------
     p2p_bytes = [stage_groups[s][-1].out_bytes if s < S - 1 else 0.0 for s in range(S)]
     tied_bytes = 0.0
@@ -297,12 +326,19 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     opt_time = [(_compute_time(0.0, 3 * states[s], c) + n_tensors[s] * (c.device.step_overhead
                  + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow for s in range(S)]
     sync_time = [n_tensors[s] * SYNC_OPS_PER_TENSOR[mode] * ovh * slow for s in range(S)]
+    # ZeRO-1/2: the updated shards all-gathered after the optimizer step
+    dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
+                    for s, b in enumerate(dp_time_tail)]
 
     # ---- time ---------------------------------------------------------------------------------
     timeline: list = []
+    # each stage's pass (a module call forward and backward) has a cost beyond its ops, and on
+    # a pipeline each micro-batch's send and receive take the host too
+    dev = c.device
     if S == 1:
-        B = list(B)
-        B[0] += sync_time[0]        # the bucket bookkeeping runs inside backward
+        F, B = list(F), list(B)
+        F[0] += dev.pass_overhead / 3 * cslow
+        B[0] += sync_time[0] + 2 * dev.pass_overhead / 3 * cslow   # the bucket bookkeeping runs inside backward
         step, compute, exposed, bubble = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0],
                                                        dp_time_tail[0], opt_time[0], mode, n, timeline, simulate,
                                                        plan.overlap)
@@ -310,25 +346,31 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         exposed += tp_exposed
         compute -= tp_exposed
     else:
-        Fs = [stage_sum(F, s) for s in range(S)]
-        Bs = [stage_sum(B, s) for s in range(S)]
+        msgs = [(s > 0) + (s < S - 1) for s in range(S)]     # a receive and a send per pass
+        Fs = [stage_sum(F, s) + (dev.pass_overhead / 3 + msgs[s] * dev.message_overhead) * cslow for s in range(S)]
+        Bs = [stage_sum(B, s) + (2 * dev.pass_overhead / 3 + msgs[s] * dev.message_overhead) * cslow
+              for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
         if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
             Bs = [both(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
-        hop = [collective_time("p2p", p2p_bytes[s], 2, link_pp) for s in range(S)]
-        pipe, bubble, busy = _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate)
+        hop = [pipeline_hop_time(p2p_bytes[s], link_pp, after=sum(f_stage[s])) for s in range(S)]
+        pipe, bubble, busy = _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
+                                            wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
         after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync_time[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
         tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
-        step = pipe + max(per_rank_after) + 2 * tied_t
+        # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
+        loss_t = collective_time("p2p", 4, 2, link_pp) * math.ceil(math.log2(p)) if p > 1 else 0.0
+        step = pipe + max(per_rank_after) + 2 * tied_t + loss_t
         for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
             mine = [s for s in range(S) if s % p == r]
             t0 = pipe
             for label, lane, dur in (("dp reduction (deferred)", "comm", sum(sum(dp_bwd_reduce[s]) + sync_time[s] for s in mine)),
                                      ("tied gradients", "comm", 2 * tied_t),
+                                     ("loss broadcast", "comm", loss_t),
                                      ("optimizer", "compute", sum(opt_time[s] for s in mine)),
                                      ("all_gather params", "comm", sum(dp_time_tail[s] for s in mine))):
                 if dur:
@@ -336,7 +378,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     t0 += dur
         tp_exposed = m * max(sum(tpf[a:b]) + sum(tpb[a:b]) for a, b in bounds)
         compute = busy - tp_exposed
-        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + 2 * tied_t
+        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + 2 * tied_t + loss_t
     # ---- bytes per rank ---------------------------------------------------------------------------
     by_axis: dict = {}
     per_rank = []
@@ -366,6 +408,14 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
+    lay = _first_layer(groups)
+    formulas.append(("forward compute / layer / micro-batch",
+                     "dense/(peak*matmul_eff) + attention/(peak*attention_eff) + slices*attention_setup"
+                     " + pointwise_bytes/(bandwidth*memory_eff) + ops*op_overhead"
+                     + (" (x slowdown of ranks sharing cores)" if slow > 1 else ""),
+                     f"{lay.dense_flops:,.0f} FLOP, {lay.attention_flops:,.0f} FLOP, {lay.attention_heads:,.0f} "
+                     f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops -> {group_time(lay, c) * 1e3:.4g} ms"
+                     + (f" x {slow:.2f}" if slow > 1 else "")))
     formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'})",
                      str(model_state_bytes(mode, dt)), f"{st:,.0f} B at Psi={psi_total:,}, N={n}"))
     formulas.append(("activations", f"saved per micro-batch x in-flight ({plan.pp_schedule or 'no pipeline'})",
@@ -391,25 +441,29 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem)
 
 
-def _bucket_times(gs, kind, n, pbytes, link, bucket_bytes, per_group=False) -> list:
+def _bucket_times(gs, kind, n, pbytes, link, bucket_bytes, per_group=False, backward=None, lead=0.0) -> list:
     """Seconds of the gradient reductions that become ready when each group's backward ends:
     buckets filled in backward order, the first cut at 1 MiB and the others at
-    ``bucket_bytes`` (the collectives pass's rule); ZeRO-3 reduces each layer's unit."""
+    ``bucket_bytes`` (the collectives pass's rule); ZeRO-3 reduces each layer's unit.
+    ``backward``: each group's backward compute, ``lead`` the compute before backward since the
+    ranks last synchronised (what a bucket's reduction follows)."""
     out = [0.0] * len(gs)
     if n <= 1:
         return out
+    back = backward or [None] * len(gs)
     if per_group:
-        return [collective_time(kind, _padded_sum(g.params, n) * pbytes, n, link) for g in gs]
-    cap, acc = min(1 << 20, bucket_bytes), 0.0
+        return [collective_time(kind, _padded_sum(g.params, n) * pbytes, n, link, after=b) for g, b in zip(gs, back)]
+    cap, acc, since = min(1 << 20, bucket_bytes), 0.0, lead
     for i in reversed(range(len(gs))):
+        since += back[i] or 0.0
         for shp in gs[i].params.values():
             size = _padded(shp, n) * pbytes
             if acc and acc + size > cap:
-                out[i] += collective_time(kind, acc, n, link)
-                acc, cap = 0.0, bucket_bytes
+                out[i] += collective_time(kind, acc, n, link, after=since or None)
+                acc, cap, since = 0.0, bucket_bytes, 0.0
             acc += size
     if acc:
-        out[0] += collective_time(kind, acc, n, link)
+        out[0] += collective_time(kind, acc, n, link, after=since or None)
     return out
 
 
@@ -516,11 +570,9 @@ def _saved(g: GroupCost, recompute: str) -> float:
 
 
 def _oversubscription(c, axes) -> float:
-    """On the local CPU preset, ranks beyond the core count share cores."""
-    world = math.prod(axes.values())
-    if c.name == "local" and world > c.gpus_per_node:
-        return world / c.gpus_per_node
-    return 1.0
+    """On the local CPU preset, ranks slow each other: beyond the core count they share cores,
+    and below it they share caches and memory (the measured ``Cluster.slowdown``)."""
+    return c.slowdown(math.prod(axes.values()))
 
 
 def _bubble_text(plan, p, m, v) -> str:
@@ -566,7 +618,7 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
             fwd, bwd = sum(F), sum(B)
         step = fwd + bwd + red[0] + opt + tail
         return step, compute, step - compute, 0.0
-    comp_t = comm_t = 0.0
+    comp_t = comm_t = red_t = 0.0
     f_end: list = []
     # forward: gather unit i while unit i-1 computes (at most two gathered at once), then compute it
     for i in range(len(F)):
@@ -592,12 +644,12 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
         comp_t = s0 + B[i]
         ready = comp_t
         timeline.append((0, "compute", f"B {i}", s0, comp_t))
-        if n > 1:
-            start = max(comm_t, comp_t)
-            comm_t = start + red[i]
+        if n > 1:       # the runtime reduces on a process group of its own: beside the gathers
+            start = max(red_t, comp_t)
+            red_t = start + red[i]
             timeline.append((0, "comm", f"{'all_reduce' if mode == 'ddp' else 'reduce_scatter'} grads {i}",
-                             start, comm_t))
-    s0 = max(comp_t, comm_t)
+                             start, red_t))
+    s0 = max(comp_t, comm_t, red_t)
     comp_t = s0 + opt
     timeline.append((0, "compute", "optimizer", s0, comp_t))
     if tail:
@@ -624,10 +676,33 @@ def closed_form_pipeline(schedule: str, m: int, v: int, fb: list, w: list) -> fl
     return m * fb[top] + rest
 
 
-def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate):
-    """(makespan of the schedule, bubble fraction, busiest rank's busy time)."""
+def pipeline_placement(p: int, world: int, cores: int, slow: float) -> tuple:
+    """Where a pipeline's p ranks compute when ``world`` ranks share ``cores`` cores: (speed of a
+    process alone on a core, per rank (group, cores of the group, processes it stands for)). A
+    stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
+    dealt out by stage: with p >= cores, consecutive stages share a core (a stage's bubble frees
+    its core for its neighbours, not for the other stages); with fewer stages, each has
+    cores / p of them. Measured here: 1F1B on pp=2 x dp=2 runs as if each stage's two replicas
+    shared a core (its bubbles save nothing), zero-bubble on pp=4 as if two stages did. The
+    speed is the measured slowdown over the fair share (the switching and shared caches)."""
+    replicas = world / p
+    speed = max(1.0, world / cores) / slow
+    if p >= cores:
+        return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
+    return speed, [(r, cores / p, replicas) for r in range(p)]
+
+
+def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=None, wake=0.0, slow=1.0):
+    """(makespan of the schedule, bubble fraction, busiest rank's busy time). ``shared``: the
+    ``pipeline_placement`` of ranks sharing cores (stage times are then each on a core of its
+    own); the replay shares the cores as placed (a rank its message wakes while its cores are
+    taken waiting ``wake`` for one), the closed form slows every stage by ``slow``."""
     from .schedule import Schedule, build_schedule, simulate as replay
     split = plan.pp_schedule == "zero_bubble"
+    if shared is not None and (not simulate or m * p * v > 20000):
+        k = max(1.0, slow)
+        Fs, Bs, Ws, shared = [f * k for f in Fs], [b * k for b in Bs], [w * k for w in Ws], None
+        hop = [h + wake for h in hop]
     per_rank = [(sum(Fs[s] for s in range(len(Fs)) if s % p == r), sum(Bs[s] for s in range(len(Bs)) if s % p == r),
                  sum(Ws[s] for s in range(len(Ws)) if s % p == r)) for r in range(p)]
     if not simulate or m * p * v > 20000:
@@ -653,7 +728,8 @@ def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate):
     def latency(a):
         return hop[a.stage] if a.kind == "SEND_F" else hop[a.stage - 1]
 
-    tl = replay(schedule, duration=duration, latency=latency)
+    speed, placement = shared if shared is not None else (None, None)
+    tl = replay(schedule, duration=duration, latency=latency, cores=speed, wake=wake, placement=placement)
     for r, evs in enumerate(tl.events):
         for a, s0, e in evs:
             timeline.append((r, "compute", str(a), s0, e))

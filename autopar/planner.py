@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .cost import cluster as _cluster
-from .cost.comm import collective_time
+from .cost.comm import collective_time, pipeline_hop_time
 from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches
-from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _compute_time,
+from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, group_time,
                        _oversubscription, closed_form_pipeline, evaluate_plan)
 from .mesh import Mesh
 from .plan import DP_MODES, Plan
@@ -134,7 +134,7 @@ def _average(layers: list) -> GroupCost:
     n = len(layers)
     g = GroupCost("layer")
     for f in ("flops", "bytes_moved", "saved", "saved_quadratic", "matmul_flops", "attention_flops", "out_bytes",
-              "max_value", "final_bytes"):
+              "max_value", "final_bytes", "dense_flops", "pointwise_bytes", "attention_heads"):
         setattr(g, f, sum(getattr(x, f) for x in layers) / n)
     g.ops = round(sum(x.ops for x in layers) / n)
     g.tp_forward, g.tp_backward = list(layers[0].tp_forward), list(layers[0].tp_backward)
@@ -158,20 +158,20 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     dt = MIXED_PRECISION if c.mixed_precision else FP32
     pb, gbytes, ob = dt
     slow = _oversubscription(c, axes)
-    crowded = c.shared if (slow > 1 and c.shared is not None) else None
+    crowded = c.shared if (math.prod(axes.values()) > c.gpus_per_node and c.shared is not None) else None
     ltp = crowded or (c.axis_link(axes, "tp") if "tp" in axes else c.intra)
     ldp = crowded or (c.axis_link(axes, "dp") if "dp" in axes else c.intra)
     lpp = crowded or (c.axis_link(axes, "pp") if "pp" in axes else c.intra)
     ovh = c.device.op_overhead
 
     def parts(g: GroupCost, is_layer: bool):
-        fc = (_compute_time(g.flops * k, g.bytes_moved * k, c) + g.ops * ovh) * slow
+        fc = group_time(g, c, k) * slow
         tf, tb = _tp_time(g.tp_forward, k, t, ltp), _tp_time(g.tp_backward, k, t, ltp)
         extra = 0.0
         if is_layer and recompute == "full":
             extra = fc + tf
         elif is_layer and recompute == "selective":
-            extra = _compute_time(g.attention_flops * k, 0.0, c) * slow
+            extra = g.attention_flops * k / c.device.attention_rate * slow
         w = _compute_time(g.matmul_flops * k, 0.0, c) * slow
         return fc + tf, 2 * fc + tb + extra, w, tf + tb
 
@@ -225,16 +225,18 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
             red = collective_time("reduce_scatter", pad * gbytes, n, ldp)
         else:   # the last bucket (the embeddings) is reduced after backward
             red = collective_time(red_kind, (pre_pad if mode != "ddp" else pre_psi) * gbytes, n, ldp)
-        step = fwd + bwd + red + opt + tail
+        step = fwd + bwd + red + opt + tail + c.device.pass_overhead * slow
     else:
         Fr = v * math.ceil(per_stage) * Fl + max(Fp, Fo)
         Br = v * math.ceil(per_stage) * Bl + max(Bp, Bo)
         if mode == "zero3":
             Fr = max(Fr, v * math.ceil(per_stage) * unit_g)
             Br = max(Br, v * math.ceil(per_stage) * unit_gb)
-        hop = collective_time("p2p", ch.layer.out_bytes * k, 2, lpp)
+        hop = pipeline_hop_time(ch.layer.out_bytes * k, lpp) + (getattr(lpp, "wake", 0.0) if slow > 1 else 0.0)
         mid = v * math.ceil(per_stage)
         fb = [mid * (Fl + Bl) + Fp + Bp] + [mid * (Fl + Bl)] * (p - 2) + [mid * (Fl + Bl) + Fo + Bo]
+        # each stage pass's own cost, and its receive and send forward and backward
+        fb = [x + v * (c.device.pass_overhead + 4 * c.device.message_overhead) * slow for x in fb]
         ws = [0.0] * p
         if plan.pp_schedule == "zero_bubble":
             ws = [min(mid * Wl + Wp, (mid * Bl + Bp) / 2)] + [min(mid * Wl, mid * Bl / 2)] * (p - 2) + \
@@ -246,6 +248,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
         tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
         step = pipe + red + opt + tail + (2 * collective_time("p2p", tied, 2, lpp) if tied else 0.0)
+        step += collective_time("p2p", 4, 2, lpp) * math.ceil(math.log2(p))     # the loss broadcast
     # ---- memory (the busiest rank)
     flight = inflight_microbatches(plan.pp_schedule if p > 1 else None, p, m, v, 0)
 
@@ -485,6 +488,6 @@ def _bound(ch: _Chain, axes: dict, rc: str, c, gb: int) -> float:
     slow = _oversubscription(c, _clean_axes(axes))
     total = 0.0
     for g, mult, is_layer in ((ch.pre, 1, False), (ch.layer, ch.L, True), (ch.post, 1, False)):
-        fc = _compute_time(g.flops * k, g.bytes_moved * k, c) * slow
+        fc = (group_time(g, c, k) - g.ops * c.device.op_overhead) * slow
         total += mult * (3 * fc + (fc if is_layer and rc == "full" else 0.0))
     return total / p

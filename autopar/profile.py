@@ -79,6 +79,9 @@ class GroupCost:
     saved_quadratic: float = 0.0       # the part that is a·s² attention scores (selective recompute)
     matmul_flops: float = 0.0          # forward FLOPs of matmuls with a parameter weight (the W of zero-bubble)
     attention_flops: float = 0.0       # forward FLOPs of attention (what selective recomputation redoes)
+    dense_flops: float = 0.0           # forward FLOPs of every matmul (weights and activations alike)
+    pointwise_bytes: float = 0.0       # forward bytes read + written by the ops neither matmul nor attention
+    attention_heads: float = 0.0       # (batch row, head) slices the attention kernels run over
     tp_forward: list = field(default_factory=list)    # (kind, bytes per rank, scales with the batch) on tp
     tp_backward: list = field(default_factory=list)
     params: dict = field(default_factory=dict)        # canonical name -> local shape (after tp)
@@ -96,7 +99,8 @@ class GroupCost:
         g = copy.copy(self)
         g.flops, g.bytes_moved, g.saved = self.flops * k, self.bytes_moved * k, self.saved * k
         g.saved_quadratic, g.matmul_flops, g.out_bytes = self.saved_quadratic * k, self.matmul_flops * k, self.out_bytes * k
-        g.attention_flops = self.attention_flops * k
+        g.attention_flops, g.dense_flops = self.attention_flops * k, self.dense_flops * k
+        g.pointwise_bytes, g.attention_heads = self.pointwise_bytes * k, self.attention_heads * k
         g.max_value, g.final_bytes = self.max_value * k, self.final_bytes * k
         g.tp_forward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_forward]
         g.tp_backward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_backward]
@@ -327,10 +331,17 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         name = _op(node)
         if name in _MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
+        if name in _MATMULS:
+            g.dense_flops += flops
         if name in _ATTENTION:
             g.attention_flops += flops
+            q, kv = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
+            g.attention_heads += flops / (4 * q.shape[-2] * kv.shape[-2] * q.shape[-1])
         if name not in _VIEWS and flops:
-            g.bytes_moved += _nbytes(node, mesh) + sum(_nbytes(a, mesh) for a in node.all_input_nodes)
+            moved = _nbytes(node, mesh) + sum(_nbytes(a, mesh) for a in node.all_input_nodes)
+            g.bytes_moved += moved
+            if name not in _MATMULS and name not in _ATTENTION:
+                g.pointwise_bytes += moved
         keep, extra, quadratic = _saved(node, batch)
         g.saved += extra / split
         if quadratic:

@@ -342,13 +342,20 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *,
-             duration=None, latency=None) -> Timeline:
+             duration=None, latency=None, cores: float | None = None, wake: float = 0.0,
+             placement=None) -> Timeline:
     """Validate, lower and replay ``schedule`` in event time. ``costs`` overrides the per-kind
     durations (default F=1, B=2, or B=1 and W=1 when the backward is split); a message arrives
     ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
     each compute action's duration and each message's transfer time (the cost model's
-    per-stage times). Raises ScheduleDeadlock if the ranks cannot all finish."""
+    per-stage times). ``cores``, when given, is how many processors the ranks share (fewer
+    than the ranks: processes on one CPU), and ``wake`` how long a rank woken by its message
+    waits for one of them when all are taken: see ``execute_shared``. Raises ScheduleDeadlock
+    if the ranks cannot all finish."""
     schedule.validate()
+    if placement is not None or (cores is not None and cores < schedule.p):
+        return execute_shared(schedule, lower(schedule), cores if cores is not None else 1.0, costs, comm,
+                              duration=duration, latency=latency, wake=wake, placement=placement)
     return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
 
 
@@ -409,6 +416,92 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
     if stuck:
         raise ScheduleDeadlock(_deadlock_message(schedule, programs, pc, stuck, sent_by))
     return Timeline(schedule, events, max(clock, default=0.0))
+
+
+def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | None = None, comm: float = 0.0, *,
+                   duration=None, latency=None, wake: float = 0.0, placement=None) -> Timeline:
+    """Replay lowered ``programs`` whose ranks share ``cores`` processors, as processes on one
+    CPU do: a compute action's duration is its work on a processor of its own, and while k
+    ranks compute at once each advances at min(1, cores / k) (processor sharing, the
+    scheduler's fair share); a rank waiting for a message takes no processor, and one woken by
+    its message while every processor is taken waits ``wake`` more for one. With cores >= the
+    ranks and no wake this is ``execute``.
+
+    ``placement``, when given, is per rank (group, processors of the group, processes per
+    rank): ranks of one group share that group's processors alone, each rank standing for that
+    many processes computing in lockstep (its replicas along the other mesh axes), so a busy
+    rank advances at min(1, processors / (processes x busy ranks of its group)) x ``cores``
+    (here the speed of a process on a processor of its own)."""
+    cost = _costs(schedule, costs)
+    took = duration or (lambda a: cost[a.kind])
+    travel = latency or (lambda a: comm)
+    if not cores > 0:
+        raise ValueError(f"cores={cores!r}: expected a positive number of processors")
+    n = len(programs)
+    pc, events = [0] * n, [[] for _ in programs]
+    arrival: dict = {}
+    left: dict = {}              # rank -> (action, start, work left) while it computes
+    blocked: set = set()         # ranks asleep on a message not yet arrived
+    resume: dict = {}            # rank -> when it gets a processor after its message woke it
+    now, eps = 0.0, 1e-15
+    while True:
+        for r, prog in enumerate(programs):      # run each idle rank up to its next compute or blocked receive
+            while r not in left and pc[r] < len(prog):
+                a = prog[pc[r]]
+                if a.kind in COMPUTE:
+                    left[r] = (a, now, took(a))
+                    break
+                if a.kind.startswith("SEND"):
+                    arrival[a] = now + travel(a)
+                elif r in resume:
+                    if resume[r] > now + eps:
+                        break
+                    del resume[r]
+                elif arrival.get(_matching_send(a), math.inf) > now + eps:
+                    blocked.add(r)
+                    break
+                elif r in blocked:
+                    blocked.discard(r)
+                    full = (len(left) >= cores if placement is None else
+                            sum(placement[q][2] for q in left if placement[q][0] == placement[r][0])
+                            >= placement[r][1])
+                    if wake and full:
+                        resume[r] = now + wake
+                        break
+                pc[r] += 1
+        if not left:
+            waits = [resume[r] if r in resume else arrival.get(_matching_send(prog[pc[r]]), math.inf)
+                     for r, prog in enumerate(programs) if pc[r] < len(prog)]
+            if not waits:
+                break
+            if min(waits) == math.inf:
+                stuck = [r for r, prog in enumerate(programs) if pc[r] < len(prog)]
+                raise ScheduleDeadlock(_deadlock_message(schedule, programs, pc, stuck,
+                                                         {a: q for q, pr in enumerate(programs) for a in pr
+                                                          if a.kind.startswith("SEND")}))
+            now = min(waits)
+            continue
+        if placement is None:
+            rates = dict.fromkeys(left, min(1.0, cores / len(left)))
+        else:
+            busy: dict = {}
+            for r in left:
+                busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
+            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * cores for r in left}
+        step = min(w / rates[r] for r, (_, _, w) in left.items())
+        pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
+        step = min([step] + [t - now for t in pending])
+        now += step
+        for r in list(left):
+            a, start, w = left[r]
+            w -= step * rates[r]
+            if w <= eps * max(1.0, now):
+                events[r].append((a, start, now))
+                del left[r]
+                pc[r] += 1
+            else:
+                left[r] = (a, start, w)
+    return Timeline(schedule, events, now)
 
 
 def _deadlock_message(schedule, programs, pc, stuck, sent_by) -> str:

@@ -1,6 +1,6 @@
 """The cost model and the planner, measured.
 
-    python benchmarks/bench_plan.py [--skip-speed] [--skip-local] [--skip-published] [--runs 2]
+    python benchmarks/bench_plan.py [--skip-speed] [--skip-local] [--skip-published] [--runs 2] [--steps 21]
 
 1. Planner speed: GPT-3 175B-shaped models of 24, 48, 96 and 192 layers on 1,024 virtual
    A100s (dgx-a100-80gb preset, global batch 1,536): capture + profiles, search, total.
@@ -48,7 +48,7 @@ def planner_speed():
           ", ".join(f"{x[2] / base[2]:.2f}" for x in rows))
 
 
-def local_predictions(runs: int):
+def local_predictions(runs: int, steps: int = 21):
     import autopar
     import jobs
     from autopar.cost.cluster import calibrate_local
@@ -69,7 +69,7 @@ def local_predictions(runs: int):
     print(f"planner pick (local preset, world 4): {report.plan} on {dict(report.mesh.axes)} = "
           f"{pick or 'not a hand plan'}")
     for k in range(runs):
-        per_rank = run(jobs.measured_plans, 4, None, 7, timeout=560)
+        per_rank = run(jobs.measured_plans, 4, None, steps, timeout=900)
         print(f"\nrun {k + 1}:")
         print(f"{'plan':16s} {'bytes meas':>11s} {'pred':>11s} | {'peak MB meas':>12s} {'pred':>7s} {'ratio':>6s} | "
               f"{'step ms meas':>12s} {'pred':>7s} {'ratio':>6s}")
@@ -125,11 +125,12 @@ def main():
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--skip-published", action="store_true")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=21, help="timed steps per plan (the median is reported)")
     args = ap.parse_args()
     if not args.skip_speed:
         planner_speed()
     if not args.skip_local:
-        local_predictions(args.runs)
+        local_predictions(args.runs, args.steps)
     if not args.skip_published:
         published()
 

@@ -55,6 +55,16 @@ class Link:
     fits: tuple = ()     # measured links: ((collective, group size, alpha seconds, beta seconds per byte sent
     #                      per rank), ...): whole-collective fits, all groups of that size busy at once,
     #                      that replace the algorithm formulas for those kinds
+    hop: float = 0.0     # measured links: seconds a pipeline's small message takes from its send to the
+    #                      receiver waiting on it (a synthetic pipeline's replay fitted to its measured
+    #                      step); 0: the p2p fit alone
+    wake: float = 0.0    # measured links of ranks sharing cores: seconds a rank woken by its message
+    #                      waits for a core when all are taken (fitted like hop, hop kept at the
+    #                      uncrowded link's)
+    skew: tuple = ()     # measured links of ranks sharing cores: ((collective, group size, compute seconds
+    #                      before it, alpha seconds), ...): the latency of a small collective that
+    #                      follows that much compute on every rank (ranks drift apart in their time
+    #                      slices the longer they compute), which replaces the fit's alpha
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
@@ -80,14 +90,31 @@ class Device:
     op_overhead: float = 0.0   # seconds of framework dispatch per op (measured on the local CPU, where
     #                            small ops are dominated by it; GPU presets: 0, as the host runs ahead
     #                            of the device and kernel launches overlap compute)
+    attention_efficiency: Optional[float] = None   # achieved fraction of peak_flops in the fused
+    #                            attention kernel (None: as matmul_efficiency; measured on the local CPU,
+    #                            where the kernel on small heads runs far below the matmul rate)
+    attention_overhead: float = 0.0   # seconds per (batch row, head) slice of the attention kernel beyond
+    #                            its FLOPs (the local CPU's per-slice setup; GPU presets: 0)
+    pass_overhead: float = 0.0  # seconds per forward + backward of a module or pipeline stage beyond its
+    #                            ops (its call, the runtime's autograd functions; local CPU; GPU presets: 0)
+    message_overhead: float = 0.0   # host seconds to post and complete one point-to-point message
+    #                            (local CPU; GPU presets: 0, the copy engines move it)
+
+    @property
+    def attention_rate(self) -> float:
+        """FLOP/s of the fused attention kernel."""
+        eff = self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
+        return self.peak_flops * eff
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "dtype_bytes"):
             value = getattr(self, field)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"Device {self.name!r}: {field} must be positive and finite, got {value!r}")
-        for field in ("matmul_efficiency", "memory_efficiency"):
+        for field in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
             value = getattr(self, field)
+            if field == "attention_efficiency" and value is None:
+                continue
             if not 0 < value <= 1:
                 raise ValueError(f"Device {self.name!r}: {field} is a fraction of the peak, in (0, 1]; "
                                  f"got {value!r}")
@@ -108,6 +135,17 @@ class Cluster:
     shared: Optional[Link] = None  # local preset: the link measured with twice as many processes as
     #                                cores (ranks then share cores, and a collective waits for each
     #                                of them to be scheduled); used when a mesh has more ranks than cores
+    contention: tuple = ()         # local preset: ((processes, slowdown), ...): how much slower each
+    #                                process computes when that many compute at once than alone
+
+    def slowdown(self, processes: int) -> float:
+        """Compute slowdown of each of ``processes`` ranks computing at once on this machine
+        (local preset: measured at some counts, linear between them, and beyond the last in
+        proportion to the processes; without a measurement, processes / cores once they
+        outnumber the cores). 1 on the GPU presets: one device per rank."""
+        if self.name != "local":
+            return 1.0
+        return _slowdown(self.contention, self.gpus_per_node, processes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -255,7 +293,9 @@ _GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
-_CACHE_VERSION = 12
+_CACHE_VERSION = 22
+_CONTENTION_SECONDS = 1.5
+_SKEW_COMPUTE = (2e-4, 1e-3, 4e-3)     # compute seconds before a collective, for Link.skew
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -302,10 +342,11 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     call lines the ranks up, so the time is the collective's and not the wait for a late peer.
 
     ``busy``: each timed call follows about 1 ms of matmuls, as a collective in a training step
-    follows compute, and the time is the call's excess over that compute (slowed by ranks /
-    cores when they share cores): a rank entering the collective waits for peers still in their
-    time slice and for gloo's threads to be scheduled, which back-to-back calls never see
-    (measured here: 1.5-3x the lined-up time for small messages)."""
+    follows compute, and the time is the call's excess over that compute (timed the same way,
+    every rank computing at once, so ranks sharing cores slow it as they do): a rank entering
+    the collective waits for peers still in their time slice and for gloo's threads to be
+    scheduled, which back-to-back calls never see (measured here: 1.5-3x the lined-up time for
+    small messages)."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -317,13 +358,8 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     group = groups[rank // g] if g < world else None
     n, first = g, (rank // g) * g
     a = torch.randn(160, 160)
-    alone, work = 0.0, 0
-    for r in range(world if busy else 0):      # in turn, the others waiting: the rate alone on a core
-        if r == rank:
-            work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
-            alone = _timed_median(lambda: [a @ a for _ in range(work)], 0.02)
-        dist.barrier()
-    slow = max(1.0, world / (os.cpu_count() or 1))
+    work = _about_a_millisecond(a) if busy else 0
+    base = _crowded_seconds(lambda: [a @ a for _ in range(work)], reps) if busy else 0.0
     medians = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
@@ -351,9 +387,21 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
             for _ in range(work):
                 a @ a
             op()
-            times.append(max(time.perf_counter() - t0 - alone * slow, 1e-6))
+            times.append(max(time.perf_counter() - t0 - base, 1e-6))
         medians.append(statistics.median(times))
     return medians
+
+
+def _crowded_seconds(op, reps: int) -> float:
+    """Median seconds of ``op()`` with every rank running it at once (a barrier before each)."""
+    import torch.distributed as dist
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -377,29 +425,63 @@ def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, fl
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
-def _exchange_probe(kind: str, rounds: int = 24) -> float:
-    """Seconds one exchange adds when ranks outnumber cores: every rank computes (about 1 ms
-    of matmuls on a free core) then exchanges with its pair (ranks 2i, 2i+1) — a p2p round
-    trip or a 4 KiB collective — ``rounds`` times, as pipeline neighbours and tensor-parallel
-    pairs do. The excess over the compute (taken as slowed by ranks / cores, the cost model's
-    rule for shared cores) divided by the exchanges is the per-exchange latency: a woken rank
-    waits for a core as much as for the wire."""
+def _excess_per_round(compute, exchange, rounds: int, blocks: int = 3) -> float:
+    """Seconds ``exchange()`` adds to a round of ``compute()``; every rank runs ``rounds`` rounds
+    of compute alone, then ``rounds`` of compute + exchange, both timed with all ranks at once
+    (so ranks sharing cores slow the compute alike in both); the median over ``blocks``."""
+    import torch.distributed as dist
+    out = []
+    for _ in range(blocks):
+        spans = []
+        for with_exchange in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                if with_exchange:
+                    exchange(i)
+                else:
+                    compute()
+            spans.append(time.perf_counter() - t0)
+        out.append(max(spans[1] - spans[0], 0.0) / rounds)
+    return statistics.median(out)
+
+
+def _about_a_millisecond(a) -> int:
+    """Matmuls of ``a`` that take about 1 ms on a core of one's own (timed alone, in turn)."""
+    import torch.distributed as dist
+    work = 1
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
+        dist.barrier()
+    return work
+
+
+def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
+    """Seconds one small exchange adds when ranks outnumber cores: every rank computes about
+    ``compute_s`` (of matmuls, timed on a free core) then exchanges within its group of
+    ``group_size`` consecutive ranks — a 4 KiB collective, or a p2p round trip of the pair —
+    round after round, as a training step's layers do. The excess over the same compute
+    without the exchanges, per exchange, is the exchange's latency among busy ranks: a woken
+    rank waits for a core as much as for the wire, and peers drift apart within their time
+    slices the longer they compute."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([k, k + 1]) for k in range(0, world - 1, 2)]
-    group, first = pairs[rank // 2], (rank // 2) * 2
+    g = 2 if kind == "p2p" else group_size
+    groups = [dist.new_group(list(range(k, k + g))) for k in range(0, world, g)] if g < world else [None]
+    group, first = groups[rank // g], (rank // g) * g
     a = torch.randn(160, 160)
-    reps = 1
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 1e-3:       # ~1 ms of compute, alone
-        a @ a
-        reps += 1
-    alone = _timed_median(lambda: [a @ a for _ in range(reps)], 0.05)
-    x, part = torch.ones(1024), torch.empty(512)
+    work = max(1, round(_about_a_millisecond(a) * compute_s / 1e-3))
+    x, part = torch.ones(1024), torch.empty(1024 // g)
 
-    def exchange():
+    def compute():
+        for _ in range(work):
+            a @ a
+
+    def exchange(i):
+        compute()
         if kind == "p2p":
             if rank == first:
                 dist.send(x, first + 1)
@@ -414,106 +496,180 @@ def _exchange_probe(kind: str, rounds: int = 24) -> float:
         else:
             dist.reduce_scatter_tensor(part, x, group=group)
 
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        for _ in range(reps):
-            a @ a
-        exchange()
-    total = time.perf_counter() - t0
-    slow = world / (os.cpu_count() or 1)
-    return max(total - rounds * alone * slow, 0.0) / rounds
-
-
-def _async_exchange_probe(rounds: int = 40) -> float:
-    """Seconds an asynchronous point-to-point exchange adds to a step of compute, as a pipeline
-    uses it: each rank of a pair posts ``irecv`` and ``isend`` (4 KiB), computes about 1 ms,
-    then waits. On a CPU the transfer progresses only when gloo's thread gets the core back,
-    so the exchange does not hide behind the compute: the excess per round (over the compute,
-    slowed by ranks / cores when they share cores) is the message's effective latency."""
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    peer = rank ^ 1
-    a = torch.randn(160, 160)
-    reps = 1
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 1e-3:
-        a @ a
-        reps += 1
-    alone = _timed_median(lambda: [a @ a for _ in range(reps)], 0.05)
-    x, y = torch.ones(1024), torch.empty(1024)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(rounds):
-        r, s = dist.irecv(y, src=peer, tag=i), dist.isend(x, dst=peer, tag=i)
-        for _ in range(reps):
-            a @ a
-        r.wait()
-        s.wait()
-    total = time.perf_counter() - t0
-    slow = max(1.0, world / (os.cpu_count() or 1))
-    return max(total / rounds - alone * slow, 0.0)
+    excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)))
+    return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
 
 
 def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
-    """Every kind's medians, for groups of 2 and of the whole world (all groups at once), in
-    one spawn."""
+    """Every kind's medians, for groups of 2 and of the whole world (all groups at once), and
+    when ranks outnumber cores each kind's latency after each compute length of _SKEW_COMPUTE;
+    in one spawn."""
     import torch.distributed as dist
     world = dist.get_world_size()
-    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in sorted({2, world})
+    groups = sorted({2, world})
+    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in groups
            if not (kind == "p2p" and g != 2)}
     if world > (os.cpu_count() or 1):
         for kind in _KINDS:
-            out[("exchange", kind)] = _exchange_probe(kind)
-    out[("exchange", "p2p")] = max(out.get(("exchange", "p2p"), 0.0), 2 * _async_exchange_probe())
+            for g in ([2] if kind == "p2p" else groups):
+                for t in _SKEW_COMPUTE:
+                    out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
+    out[("pipeline",)] = _pipeline_probe()
     return out
 
 
-def _measure_kinds(world: int) -> tuple[tuple, list[float]]:
+_PIPE_M, _PIPE_F, _PIPE_B = 4, 6e-4, 1.2e-3      # the synthetic pipeline: micro-batches, F and B seconds
+
+
+def _pipeline_probe(steps: int = 12) -> float:
+    """Run on every rank: seconds per step of a synthetic two-stage 1F1B pipeline (stage =
+    rank // (world / 2), its peer the same replica of the other stage), _PIPE_M micro-batches
+    whose F and B are _PIPE_F and _PIPE_B seconds of matmuls on a core of one's own; each step's
+    receives posted up front and 16 KiB messages sent as each action ends, as autopar's pipeline
+    runtime does. Median over ``steps`` (after a barrier each)."""
+    import torch
+    import torch.distributed as dist
+    from autopar.schedule import build_schedule, lower
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    half = world // 2
+    stage, replica = rank // half, rank % half
+    peer = (1 - stage) * half + replica
+    a = torch.randn(160, 160)
+    per_ms = _about_a_millisecond(a)
+    work = {"F": max(1, round(per_ms * _PIPE_F * 1e3)), "B": max(1, round(per_ms * _PIPE_B * 1e3))}
+    program = lower(build_schedule("1f1b", 2, _PIPE_M))[stage]
+    x = torch.ones(4096)
+    times = []
+    for i in range(steps + 2):
+        posted = {act: dist.irecv(torch.empty(4096), peer, tag=2 * act.mb + (act.kind == "RECV_B"))
+                  for act in program if act.kind.startswith("RECV")}
+        dist.barrier()
+        t0, sends = time.perf_counter(), []
+        for act in program:
+            if act.kind in ("F", "B"):
+                for _ in range(work[act.kind]):
+                    a @ a
+            elif act.kind.startswith("SEND"):
+                sends.append(dist.isend(x, peer, tag=2 * act.mb + (act.kind == "SEND_B")))
+            else:
+                posted[act].wait()
+        for w in sends:
+            w.wait()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: float | None = None) -> float:
+    """The message latency (or, given ``hop``, the wake-up wait) at which the cost model's
+    replay of the synthetic pipeline (its compute slowed as the model slows it for the ranks
+    there were) lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
+    from autopar.estimate import pipeline_placement
+    from autopar.schedule import build_schedule, simulate
+    s = build_schedule("1f1b", 2, _PIPE_M)
+    speed, placement = pipeline_placement(2, world, cores, slowdown) if slowdown > 1 else (None, None)
+
+    def replay(x):
+        return simulate(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B,
+                        latency=lambda a: x if hop is None else hop, cores=speed,
+                        wake=0.0 if hop is None else x, placement=placement).makespan
+
+    lo, hi = 0.0, 0.05
+    if replay(lo) >= measured:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if replay(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
     """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
-    ``fits`` holds (p2p is a round trip of two messages: its fit is halved); and the
-    all-reduce's per-size times."""
+    ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
+    table of ``skew`` (ranks outnumbering cores; the slowest rank's); the all-reduce's
+    per-size times; and the synthetic pipeline's step (``_pipeline_probe``, slowest rank)."""
     from autopar.testing import run
-    per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=120)
+    per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
     out = []
-    loaded = {key[1]: max(r[key] for r in per_rank) for key in per_rank[0] if key[0] == "exchange"}
-    for kind, g in per_rank[0]:
-        if kind == "exchange":
+    skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
+    pipeline = max(r[("pipeline",)] for r in per_rank)
+    for key in per_rank[0]:
+        if key[0] in ("skew", "pipeline"):
             continue
+        kind, g = key
         seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
         # a p2p probe is a round trip: two messages of the size
         moved = [bytes_per_rank(kind, s, g) * (2 if kind == "p2p" else 1) for s in _GLOO_SIZES]
         alpha, beta = _fit_alpha_beta(moved, seconds)
         if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
             beta = seconds[-1] / moved[-1]
-        if g == 2 and kind in loaded:     # ranks outnumber cores: a pair's latency is what it costs among busy ranks
-            alpha = max(alpha, loaded[kind])
         out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
         if kind == "all_reduce" and g == world:
             times = seconds
-    return tuple(out), times
+    return tuple(out), skew, times, pipeline
 
 
-def _measure_gloo(world: int = _GLOO_WORLD) -> tuple[Link, list[float]]:
+def _measure_gloo(world: int = _GLOO_WORLD) -> tuple[Link, list[float], float]:
     """The gloo link between ``world`` local processes: per-kind fits, and latency / bandwidth
     per message from the all-reduce's (a ring all-reduce sends 2(N-1) messages in turn);
     also the all-reduce's per-size times."""
-    fits, seconds = _measure_kinds(world)
+    fits, skew, seconds, pipeline = _measure_kinds(world)
     _, _, alpha, beta = next(f for f in fits if f[0] == "all_reduce" and f[1] == world)
-    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits), seconds
+    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits, skew=skew), seconds, pipeline
 
 
 def _measure_pointwise_efficiency(mem_bw: float) -> float:
     """Achieved fraction of the copy bandwidth on the pointwise ops models are made of (GeLU,
-    LayerNorm, an add; read + write of a 512 KiB fp32 tensor each), the median of the three:
-    on a CPU the transcendental ones are bound by arithmetic before memory."""
+    LayerNorm, softmax, an add; read + write of a 512 KiB fp32 tensor each): their bytes over
+    their summed time, as a block runs one of each after another; on a CPU the transcendental
+    ones are bound by arithmetic before memory."""
     import torch
     x = torch.randn(512, 256)
-    ops = (lambda: torch.nn.functional.gelu(x), lambda: torch.nn.functional.layer_norm(x, (256,)), lambda: x + x)
-    rates = [2 * x.numel() * 4 / _timed_median(op, 0.1) for op in ops]
-    return min(1.0, statistics.median(rates) / mem_bw)
+    ops = (lambda: torch.nn.functional.gelu(x), lambda: torch.nn.functional.layer_norm(x, (256,)),
+           lambda: torch.softmax(x, -1), lambda: x + x)
+    seconds = sum(_timed_median(op, 0.1) for op in ops)
+    return min(1.0, len(ops) * 2 * x.numel() * 4 / seconds / mem_bw)
+
+
+_LINEAR_SHAPES = ((512, 64, 64), (512, 64, 256), (512, 256, 64), (512, 128, 128), (512, 128, 512), (512, 512, 128))
+_ATTENTION_SHAPES = ((64, 32, 16), (16, 256, 64))    # (row x head slices, sequence, head dim)
+
+
+def _measure_matmul_efficiency(peak: float) -> float:
+    """Achieved fraction of ``peak`` on the products of small linear layers: for each (m, k, n)
+    of _LINEAR_SHAPES, y = x[m,k] @ w[k,n] and its backward's dx = dy @ w^T and dw = x^T @ dy;
+    their FLOPs over their summed time."""
+    import torch
+    flops = seconds = 0.0
+    for m, k, n in _LINEAR_SHAPES:
+        x, w, dy = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+        for a, b in ((x, w), (dy, w.t()), (x.t(), dy)):
+            seconds += _timed_median(lambda: torch.mm(a, b), 0.05)
+        flops += 3 * 2 * m * k * n
+    return min(1.0, flops / seconds / peak)
+
+
+def _measure_attention(peak: float) -> tuple[float, float]:
+    """(fraction of ``peak``, seconds per (row, head) slice) of the fused causal attention
+    kernel on one thread: forward + backward timed on a short-head and a long-head shape of
+    _ATTENTION_SHAPES and solved for time = 3 (4·B·s²·d / rate + B·overhead), B slices
+    (backward as two forwards, the model's rule)."""
+    import torch
+    rows = []
+    for slices, s, d in _ATTENTION_SHAPES:
+        q, k, v = (torch.randn(slices, 1, s, d, requires_grad=True) for _ in range(3))
+
+        def fb():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        rows.append((4.0 * slices * s * s * d, float(slices), _timed_median(fb, 0.15) / 3))
+    (f1, b1, t1), (f2, b2, t2) = rows
+    det = f1 * b2 - f2 * b1
+    inv_rate, overhead = (t1 * b2 - t2 * b1) / det, (f1 * t2 - f2 * t1) / det
+    if overhead < 0 or inv_rate <= 0:      # no setup cost visible: the long shape's rate alone
+        return min(1.0, f2 / t2 / peak), 0.0
+    return min(1.0, 1.0 / inv_rate / peak), overhead
 
 
 def _measure_step_overhead() -> float:
@@ -527,22 +683,151 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead() -> float:
-    """Seconds of framework time per op: a chain of tiny autograd ops (forward, then backward),
-    whose arithmetic is nothing, divided by the ops run (each forward op runs about two in
-    backward)."""
+def _measure_op_overhead() -> tuple[float, float, float]:
+    """(seconds per op, seconds per stage pass, seconds per message) of framework time as
+    autopar's compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT,
+    h = 8, 2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4
+    micro-batches on 2 gloo processes. The thread CPU time of each rank's forward and backward
+    actions per micro-batch, against the ops the cost model's profile counts in its stage, is
+    fitted as pass + 3 x ops x per-op (each forward op runs again twice in backward): the per-op
+    slope is the dispatch (the FX module's Python and the aten op), the constant what a stage
+    does per micro-batch besides its ops (its call, the runtime's autograd functions and
+    hooks). A send or receive action's CPU time is the per-message cost."""
+    from autopar.testing import run
+    points, messages = [], []
+    for layers in (2, 10):
+        for fb, ops, msg in run(_op_overhead_probe, 2, layers, timeout=120):
+            points.append((3 * ops, fb))
+            messages.append(msg)
+    per_op, per_pass = _fit_line(points)
+    if per_op <= 0:      # a nonsense fit (a noisy machine): everything per op
+        per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
+    return per_op, max(per_pass, 0.0), statistics.median(messages)
+
+
+def _fit_line(points: list) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y = intercept + slope x."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return slope, my - slope * mx
+
+
+def _op_overhead_probe(layers: int) -> tuple[float, float, float]:
+    """On each rank of a 2-stage pipeline: (thread CPU seconds of its F and B actions per
+    micro-batch, median of 25 steps; ops the profile counts in its stage per micro-batch; CPU
+    seconds per send or receive action)."""
     import torch
-    w = torch.randn(4, 4, requires_grad=True)
-    x0 = torch.randn(4, 4)
-    k = 64
+    import torch.distributed as dist
+    import autopar
+    from autopar.estimate import Profiles, _partition
+    from autopar.models import GPTConfig, TinyGPT, gpt_batch
+    torch.set_num_threads(1)
+    c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
+    torch.manual_seed(0)
+    x, t = gpt_batch(c, 8)
+    m = 4
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(pp=2), example_inputs=(x,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=m))
+    opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
 
-    def chain():
-        x = x0
-        for _ in range(k):
-            x = torch.nn.functional.gelu(x @ w)
-        x.sum().backward()
+    def loss(out, target):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, c.vocab), target.reshape(-1))
 
-    return _timed_median(chain, 0.5) / (3 * 2 * k)
+    spent = {"compute": 0.0, "message": 0.0}
+    run_action = dm._run
+
+    def timed(a, *args, **kwargs):
+        c0 = time.thread_time()
+        try:
+            return run_action(a, *args, **kwargs)
+        finally:
+            spent["compute" if a.kind in ("F", "B", "W") else "message"] += time.thread_time() - c0
+
+    dm._run = timed
+    compute, message = [], []
+    for i in range(30):
+        spent.update(compute=0.0, message=0.0)
+        opt.zero_grad(set_to_none=True)
+        dm.train_step(lx, lt, loss)
+        opt.step()
+        if i >= 5:
+            compute.append(spent["compute"] / m)
+            message.append(spent["message"] / (2 * m))      # a receive and a send per micro-batch
+    dist.barrier()
+    groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
+    cut = _partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
+    mine = groups[cut:] if dist.get_rank() else groups[:cut]
+    return statistics.median(compute), float(sum(g.ops for g in mine)), statistics.median(message)
+
+
+def _slowdown(contention: tuple, cores: int, processes: int) -> float:
+    """``Cluster.slowdown`` of a measured ``contention`` table on ``cores`` cores."""
+    points = sorted({(1, 1.0), *((int(k), float(f)) for k, f in contention)})
+    if len(points) == 1:
+        return max(1.0, processes / cores)
+    for (k0, f0), (k1, f1) in zip(points, points[1:]):
+        if processes <= k1:
+            return f0 + (f1 - f0) * (max(processes, k0) - k0) / (k1 - k0)
+    k, f = points[-1]
+    return f * processes / k
+
+
+def _contention_probe(seconds: float) -> float:
+    """Run on every rank by ``autopar.testing.run``: seconds per forward + backward of a small
+    GPT (autopar.models.TinyGPT: 4 layers, h = 64, 4 x 32 tokens; one thread) while every rank
+    runs the same loop at once."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    return _small_gpt_seconds(seconds, dist.barrier)
+
+
+def _small_gpt_seconds(seconds: float, start=None) -> float:
+    import torch
+    from autopar.models import GPTConfig, TinyGPT, gpt_batch
+    c = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4)
+    torch.manual_seed(0)
+    model = TinyGPT(c)
+    x, t = gpt_batch(c, 4)
+
+    def fb():
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x).reshape(-1, c.vocab), t.reshape(-1)).backward()
+
+    for _ in range(5):
+        fb()
+    if start is not None:
+        start()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fb()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def _measure_contention(cores: int) -> tuple:
+    """((processes, slowdown), ...) for as many processes as cores and twice as many (at most 8):
+    the small GPT's forward + backward per iteration with that many processes looping at once,
+    the ranks' mean, over the same loop alone. Processes on a core of their own still share caches
+    and memory (1.05-1.15 here); twice as many time-share the cores, plus the switching (2.4
+    here against the 2 of a fair share)."""
+    from autopar.testing import run
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _small_gpt_seconds(_CONTENTION_SECONDS)
+    finally:
+        torch.set_num_threads(threads)
+    out = []
+    for k in sorted({cores, 2 * cores}):
+        if 1 < k <= 8:
+            per_rank = run(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
+            out.append((k, max(1.0, statistics.mean(per_rank) / alone)))
+    return tuple(out)
 
 
 def _cpu_model() -> str:
@@ -571,22 +856,35 @@ def _measure_local() -> Cluster:
     try:
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
-        overhead = _measure_op_overhead()
+        overhead, pass_overhead, message_overhead = _measure_op_overhead()
         step_overhead = _measure_step_overhead()
         pointwise = _measure_pointwise_efficiency(mem_bw)
+        matmul = _measure_matmul_efficiency(flops)
+        attention, attention_overhead = _measure_attention(flops)
     finally:
         torch.set_num_threads(threads)
-    gloo, seconds = _measure_gloo()
+    gloo, seconds, pipe_alone = _measure_gloo()
     cores = os.cpu_count() or 1
-    crowded = _measure_gloo(2 * cores)[0] if 2 * cores <= 8 else None
+    crowded, _, pipe_crowded = _measure_gloo(2 * cores) if 2 * cores <= 8 else (None, None, None)
+    contention = _measure_contention(cores)
+    gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores,
+                                                  _slowdown(contention, cores, _GLOO_WORLD)))
+    if crowded is not None:
+        crowded = dataclasses.replace(crowded, hop=gloo.hop, wake=_fit_hop(
+            pipe_crowded, 2 * cores, cores, _slowdown(contention, cores, 2 * cores), hop=gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
         f"measured on {socket.gethostname()} at {when} by autopar.cost.cluster.calibrate_local "
         f"(torch {torch.__version__}, {os.cpu_count()} cpus)",
         f"peak_flops: fp32 matmuls n={list(_MATMUL_SIZES)} on 1 thread, best size's median rate "
-        f"over ~{_MATMUL_SECONDS}s each; matmul_efficiency 1.0 (the rate is already achieved)",
+        f"over ~{_MATMUL_SECONDS}s each; matmul_efficiency {matmul:.2f}: the forward and backward products "
+        f"of linear layers (m, k, n) in {list(_LINEAR_SHAPES)}, FLOPs / summed median times / peak",
+        f"attention: causal SDPA forward + backward on (slices, s, d) in {list(_ATTENTION_SHAPES)}, "
+        f"time = 3(4*B*s^2*d / rate + B*overhead): attention_efficiency {attention:.2f}, "
+        f"attention_overhead {attention_overhead * 1e6:.2f} us per slice",
         f"mem_bandwidth: copy_ of {_COPY_BYTES >> 20} MiB fp32 on 1 thread, (read + write) / median time; "
-        f"memory_efficiency {pointwise:.2f}: median of GeLU, LayerNorm and add rates on 512x256 fp32 / that",
+        f"memory_efficiency {pointwise:.2f}: GeLU, LayerNorm, softmax and add on 512x256 fp32, bytes / summed "
+        "median times / that",
         f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
         f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
         f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls (its excess over them), slowest rank; "
@@ -594,17 +892,31 @@ def _measure_local() -> Cluster:
         "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
-        f"op_overhead: forward + backward of 64 tiny (4x4) matmul + gelu ops on 1 thread / ops run: "
-        f"{overhead * 1e6:.1f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
+        f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
+        f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
+        f"processes, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
+        f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
+        f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us",
-        "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores)" if crowded else "",
+        "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
+        f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
+        "(excess over the same compute alone)" if crowded else "",
+        f"hop: a synthetic 2-stage 1F1B pipeline ({_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / "
+        f"{_PIPE_B * 1e3:g} ms of matmuls, receives posted ahead), the message latency at which the "
+        f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
+        + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
+           f"wake {crowded.wake * 1e3:.2f} ms" if crowded else ""),
+        f"contention: forward + backward of a small GPT (4 layers, h=64, 4x32 tokens, 1 thread) with k "
+        f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
-                    memory_bytes=_total_ram(), matmul_efficiency=1.0, memory_efficiency=pointwise,
-                    dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead)
+                    memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
+                    dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
+                    attention_efficiency=attention, attention_overhead=attention_overhead,
+                    pass_overhead=pass_overhead, message_overhead=message_overhead)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
-                   mixed_precision=False, shared=crowded)
+                   mixed_precision=False, shared=crowded, contention=contention)
 
 
 def _default_cache_path() -> str:
@@ -630,7 +942,9 @@ def _cluster_from_dict(d: dict) -> Cluster:
         if d.get(level):
             link = dict(d[level])
             link["fits"] = tuple(tuple(f) for f in link.get("fits", ()))
+            link["skew"] = tuple(tuple(f) for f in link.get("skew", ()))
             d[level] = Link(**link)
+    d["contention"] = tuple(tuple(x) for x in d.get("contention", ()))
     return Cluster(**d)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sympy as sp
 
 __all__ = ["ALPHA", "BETA", "NBYTES", "P", "ALGORITHMS", "collective_time", "collective_time_expr",
-           "bytes_per_rank_expr", "bytes_per_rank"]
+           "bytes_per_rank_expr", "bytes_per_rank", "pipeline_hop_time"]
 
 ALPHA, BETA, NBYTES, P = sp.symbols("alpha beta n p", positive=True)
 
@@ -81,19 +81,47 @@ def bytes_per_rank(kind: str, nbytes: float, p: int) -> float:
     return float(nbytes) if kind == "p2p" else _SENT[kind](float(nbytes), float(p))
 
 
-def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "auto") -> float:
+def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "auto", *,
+                    after: float | None = None) -> float:
     """Seconds of one ``kind`` collective of an ``nbytes`` buffer over ``p`` ranks on ``link``
     (anything with ``bandwidth`` in bytes/s and ``latency`` in s). ``algorithm="auto"``
     takes the fastest algorithm the formulas offer, as NCCL's tuner does. A link with measured
-    ``fits`` for ``kind`` (the local preset) uses that fit: alpha + beta · bytes sent per rank."""
+    ``fits`` for ``kind`` (the local preset) uses that fit: alpha + beta · bytes sent per rank;
+    one with a ``skew`` table (ranks sharing cores) takes alpha from it at ``after``, the
+    seconds each rank computed since the previous collective (1 ms when not given), linear
+    between the measured lengths and flat beyond them."""
     if p <= 1 or nbytes <= 0:
         return 0.0
     if kind == "p2p":
         p = 2
     fits = [f for f in getattr(link, "fits", ()) if f[0] == kind]
     if fits:       # a measured link: the fit of this collective for the nearest group size
-        _, _, a, b = min(fits, key=lambda f: (abs(f[1] - p), -f[1]))
+        _, g, a, b = min(fits, key=lambda f: (abs(f[1] - p), -f[1]))
+        table = sorted((t, al) for k, gs, t, al in getattr(link, "skew", ()) if k == kind and gs == g)
+        if table:
+            a = _interpolate(table, 1e-3 if after is None else after)
         return a + b * bytes_per_rank(kind, nbytes, p)
     alpha, beta = link.latency, 1.0 / link.bandwidth
     names = ALGORITHMS[kind] if algorithm == "auto" else [algorithm]
     return min(_fn(kind, a)(alpha, beta, float(nbytes), float(p)) for a in names)
+
+
+def pipeline_hop_time(nbytes: float, link, *, after: float | None = None) -> float:
+    """Seconds of one pipeline message of ``nbytes``: the link's measured ``hop`` latency (a
+    synthetic pipeline's, when measured) plus the p2p fit's per-byte time, else the p2p
+    collective time."""
+    hop = getattr(link, "hop", 0.0)
+    fits = [f for f in getattr(link, "fits", ()) if f[0] == "p2p"]
+    if hop and fits:
+        return hop + fits[0][3] * float(nbytes)
+    return collective_time("p2p", nbytes, 2, link, after=after)
+
+
+def _interpolate(table: list, x: float) -> float:
+    """Piecewise-linear y(x) through sorted (x, y) points, flat beyond the ends."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return table[-1][1]

@@ -21,11 +21,36 @@ from autopar.cost.cluster import Link, get_cluster
 from autopar.cost.formulas import N, PSI, evaluate
 from autopar.cost.memory import (MIXED_PRECISION, activation_bytes_per_layer, inflight_microbatches,
                                  model_state_bytes)
-from autopar.estimate import Profiles, closed_form_pipeline, evaluate_plan
-from autopar.models import NAMED, named
+from autopar.estimate import Profiles, closed_form_pipeline, evaluate_plan, group_time
+from autopar.models import NAMED, GPTConfig, TinyGPT, gpt_batch, named
 from autopar.schedule import build_schedule, simulate
 
 pytestmark = pytest.mark.timeout(300)
+
+
+# ---- compute -----------------------------------------------------------------------------------------
+
+def test_group_time_sums_the_op_classes_on_the_roofline():
+    """A layer's forward time: its matmuls at peak x matmul efficiency, its attention kernel at
+    peak x attention efficiency plus a setup per (row, head) slice, the other ops' bytes at
+    bandwidth x memory efficiency and a dispatch per op, summed (not the max of FLOPs and bytes:
+    the classes run one after another)."""
+    import dataclasses
+    cfg = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=2)
+    x, _ = gpt_batch(cfg, 8)
+    g = next(g for g in Profiles(TinyGPT(cfg), (x,)).base.groups if g.name == "blocks.0")
+    h, s, b = cfg.dim, cfg.seq, 8
+    assert g.dense_flops == 2 * b * s * (4 * h * h + 2 * 4 * h * h)    # q, k, v, proj; fc, out
+    assert g.attention_flops == 4 * b * s * s * h and g.attention_heads == b * cfg.heads
+    assert g.dense_flops + g.attention_flops < g.flops and 0 < g.pointwise_bytes < g.bytes_moved
+    c = get_cluster("dgx-a100-80gb")
+    d = c.device
+    base = (g.dense_flops / (d.peak_flops * 0.60) + g.attention_flops / (d.peak_flops * 0.60)
+            + g.pointwise_bytes / (d.mem_bandwidth * 0.80))
+    assert group_time(g, c) == pytest.approx(base) and group_time(g, c, 2.0) == pytest.approx(2 * base)
+    slow = c.with_(device=dataclasses.replace(d, attention_efficiency=0.3, attention_overhead=1e-6, op_overhead=2e-6))
+    extra = g.attention_flops / (d.peak_flops * 0.3) - g.attention_flops / (d.peak_flops * 0.6)
+    assert group_time(g, slow) == pytest.approx(base + extra + g.attention_heads * 1e-6 + g.ops * 2e-6)
 
 
 # ---- communication ---------------------------------------------------------------------------------

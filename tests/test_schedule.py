@@ -10,6 +10,7 @@ from autopar.schedule import (
     ScheduleDeadlock,
     build_schedule,
     execute,
+    execute_shared,
     lower,
     simulate,
 )
@@ -194,6 +195,54 @@ def test_costs_and_comm():
         simulate(s, {"X": 1})
     with pytest.raises(ValueError, match="latency >= 0"):
         simulate(s, comm=-1)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zero_bubble", 4, 4, 1),
+                                        ("gpipe", 3, 5, 1)])
+def test_shared_cores_replay(name, p, m, v):
+    """Ranks sharing processors: with one processor each it is the plain replay; on one
+    processor (no transfer time) the makespan is exactly the work of all ranks; in between it
+    lies between the two, and an action's span is at least its work."""
+    s = build_schedule(name, p, m, v)
+    work = {a: 1.0 + (a.stage * 7 + a.mb * 3 + len(a.kind)) % 5 / 4 for prog in lower(s) for a in prog}
+    dur = work.__getitem__
+    plain = execute(s, lower(s), duration=dur, latency=lambda a: 0.25)
+    same = execute_shared(s, lower(s), p, duration=dur, latency=lambda a: 0.25)
+    assert same.makespan == pytest.approx(plain.makespan)
+    assert [[(a, pytest.approx(b), pytest.approx(e)) for a, b, e in evs] for evs in plain.events] == same.events
+    total = sum(e - b for evs in plain.events for _, b, e in evs)
+    assert execute_shared(s, lower(s), 1, duration=dur).makespan == pytest.approx(total)
+    half = simulate(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
+    assert plain.makespan <= half.makespan + 1e-9 and half.makespan >= total / (p / 2) - 1e-9
+    assert all(e - b >= work[a] - 1e-9 for evs in half.events for a, b, e in evs)
+    with pytest.raises(ValueError, match="positive number of processors"):
+        execute_shared(s, lower(s), 0)
+
+
+def test_shared_replay_with_placement():
+    """Ranks placed on groups of cores: each stage of 1F1B on a core of its own, standing for two
+    lockstep replicas, runs at half speed whenever it computes (its bubbles free its core for
+    nobody): the plain replay of doubled work. Stages 0-1 and 2-3 of four sharing a core each
+    lie between that and a core per stage."""
+    s = build_schedule("1f1b", 2, 4)
+    dur = {"F": 1.0, "B": 2.0}
+    lat = lambda a: 0.3      # noqa: E731
+    halved = simulate(s, duration=lambda a: dur[a.kind], latency=lat, cores=1.0,
+                      placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
+    doubled = simulate(s, duration=lambda a: 2 * dur[a.kind], latency=lat)
+    assert halved.makespan == pytest.approx(doubled.makespan)
+    s4 = build_schedule("zero_bubble", 4, 4)
+    d4 = {"F": 1.0, "B": 1.0, "W": 1.0}
+    own = simulate(s4, duration=lambda a: d4[a.kind], latency=lat).makespan
+    paired = simulate(s4, duration=lambda a: d4[a.kind], latency=lat, cores=1.0,
+                      placement=[(0, 1.0, 1.0), (0, 1.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 1.0)]).makespan
+    assert own < paired < simulate(s4, duration=lambda a: 2 * d4[a.kind], latency=lat).makespan
+
+
+def test_shared_replay_reports_deadlock():
+    s = Schedule.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
+    with pytest.raises(ScheduleDeadlock, match="rank 0 waits at 0RECV_B0"):
+        execute_shared(s, lower(s), 1)
 
 
 def test_deadlock_names_ranks_and_actions():
