@@ -849,7 +849,7 @@ def _total_ram() -> int:
 
 
 def _measure_local() -> Cluster:
-    """Measure this machine (a few seconds) and describe it as a Cluster named "local"."""
+    """Measure this machine (about a minute) and describe it as a Cluster named "local"."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # the distributed tests run one compute thread per process
@@ -887,7 +887,8 @@ def _measure_local() -> Cluster:
         "median times / that",
         f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
         f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
-        f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls (its excess over them), slowest rank; "
+        f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
+        "compute timed with every rank at once), slowest rank; "
         "1/time-weighted least squares of "
         "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
