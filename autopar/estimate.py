@@ -38,7 +38,7 @@ from .mesh import Mesh
 from .plan import Plan
 from .profile import GroupCost, Profile
 
-__all__ = ["Estimate", "estimate", "evaluate_plan", "Profiles"]
+__all__ = ["Estimate", "estimate", "evaluate_plan", "Profiles", "group_time", "pipeline_placement"]
 
 # autopar's data-parallel runtime dispatches per parameter tensor and step, besides the arithmetic
 # (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-3's gathered units laid
@@ -728,8 +728,8 @@ def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=No
     def latency(a):
         return hop[a.stage] if a.kind == "SEND_F" else hop[a.stage - 1]
 
-    speed, placement = shared if shared is not None else (None, None)
-    tl = replay(schedule, duration=duration, latency=latency, cores=speed, wake=wake, placement=placement)
+    speed, placement = shared if shared is not None else (1.0, None)
+    tl = replay(schedule, duration=duration, latency=latency, wake=wake, placement=placement, speed=speed)
     for r, evs in enumerate(tl.events):
         for a, s0, e in evs:
             timeline.append((r, "compute", str(a), s0, e))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
 __all__ = ["KINDS", "SCHEDULES", "Action", "Schedule", "ScheduleDeadlock", "Timeline",
-           "build_schedule", "execute", "lower", "simulate"]
+           "build_schedule", "execute", "execute_shared", "lower", "simulate"]
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE = ("F", "B", "W")
@@ -343,19 +343,20 @@ class Timeline:
 
 def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *,
              duration=None, latency=None, cores: float | None = None, wake: float = 0.0,
-             placement=None) -> Timeline:
+             placement=None, speed: float = 1.0) -> Timeline:
     """Validate, lower and replay ``schedule`` in event time. ``costs`` overrides the per-kind
     durations (default F=1, B=2, or B=1 and W=1 when the backward is split); a message arrives
     ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
     each compute action's duration and each message's transfer time (the cost model's
     per-stage times). ``cores``, when given, is how many processors the ranks share (fewer
-    than the ranks: processes on one CPU), and ``wake`` how long a rank woken by its message
-    waits for one of them when all are taken: see ``execute_shared``. Raises ScheduleDeadlock
-    if the ranks cannot all finish."""
+    than the ranks: processes on one CPU), ``placement`` which of them each rank uses,
+    ``speed`` a process's speed on one of its own, and ``wake`` how long a rank woken by its
+    message waits for a processor when all are taken: see ``execute_shared``. Raises
+    ScheduleDeadlock if the ranks cannot all finish."""
     schedule.validate()
-    if placement is not None or (cores is not None and cores < schedule.p):
-        return execute_shared(schedule, lower(schedule), cores if cores is not None else 1.0, costs, comm,
-                              duration=duration, latency=latency, wake=wake, placement=placement)
+    if placement is not None or speed != 1.0 or (cores is not None and cores < schedule.p):
+        return execute_shared(schedule, lower(schedule), cores if cores is not None else schedule.p, costs, comm,
+                              duration=duration, latency=latency, wake=wake, placement=placement, speed=speed)
     return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
 
 
@@ -419,7 +420,7 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
 
 
 def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | None = None, comm: float = 0.0, *,
-                   duration=None, latency=None, wake: float = 0.0, placement=None) -> Timeline:
+                   duration=None, latency=None, wake: float = 0.0, placement=None, speed: float = 1.0) -> Timeline:
     """Replay lowered ``programs`` whose ranks share ``cores`` processors, as processes on one
     CPU do: a compute action's duration is its work on a processor of its own, and while k
     ranks compute at once each advances at min(1, cores / k) (processor sharing, the
@@ -428,10 +429,11 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
     ranks and no wake this is ``execute``.
 
     ``placement``, when given, is per rank (group, processors of the group, processes per
-    rank): ranks of one group share that group's processors alone, each rank standing for that
-    many processes computing in lockstep (its replicas along the other mesh axes), so a busy
-    rank advances at min(1, processors / (processes x busy ranks of its group)) x ``cores``
-    (here the speed of a process on a processor of its own)."""
+    rank) and replaces ``cores``: ranks of one group share that group's processors alone, each
+    rank standing for that many processes computing in lockstep (its replicas along the other
+    mesh axes), so a busy rank advances at min(1, processors / (processes x busy ranks of its
+    group)). Every rate is multiplied by ``speed`` (a process on a processor of its own, against
+    the durations given)."""
     cost = _costs(schedule, costs)
     took = duration or (lambda a: cost[a.kind])
     travel = latency or (lambda a: comm)
@@ -482,12 +484,12 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
             now = min(waits)
             continue
         if placement is None:
-            rates = dict.fromkeys(left, min(1.0, cores / len(left)))
+            rates = dict.fromkeys(left, min(1.0, cores / len(left)) * speed)
         else:
             busy: dict = {}
             for r in left:
                 busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
-            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * cores for r in left}
+            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * speed for r in left}
         step = min(w / rates[r] for r, (_, _, w) in left.items())
         pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
         step = min([step] + [t - now for t in pending])

@@ -568,11 +568,11 @@ def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: floa
     from autopar.estimate import pipeline_placement
     from autopar.schedule import build_schedule, simulate
     s = build_schedule("1f1b", 2, _PIPE_M)
-    speed, placement = pipeline_placement(2, world, cores, slowdown) if slowdown > 1 else (None, None)
+    speed, placement = pipeline_placement(2, world, cores, slowdown) if slowdown > 1 else (1.0, None)
 
     def replay(x):
         return simulate(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B,
-                        latency=lambda a: x if hop is None else hop, cores=speed,
+                        latency=lambda a: x if hop is None else hop, speed=speed,
                         wake=0.0 if hop is None else x, placement=placement).makespan
 
     lo, hi = 0.0, 0.05

@@ -227,16 +227,18 @@ def test_shared_replay_with_placement():
     s = build_schedule("1f1b", 2, 4)
     dur = {"F": 1.0, "B": 2.0}
     lat = lambda a: 0.3      # noqa: E731
-    halved = simulate(s, duration=lambda a: dur[a.kind], latency=lat, cores=1.0,
-                      placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
+    halved = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
     doubled = simulate(s, duration=lambda a: 2 * dur[a.kind], latency=lat)
     assert halved.makespan == pytest.approx(doubled.makespan)
     s4 = build_schedule("zero_bubble", 4, 4)
     d4 = {"F": 1.0, "B": 1.0, "W": 1.0}
     own = simulate(s4, duration=lambda a: d4[a.kind], latency=lat).makespan
-    paired = simulate(s4, duration=lambda a: d4[a.kind], latency=lat, cores=1.0,
+    paired = simulate(s4, duration=lambda a: d4[a.kind], latency=lat,
                       placement=[(0, 1.0, 1.0), (0, 1.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 1.0)]).makespan
     assert own < paired < simulate(s4, duration=lambda a: 2 * d4[a.kind], latency=lat).makespan
+    slower = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
+                      speed=0.5)
+    assert slower.makespan == pytest.approx(simulate(s, duration=lambda a: 4 * dur[a.kind], latency=lat).makespan)
 
 
 def test_shared_replay_reports_deadlock():
