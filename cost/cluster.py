@@ -504,7 +504,12 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     """Every kind's medians, for groups of 2 and of the whole world (all groups at once), and
     when ranks outnumber cores each kind's latency after each compute length of _SKEW_COMPUTE;
     in one spawn."""
+    import warnings
+
     import torch.distributed as dist
+    # the tensor collectives' old names still run gloo's kernels; their deprecation notice is
+    # no news to a user calibrating
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     world = dist.get_world_size()
     groups = sorted({2, world})
     out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in groups
