@@ -5,19 +5,15 @@
     loss = loss_fn(dm(*dm.shard_batch((tokens,))), dm.shard_batch(targets)); loss.backward()
     opt = dm.optimizer(torch.optim.AdamW, lr=3e-4); opt.step()
 """
-
-
-
-from . import cost, models, passes
-from .api import compile
-from .estimate import Estimate, estimate
-from .planner import InfeasiblePlan, PlanReport, plan
+from . import cost, models, passes, testing
+from .api import compile, estimate, plan
 from .capture import CaptureError
+from .cost.estimate import Estimate
+from .cost.planner import InfeasiblePlan, PlanReport
 from .mesh import Mesh
 from .placement import Layout, Partial, Replicate, Shard
-from .plan import Plan
+from .planspec import Plan
 from .runtime import DistributedModule
-from . import testing
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",

@@ -6,6 +6,13 @@
 """
 import argparse
 import sys
+import time
+
+from .api import plan as find_plan
+from .cost.calibration import calibrate_local
+from .cost.planner import InfeasiblePlan
+from .demo import main as demo
+from .models import NAMED, named
 
 
 def main(argv=None) -> int:
@@ -16,7 +23,6 @@ def main(argv=None) -> int:
     d.add_argument("--world", type=int, default=2, help="processes (1..8)")
     d.add_argument("--steps", type=int, default=5)
     d.add_argument("--out", default="autopar_out", help="where dm.dump() writes the graphs")
-    from autopar.models import NAMED
     p = sub.add_parser("plan", help="plan a named model size on a cluster preset and print the candidates")
     p.add_argument("--model", default="gpt3-175b", choices=sorted(NAMED), help="a named model size")
     p.add_argument("--cluster", default="dgx-a100-80gb", help="dgx-a100-80gb, dgx-h100 or local")
@@ -30,7 +36,6 @@ def main(argv=None) -> int:
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
     args = ap.parse_args(argv)
     if args.cmd == "calibrate":
-        from autopar.cost.cluster import calibrate_local
         c = calibrate_local(force=args.force)
         print(c.source)
         print(c.device)
@@ -39,21 +44,16 @@ def main(argv=None) -> int:
                 print(f"{level}: {getattr(c, level)}")
         return 0
     if args.cmd == "demo":
-        from autopar.demo import main as demo
         return demo(args.world, args.steps, args.out)
     return _plan(args)
 
 
 def _plan(args) -> int:
-    import time
-    import autopar
-    from autopar.models import named
-    from autopar.planner import InfeasiblePlan
     t0 = time.perf_counter()
     model, example = named(args.model, layers=args.layers)
     try:
-        report = autopar.plan(model, args.world, example_inputs=example, cluster=args.cluster,
-                              global_batch=args.batch, top=args.top, flash_attention=args.flash)
+        report = find_plan(model, args.world, example_inputs=example, cluster=args.cluster,
+                           global_batch=args.batch, top=args.top, flash_attention=args.flash)
     except InfeasiblePlan as exc:
         print(f"autopar plan: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,9 @@
 """CompileContext: what every pass receives besides the graph.
 
-It carries the mesh, the plan and the facts capture established about the model
-(parameter shapes, tied names, input specs). Passes read it and write only the graph and
-``node.meta``; the few results a pass hands to the runtime (the gradient buckets) go into
-named fields here so that nothing lives in global state.
+It carries the mesh and the plan, the facts capture established about the model
+(parameters, tied names, input specs), and, declared here in one place, the results a pass
+hands to later passes and to emit. Passes read it and write only the graph, ``node.meta``
+and those named fields, so that nothing lives in global state.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .mesh import Mesh
-from .plan import Plan
+from .placement import ShardSpec
+from .planspec import Plan
 
 
 @dataclass
@@ -38,20 +39,23 @@ class ParamInfo:
 class CompileContext:
     mesh: Mesh
     plan: Plan
+    # ---- set by capture (autopar/capture.py) and the compile driver (autopar/api.py) ----------
     params: dict[str, ParamInfo] = field(default_factory=dict)
     in_spec: Any = None             # pytree spec of (args, kwargs) the graph was captured with
     out_spec: Any = None
     input_shapes: tuple = ()        # per-rank shapes of the flat tensor inputs
     input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
-    snapshots: list = field(default_factory=list)   # (pass name, readable graph text)
-    grad_buckets: list = field(default_factory=list)  # set by the collectives pass
-    gather_units: list = field(default_factory=list)  # ZeRO-3, set by the collectives pass
-    tp_params: dict = field(default_factory=dict)     # name -> tpcomm.TPParam, set by the shard pass
-    notes: list = field(default_factory=list)        # lines for explain()
-    stages: list = field(default_factory=list)       # passes.pipeline.StageSpec, set by the pipeline pass
-    microbatch_rows: int = 0                          # global rows of one micro-batch (pipeline)
-    profile: Any = None                               # autopar.profile.Profile of the logical graph (cost model)
+    microbatch_rows: int = 0        # global rows of one micro-batch (pipeline)
+    # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
+    tp_params: dict = field(default_factory=dict)     # shard (tensor_parallel.decide): name -> TPParam
+    grad_buckets: list = field(default_factory=list)  # collectives: parameter names per gradient bucket
+    gather_units: list = field(default_factory=list)  # collectives (ZeRO-3): parameter names per gather unit
+    stages: list = field(default_factory=list)        # pipeline: a passes.pipeline.StageSpec per stage
+    # ---- for the user -------------------------------------------------------------------------
+    snapshots: list = field(default_factory=list)     # (pass name, readable graph text), for dm.dump()
+    notes: list = field(default_factory=list)         # lines for explain()
+    profile: Any = None             # the cost model's profile of the logical graph (cost.profile.Profile)
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shape on this rank's slice of the ``tp`` axis (before ZeRO)."""
@@ -59,3 +63,10 @@ class CompileContext:
         if tp is None:
             return info.shape
         return tp.local_shape(info.shape, self.mesh.axis_size("tp"), self.mesh.coordinate("tp"))
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """How every trainable parameter is split over ``dp`` (ddp: N=1, nothing split)."""
+        n = self.mesh.axis_size("dp") if self.plan.dp != "ddp" else 1
+        index = self.mesh.coordinate("dp") if n > 1 else 0
+        return {name: ShardSpec(self.local_shape(name), n, index)
+                for name, info in self.params.items() if not info.is_buffer and info.requires_grad}

@@ -9,10 +9,14 @@ import os
 import torch
 import torch.distributed as dist
 
-import autopar
-from autopar.cost import dp_comm_elements, evaluate, zero_memory_bytes
-from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from autopar.testing import optimizer_state_bytes
+from .api import compile as autopar_compile
+from .cost.calibration import calibrate_local
+from .cost.cluster import cached_local
+from .cost.formulas import dp_comm_elements, evaluate
+from .cost.memory import model_state_bytes
+from .mesh import Mesh
+from .models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from .testing import optimizer_state_bytes, run
 
 
 def _rank_main(steps: int, out_dir: str):
@@ -21,7 +25,7 @@ def _rank_main(steps: int, out_dir: str):
     tokens, targets = gpt_batch(c, 4 * world)
     torch.manual_seed(0)
     ref = TinyGPT(c)
-    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(dp=world), example_inputs=(tokens,), plan="auto")
+    dm = autopar_compile(copy.deepcopy(ref), Mesh(dp=world), example_inputs=(tokens,), plan="auto")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
     x, y = dm.shard_batch(tokens), dm.shard_batch(targets)
@@ -46,25 +50,24 @@ def _rank_main(steps: int, out_dir: str):
         rows.append((step, float(mean) / world, float(ref_loss.detach()), max(diff.values()), rest, moved))
         opt.zero_grad()
     psi = sum(s.numel for s in dm._sync.specs.values())
-    psi_pad = sum(s.n * s.chunk_numel for s in dm._sync.specs.values())
+    psi_pad = sum(s.padded_numel for s in dm._sync.specs.values())
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in dm.parameters()}
     held.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in dm._sync._replicas.values()})
     mem = sum(held.values()) + sum(p.numel() * 4 for p in dm.parameters()) + optimizer_state_bytes(opt)
     paths = dm.dump(os.path.join(out_dir, f"rank{rank}")) if rank == 0 else []
     return {"rows": rows, "psi": psi, "psi_pad": psi_pad, "plan": str(dm.plan), "mode": dm.plan.dp, "mem": mem,
             "why": next((n for n in dm.ctx.notes if "auto" in n), ""),
-            "read": sum(dm._sync.specs[n].n * dm._sync.specs[n].chunk_numel for n in dm._sync.saved_in_backward)
+            "read": sum(dm._sync.specs[n].padded_numel for n in dm._sync.saved_in_backward)
             if dm.plan.dp == "zero3" else 0,
             "paths": paths}
 
 
 def main(world: int = 2, steps: int = 5, out_dir: str = "autopar_out") -> int:
-    from autopar.cost.cluster import cached_local, calibrate_local
     print(f"autopar demo: TinyGPT on {world} local CPU processes (gloo), plan='auto'")
     if cached_local() is None:      # the ranks read it; they cannot measure it themselves
         print("calibrating this machine for the cost model (once; cached in ~/.cache/autopar) ...")
         calibrate_local()
-    res = autopar.testing.run(_rank_main, world, steps, out_dir, timeout=300)
+    res = run(_rank_main, world, steps, out_dir, timeout=300)
     r0 = res[0]
     print(f"plan picked: {r0['plan']}   Ψ = {r0['psi']:,} parameters ({r0['psi_pad']:,} padded to {world} shards)")
     print(f"  {r0['why']}\n")
@@ -82,7 +85,7 @@ def main(world: int = 2, steps: int = 5, out_dir: str = "autopar_out") -> int:
     print(line)
     print("per-rank memory after a step (params + grads + AdamW state):")
     for rank, r in enumerate(res):
-        mem = zero_memory_bytes(mode)
+        mem = model_state_bytes(mode)
         print(f"  rank {rank}: {r['mem']:,} B   (formula {mem} = "
               f"{evaluate(mem, Psi=r0['psi'], N=n):,.0f} B; uneven shards differ by a row)")
     ok = all(abs(l - ref) <= 1e-4 * abs(ref) + 1e-5 and rest <= 1e-4 for _, l, ref, _, rest, _ in r0["rows"])

@@ -2,9 +2,12 @@
 
 Every node prints as one line with its output type and layout, every collective with the
 bytes it moves per rank, so a plan can be debugged by reading (and diffing) the text.
+``Inspector`` is what a compiled module's ``explain``, ``predict`` and ``dump`` call: the
+runtime does not import the front end or the cost model, so compile hands it one.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -13,6 +16,30 @@ import torch
 from torch import fx
 
 from . import meta
+from .cost.cluster import cached_local
+from .cost.estimate import predict_module
+from .cost.formulas import dp_comm_elements, evaluate, tp_layer_comm_elements
+from .cost.memory import model_state_bytes
+from .passes.pipeline import BALANCE_SLACK
+from .runtime.pipeline_module import PipelineModule
+from .schedule import bubble_formula
+from .trace import ChromeTrace
+
+__all__ = ["Inspector", "graph_text", "explain", "explain_pipeline", "dump", "dump_pipeline"]
+
+
+class Inspector:
+    """``dm.explain()``, ``dm.predict()`` and ``dm.dump()`` of a compiled module (a
+    DistributedModule or a PipelineModule)."""
+
+    def explain(self, dm, cluster=None) -> str:
+        return explain_pipeline(dm, cluster) if isinstance(dm, PipelineModule) else explain(dm, cluster)
+
+    def predict(self, dm, cluster="local", global_batch=None, recompute: str = "none"):
+        return predict_module(dm, cluster, global_batch, recompute)
+
+    def dump(self, dm, path: str, cluster=None) -> list[str]:
+        return dump_pipeline(dm, path, cluster) if isinstance(dm, PipelineModule) else dump(dm, path, cluster)
 
 _DT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
        torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
@@ -70,13 +97,14 @@ def _mb(x: float) -> str:
 
 
 def explain(dm, cluster=None) -> str:
-    from autopar.cost import dp_comm_elements, zero_memory_bytes, evaluate
+    """The plan on this rank: its notes, parameters, collectives and bytes per step against the
+    formula, memory held against the formula, and the cost model's predicted step."""
     ctx, sync = dm.ctx, dm._sync
     mode, n = dm.plan.dp, dm.mesh.axis_size("dp")
     lines = [f"autopar plan: {dm.plan} on {dm.mesh} (this is rank {dm.mesh.rank})"]
     lines += [f"  {note}" for note in ctx.notes]
     psi = sum(s.numel for s in sync.specs.values())
-    psi_pad = sum(s.n * s.chunk_numel for s in sync.specs.values()) if mode != "ddp" else psi
+    psi_pad = sum(s.padded_numel for s in sync.specs.values()) if mode != "ddp" else psi
     lines.append(f"\nparameters: Ψ = {psi:,} trainable elements in {len(sync.specs)} tensors"
                  + (f" ({psi_pad:,} with padding to {n} equal shards)" if psi_pad != psi else ""))
     if dm.plan.tp:
@@ -109,7 +137,7 @@ def explain(dm, cluster=None) -> str:
         for (axis, k, phase), v in sorted(by.items()):
             lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
         if mode == "zero3":
-            extra = sum(sync.specs[x].n * sync.specs[x].chunk_numel for x in sync.saved_in_backward)
+            extra = sum(sync.specs[x].padded_numel for x in sync.saved_in_backward)
             exact = (2 * psi_pad + extra) * (n - 1) / n * item
             lines.append(f"    exact for this graph: (2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B = {_mb(exact)} "
                          f"(Ψ_read_by_backward = {extra:,})")
@@ -117,7 +145,7 @@ def explain(dm, cluster=None) -> str:
         lines.append("  measured: no step run yet")
     # memory
     lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
-    mem = zero_memory_bytes(mode)
+    mem = model_state_bytes(mode)
     lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
     seen: set = set()
 
@@ -148,7 +176,6 @@ def explain(dm, cluster=None) -> str:
 def predicted_section(dm, cluster) -> list:
     """The cost model's prediction (``dm.predict``), each cost as its formula and its number;
     without a cluster, the local preset if it was calibrated before (nothing is measured here)."""
-    from autopar.cost.cluster import cached_local
     if cluster is False:       # a pipeline stage: the pipeline's own section predicts the step
         return []
     c = cluster if cluster is not None else cached_local()
@@ -163,7 +190,6 @@ def predicted_section(dm, cluster) -> list:
 
 
 def _tp_section(dm) -> list:
-    from autopar.cost import tp_layer_comm_elements
     t = dm.mesh.axis_size("tp")
     out = [f"\ntensor parallel over tp={t}" + (" with sequence parallelism" if dm.plan.sp else "")
            + ": parameter layouts found from the graph"]
@@ -204,39 +230,28 @@ def dump(dm, path: str, cluster=None) -> list[str]:
 
 
 def _write_timeline(dm, path: str, cluster) -> str:
-    """timeline.json: the recorded step of every rank, and the cost model's prediction of the
-    same plan beside it (given ``cluster``, or the local preset when calibrated)."""
-    import json
-    from .cost.cluster import cached_local
-    from .timeline import chrome_trace
-    predicted = None
+    """timeline.json: the recorded step of every rank (process 2r) and the cost model's
+    prediction of the same plan beside it (process 2r + 1; given ``cluster``, or the local
+    preset when calibrated)."""
+    trace = ChromeTrace()
+    for tl in dm.timelines:
+        tl.add_lanes(trace, 2 * tl.rank)
     c = cluster if cluster is not None else cached_local()
     if c is not None:
         try:
-            predicted = dm.predict(c)
+            dm.predict(c).add_lanes(trace, lambda rank: 2 * rank + 1)
         except Exception as exc:     # the measured lanes are worth writing without a prediction
             logging.getLogger("autopar").warning("autopar: no predicted timeline (%s: %s)", type(exc).__name__, exc)
     fn = os.path.join(path, "timeline.json")
-    with open(fn, "w") as f:
-        json.dump(chrome_trace(dm.timelines, predicted), f)
+    trace.write(fn)
     return fn
 
 
 # ---- pipelines ---------------------------------------------------------------------------------
 
-def _bubble_formula(s) -> str:
-    p, m, v = s.p, s.m, s.v
-    if s.name in ("gpipe", "1f1b"):
-        return f"(p−1)/(m+p−1) = {(p - 1) / (m + p - 1):.4f}"
-    if s.name == "interleaved":
-        return f"(p−1)/(v·m+p−1) = {(p - 1) / (v * m + p - 1):.4f}"
-    if s.name == "zero_bubble":
-        return f"ZB-H1 with F = B = W: (p−1)/(3m+p−1) = {(p - 1) / (3 * m + p - 1):.4f}"
-    return "(a custom schedule: no closed form)"
-
-
 def explain_pipeline(pm, cluster=None) -> str:
-    from autopar.passes.pipeline import BALANCE_SLACK
+    """``explain`` of a pipelined module: the stages, the schedule and its bubble, what was
+    sent, the predicted step, then every stage's own ``explain``."""
     ctx, s = pm.ctx, pm.schedule
     lines = [f"autopar plan: {pm.plan} on {pm.mesh} (this is rank {pm.mesh.rank}, pp index {pm.pp_index})"]
     lines += [f"  {note}" for note in ctx.notes]
@@ -247,7 +262,7 @@ def explain_pipeline(pm, cluster=None) -> str:
         lines.append(f"  rank {spec.index % s.p}: {spec}")
     sim = pm.simulate()
     lines.append(f"\nschedule {s.name} (this rank: {' '.join(str(a) for a in s.ranks[pm.pp_index])})")
-    lines.append(f"  simulated bubble (unit costs) {sim.bubble_fraction():.4f}; formula {_bubble_formula(s)}")
+    lines.append(f"  simulated bubble (unit costs) {sim.bubble_fraction():.4f}; formula {bubble_formula(s.name, s.p, s.m, s.v)}")
     if pm.timeline:
         busy = sum(b - a for _, a, b in pm.timeline)
         lines.append(f"  last step on this rank: {pm.step_time * 1e3:.1f} ms, busy {busy * 1e3:.1f} ms "
@@ -262,11 +277,10 @@ def explain_pipeline(pm, cluster=None) -> str:
     return "\n".join(lines)
 
 
-def dump_pipeline(pm, path: str) -> list[str]:
+def dump_pipeline(pm, path: str, cluster=None) -> list[str]:
     """``dump`` plus the schedule (text, SVG picture of the simulated timeline) and a Chrome trace
     of the last measured step (trace.json, every pipeline rank; collective over pp)."""
-    import json
-    written = dump(pm, path)
+    written = dump(pm, path, cluster)
     sim = pm.simulate()
     files = {"schedule.txt": f"{pm.schedule}\n\nsimulated (unit costs):\n{sim.to_text()}\n",
              "schedule.svg": sim.to_svg(),

@@ -51,7 +51,7 @@ class Mesh:
             raise ValueError(f"rank={rank} given for a real mesh, but this process is rank {dist.get_rank()}")
         self.rank = dist.get_rank()
         from torch.distributed.device_mesh import init_device_mesh
-        self._device_mesh = init_device_mesh("cpu" if dist.get_backend() == "gloo" else "cuda",
+        self._device_mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu",
                                              tuple(self.axes.values()), mesh_dim_names=tuple(self.axes))
 
     # ---- shape -------------------------------------------------------------------------

@@ -1,12 +1,42 @@
-"""The ``node.meta`` keys autopar's passes read and write, declared in one place.
+"""The ``node.meta`` keys autopar's passes read and write, and the names of the attributes the
+emitted module holds, declared in one place.
 
 Values stored under these keys are frozen dataclasses or plain values, so a graph's
 annotations can be printed, compared and diffed.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
+           "SYNC", "COMM_TP", "REPLICAS", "STASH"]
+
+# ---- node.meta keys ------------------------------------------------------------------------------
 VAL = "val"                 # torch.export's FakeTensor (shape, dtype) of the node's output
 LAYOUT = "autopar_layout"   # autopar.placement.Layout of the node's output
 PARAM = "autopar_param"     # canonical parameter name (original model's qualified name) of a get_attr
-COMM = "autopar_comm"       # autopar.comm.CommInfo of a collective node (kind, axis, bytes)
+COMM = "autopar_comm"       # CommInfo of a collective node (kind, axis, bytes)
 SOURCE = "stack_trace"      # torch.export's source location of the node
 STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pass chose for a node
 LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocabulary parallelism)
+FLASH = "autopar_flash"     # cost model: an attention node runs as a fused kernel (no a·s² scores kept)
+
+# ---- attributes of the emitted module that graph nodes read (get_attr) ---------------------------
+SYNC = "sync_dp"            # the runtime's DataParallelSync of the dp axis
+COMM_TP = "comm_tp"         # the runtime's AxisComm of the tp axis
+REPLICAS = "replicas"       # ZeRO-1/2: submodule holding the full parameter replicas
+STASH = "wgrad_stash"       # zero-bubble: the WeightGradStash of the deferred weight gradients
+
+
+@dataclass(frozen=True)
+class CommInfo:
+    """What a collective node of the graph does, for dumps and explain()."""
+    kind: str          # all_gather | reduce_scatter | all_reduce
+    axis: str
+    nbytes: float      # per rank, per call
+    phase: str = "forward"
+    then: str = ""     # what else it causes (its conjugate in backward, its bucket)
+
+    def __str__(self) -> str:
+        then = f"; {self.then}" if self.then else ""
+        return f"{self.phase} {self.kind}[{self.axis}] {self.nbytes:,.0f} B/rank{then}"

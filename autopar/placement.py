@@ -5,14 +5,23 @@ A placement says what one mesh axis does to a tensor, in DTensor's vocabulary:
 copy on every rank of the axis, ``Partial("sum")`` holds per-rank addends whose sum is the
 value. A ``Layout`` is one placement per mesh axis. Both print compactly (``S(0)``, ``R``,
 ``P(sum)``, ``dp:S(0) tp:R``) and ``parse_placement``/``parse_layout`` are the exact inverses.
+
+How a parameter is stored, which the passes decide and the runtime follows:
+``ShardSpec`` its split along dim 0 over ``dp`` (ZeRO), ``TPParam`` its split along ``tp``.
+Both split in ceil chunks (``autopar.sizes``).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-__all__ = ["Shard", "Replicate", "Partial", "Placement", "Layout",
+import torch
+
+from .sizes import chunk, chunk_range
+
+__all__ = ["Shard", "Replicate", "Partial", "Placement", "Layout", "ShardSpec", "TPParam",
            "parse_placement", "parse_layout", "to_dtensor_placement", "from_dtensor_placement"]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -20,7 +29,8 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 @dataclass(frozen=True)
 class Shard:
-    """Tensor dim ``dim`` is split across the mesh axis (uneven sizes: first ranks get one more)."""
+    """Tensor dim ``dim`` is split across the mesh axis (in ceil(size/n) chunks: the last ranks
+    hold fewer)."""
     dim: int
 
     def __str__(self) -> str:
@@ -127,3 +137,119 @@ def from_dtensor_placement(p) -> Placement:
     if isinstance(p, pt.Partial):
         return Partial(p.reduce_op)
     raise TypeError(f"unknown DTensor placement {p!r}")
+
+
+# ---- how a parameter is stored ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A tensor split along dim 0 into N chunks of ``ceil(d0/N)`` rows; the last ranks may hold
+    fewer rows (or none). Collectives move padded chunks of ``chunk_numel`` elements."""
+    shape: tuple[int, ...]
+    n: int
+    index: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def chunk_rows(self) -> int:
+        return chunk(self.rows, self.n)
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the N equal chunks together (the tensor and its padding)."""
+        return self.n * self.chunk_numel
+
+    def row_range(self, index: int | None = None) -> tuple[int, int]:
+        return chunk_range(self.rows, self.n, self.index if index is None else index)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        lo, hi = self.row_range()
+        return (hi - lo,) + tuple(self.shape[1:])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (a view)."""
+        lo, hi = self.row_range()
+        return full.reshape(self.rows, *self.shape[1:])[lo:hi]
+
+    def padded_chunks(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` as an (N, chunk_numel) tensor, zero-padded at the end."""
+        flat = full.reshape(-1)
+        pad = self.padded_numel - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.n, self.chunk_numel)
+
+    def padded_local(self, local: torch.Tensor) -> torch.Tensor:
+        flat = local.reshape(-1)
+        pad = self.chunk_numel - flat.numel()
+        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from an (N * chunk_numel) gathered buffer (a view, no copy)."""
+        return gathered.reshape(-1)[: self.numel].view(self.shape)
+
+
+@dataclass(frozen=True)
+class TPParam:
+    """How one parameter is stored along ``tp``: whole, or split along a dim; a fused
+    projection whose output is split into ``groups`` equal parts (``q, k, v``) is stored
+    interleaved, each rank holding its slice of every part, so that the split of the local
+    product gives each part's local shard."""
+    placement: Placement = Replicate()
+    groups: int = 1          # > 1: a fused projection stored interleaved (each part split alike)
+    reason: str = ""
+
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.placement, Shard)
+
+    def __str__(self) -> str:
+        g = f" interleaved x{self.groups}" if self.groups > 1 else ""
+        return f"{self.placement}{g}"
+
+    def local_shape(self, shape: tuple, n: int, index: int) -> tuple:
+        if not self.sharded:
+            return tuple(shape)
+        d = self.placement.dim
+        lo, hi = chunk_range(shape[d] // self.groups, n, index)
+        out = list(shape)
+        out[d] = (hi - lo) * self.groups
+        return tuple(out)
+
+    def local_of(self, full: torch.Tensor, n: int, index: int) -> torch.Tensor:
+        """This rank's piece of the whole parameter (a copy when interleaved)."""
+        if not self.sharded:
+            return full
+        d = self.placement.dim
+        parts = full.chunk(self.groups, dim=d) if self.groups > 1 else (full,)
+        pieces = []
+        for p in parts:
+            lo, hi = chunk_range(p.shape[d], n, index)
+            pieces.append(p.narrow(d, lo, hi - lo))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+    def full_from(self, locals_: list) -> torch.Tensor:
+        """The whole parameter from every rank's piece (in rank order)."""
+        if not self.sharded:
+            return locals_[0]
+        d = self.placement.dim
+        if self.groups == 1:
+            return torch.cat(locals_, dim=d)
+        split = [x.chunk(self.groups, dim=d) if x.shape[d] else (x,) * self.groups for x in locals_]
+        return torch.cat([torch.cat([s[g] for s in split], dim=d) for g in range(self.groups)], dim=d)

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
-__all__ = ["KINDS", "SCHEDULES", "Action", "Schedule", "ScheduleDeadlock", "Timeline",
-           "build_schedule", "execute", "execute_shared", "lower", "simulate"]
+from .trace import ChromeTrace
+
+__all__ = ["KINDS", "COMPUTE", "SCHEDULES", "Action", "Schedule", "ScheduleDeadlock", "Timeline",
+           "build_schedule", "bubble_formula", "execute", "lower", "simulate", "matching_send", "action_costs", "deadlock_message"]
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE = ("F", "B", "W")
@@ -230,6 +232,20 @@ def _zb_pick(r, p, m, done, nxt):
     return ("W", w_ready[0]) if w_ready else None
 
 
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> str:
+    """The closed-form bubble fraction of schedule ``name`` with equal stages, as formula =
+    number: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved (Narayanan et al.,
+    SC'21, section 2.2), (p−1)/(3m+p−1) for zero-bubble ZB-H1 with F = B = W (Qi et al., ICLR
+    2024); a custom action list has none."""
+    if name in ("gpipe", "1f1b"):
+        return f"(p−1)/(m+p−1) = {p - 1}/({m}+{p - 1}) = {(p - 1) / (m + p - 1):.4f}"
+    if name == "interleaved":
+        return f"(p−1)/(v·m+p−1) = {p - 1}/({v}·{m}+{p - 1}) = {(p - 1) / (v * m + p - 1):.4f}"
+    if name == "zero_bubble":
+        return f"ZB-H1 with F = B = W: (p−1)/(3m+p−1) = {p - 1}/(3·{m}+{p - 1}) = {(p - 1) / (3 * m + p - 1):.4f}"
+    return "(a custom schedule: no closed form)"
+
+
 def lower(schedule: Schedule) -> tuple:
     """Per rank, the compute actions with the point-to-point sends/receives they need."""
     last = schedule.n_stages - 1
@@ -331,42 +347,37 @@ class Timeline:
         return [c.ljust(cell, "-" if c == "-" else " ") for c in cells]
 
     def chrome_trace(self) -> dict:
-        """Chrome/Perfetto trace: one process lane per rank, 1 time unit = 1000 us."""
-        events = [{"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}}
-                  for r in range(self.schedule.p)]
+        """Chrome/Perfetto trace: one process lane per rank, 1 time unit = 1 ms."""
+        trace = ChromeTrace()
+        for r in range(self.schedule.p):
+            trace.process(r, f"rank {r}")
         for r, evs in enumerate(self.events):
-            events += [{"name": str(a), "cat": a.kind, "ph": "X", "pid": r, "tid": 0, "ts": start * 1000.0,
-                        "dur": (end - start) * 1000.0, "args": {"stage": a.stage, "mb": a.mb}}
-                       for a, start, end in evs]
-        return {"traceEvents": events}
+            for a, start, end in evs:
+                trace.span(r, 0, str(a), start * 1e-3, end * 1e-3, a.kind, {"stage": a.stage, "mb": a.mb})
+        return trace.as_dict()
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *,
-             duration=None, latency=None, cores: float | None = None, wake: float = 0.0,
-             placement=None, speed: float = 1.0) -> Timeline:
+             duration=None, latency=None) -> Timeline:
     """Validate, lower and replay ``schedule`` in event time. ``costs`` overrides the per-kind
     durations (default F=1, B=2, or B=1 and W=1 when the backward is split); a message arrives
     ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
     each compute action's duration and each message's transfer time (the cost model's
-    per-stage times). ``cores``, when given, is how many processors the ranks share (fewer
-    than the ranks: processes on one CPU), ``placement`` which of them each rank uses,
-    ``speed`` a process's speed on one of its own, and ``wake`` how long a rank woken by its
-    message waits for a processor when all are taken: see ``execute_shared``. Raises
-    ScheduleDeadlock if the ranks cannot all finish."""
+    per-stage times). Raises ScheduleDeadlock if the ranks cannot all finish. (Ranks sharing
+    processors: ``autopar.cost.replay``.)"""
     schedule.validate()
-    if placement is not None or speed != 1.0 or (cores is not None and cores < schedule.p):
-        return execute_shared(schedule, lower(schedule), cores if cores is not None else schedule.p, costs, comm,
-                              duration=duration, latency=latency, wake=wake, placement=placement, speed=speed)
     return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
 
 
-def _matching_send(recv: Action) -> Action:
+def matching_send(recv: Action) -> Action:
+    """The send whose message the receive ``recv`` waits for."""
     if recv.kind == "RECV_F":
         return Action(recv.stage - 1, "SEND_F", recv.mb)
     return Action(recv.stage + 1, "SEND_B", recv.mb)
 
 
-def _costs(schedule: Schedule, costs: dict | None) -> dict:
+def action_costs(schedule: Schedule, costs: dict | None) -> dict:
+    """Duration per compute kind: F=1, B=2 (B=1 and W=1 when backward is split), or ``costs``."""
     full = {"F": 1.0, "B": 1.0 if schedule.split_backward else 2.0, "W": 1.0}
     for kind, val in (costs or {}).items():
         if kind not in COMPUTE or not isinstance(val, (int, float)) or val < 0:
@@ -379,7 +390,7 @@ def _costs(schedule: Schedule, costs: dict | None) -> dict:
 def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float = 0.0, *,
             duration=None, latency=None) -> Timeline:
     """Replay already-lowered per-rank ``programs`` (see ``lower``) in event time."""
-    cost = _costs(schedule, costs)
+    cost = action_costs(schedule, costs)
     took = duration or (lambda a: cost[a.kind])
     travel = latency or (lambda a: comm)
     if comm < 0:
@@ -389,10 +400,10 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
         for a in prog:
             if a.kind not in KINDS:
                 raise ValueError(f"rank {r} has action {a} of kind {a.kind!r}: expected one of {KINDS}")
-            if a.kind.startswith("RECV") and _matching_send(a) not in sent_by:
+            if a.kind.startswith("RECV") and matching_send(a) not in sent_by:
                 raise ScheduleDeadlock(f"rank {r} waits at {a}, but no rank ever executes its matching "
-                                       f"{_matching_send(a)}: add it to rank "
-                                       f"{schedule.rank_of(_matching_send(a).stage)} or drop the receive")
+                                       f"{matching_send(a)}: add it to rank "
+                                       f"{schedule.rank_of(matching_send(a).stage)} or drop the receive")
     clock, pc = [0.0] * len(programs), [0] * len(programs)
     arrival, events = {}, [[] for _ in programs]
     progress = True
@@ -407,110 +418,24 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
                     clock[r] += d
                 elif a.kind.startswith("SEND"):
                     arrival[a] = clock[r] + travel(a)
-                elif _matching_send(a) in arrival:
-                    clock[r] = max(clock[r], arrival[_matching_send(a)])
+                elif matching_send(a) in arrival:
+                    clock[r] = max(clock[r], arrival[matching_send(a)])
                 else:
                     break
                 pc[r] += 1
                 progress = True
     stuck = [r for r, prog in enumerate(programs) if pc[r] < len(prog)]
     if stuck:
-        raise ScheduleDeadlock(_deadlock_message(schedule, programs, pc, stuck, sent_by))
+        raise ScheduleDeadlock(deadlock_message(schedule, programs, pc, stuck, sent_by))
     return Timeline(schedule, events, max(clock, default=0.0))
 
 
-def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | None = None, comm: float = 0.0, *,
-                   duration=None, latency=None, wake: float = 0.0, placement=None, speed: float = 1.0) -> Timeline:
-    """Replay lowered ``programs`` whose ranks share ``cores`` processors, as processes on one
-    CPU do: a compute action's duration is its work on a processor of its own, and while k
-    ranks compute at once each advances at min(1, cores / k) (processor sharing, the
-    scheduler's fair share); a rank waiting for a message takes no processor, and one woken by
-    its message while every processor is taken waits ``wake`` more for one. With cores >= the
-    ranks and no wake this is ``execute``.
-
-    ``placement``, when given, is per rank (group, processors of the group, processes per
-    rank) and replaces ``cores``: ranks of one group share that group's processors alone, each
-    rank standing for that many processes computing in lockstep (its replicas along the other
-    mesh axes), so a busy rank advances at min(1, processors / (processes x busy ranks of its
-    group)). Every rate is multiplied by ``speed`` (a process on a processor of its own, against
-    the durations given)."""
-    cost = _costs(schedule, costs)
-    took = duration or (lambda a: cost[a.kind])
-    travel = latency or (lambda a: comm)
-    if not cores > 0:
-        raise ValueError(f"cores={cores!r}: expected a positive number of processors")
-    n = len(programs)
-    pc, events = [0] * n, [[] for _ in programs]
-    arrival: dict = {}
-    left: dict = {}              # rank -> (action, start, work left) while it computes
-    blocked: set = set()         # ranks asleep on a message not yet arrived
-    resume: dict = {}            # rank -> when it gets a processor after its message woke it
-    now, eps = 0.0, 1e-15
-    while True:
-        for r, prog in enumerate(programs):      # run each idle rank up to its next compute or blocked receive
-            while r not in left and pc[r] < len(prog):
-                a = prog[pc[r]]
-                if a.kind in COMPUTE:
-                    left[r] = (a, now, took(a))
-                    break
-                if a.kind.startswith("SEND"):
-                    arrival[a] = now + travel(a)
-                elif r in resume:
-                    if resume[r] > now + eps:
-                        break
-                    del resume[r]
-                elif arrival.get(_matching_send(a), math.inf) > now + eps:
-                    blocked.add(r)
-                    break
-                elif r in blocked:
-                    blocked.discard(r)
-                    full = (len(left) >= cores if placement is None else
-                            sum(placement[q][2] for q in left if placement[q][0] == placement[r][0])
-                            >= placement[r][1])
-                    if wake and full:
-                        resume[r] = now + wake
-                        break
-                pc[r] += 1
-        if not left:
-            waits = [resume[r] if r in resume else arrival.get(_matching_send(prog[pc[r]]), math.inf)
-                     for r, prog in enumerate(programs) if pc[r] < len(prog)]
-            if not waits:
-                break
-            if min(waits) == math.inf:
-                stuck = [r for r, prog in enumerate(programs) if pc[r] < len(prog)]
-                raise ScheduleDeadlock(_deadlock_message(schedule, programs, pc, stuck,
-                                                         {a: q for q, pr in enumerate(programs) for a in pr
-                                                          if a.kind.startswith("SEND")}))
-            now = min(waits)
-            continue
-        if placement is None:
-            rates = dict.fromkeys(left, min(1.0, cores / len(left)) * speed)
-        else:
-            busy: dict = {}
-            for r in left:
-                busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
-            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * speed for r in left}
-        step = min(w / rates[r] for r, (_, _, w) in left.items())
-        pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
-        step = min([step] + [t - now for t in pending])
-        now += step
-        for r in list(left):
-            a, start, w = left[r]
-            w -= step * rates[r]
-            if w <= eps * max(1.0, now):
-                events[r].append((a, start, now))
-                del left[r]
-                pc[r] += 1
-            else:
-                left[r] = (a, start, w)
-    return Timeline(schedule, events, now)
-
-
-def _deadlock_message(schedule, programs, pc, stuck, sent_by) -> str:
+def deadlock_message(schedule, programs, pc, stuck, sent_by) -> str:
+    """Which ranks wait at which receive, for a send that never comes."""
     lines = []
     for r in stuck:
         recv = programs[r][pc[r]]
-        send = _matching_send(recv)
+        send = matching_send(recv)
         q = sent_by[send]
         lines.append(f"rank {r} waits at {recv}, which needs {send} that rank {q} never reaches "
                      f"(rank {q} is stuck at {programs[q][pc[q]]})")

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .api import compile as autopar_compile
+
 __all__ = ["run", "parity", "ParityReport", "live_tensor_bytes", "optimizer_state_bytes"]
 
 
@@ -168,10 +170,9 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     the model's largest gradient at every step are therefore checked against Adam's step
     bound (|Δp| <= 4 lr per step) instead of the tight tolerance; the report counts them.
     """
-    import autopar
     torch.manual_seed(0)
     ref = model_fn()
-    dm = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=inputs, plan=plan)
+    dm = autopar_compile(copy.deepcopy(ref), mesh, example_inputs=inputs, plan=plan)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
     opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
     opt = dm.optimizer(optimizer, lr=lr, **optimizer_kwargs)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def planner_speed():
     import autopar
-    from autopar.estimate import Profiles
+    from autopar.cost.estimate import Profiles
     from autopar.models import named
     print("## planner speed: GPT-3 175B shape (h=12288, 96 heads, s=2048) on 1,024 virtual A100s, batch 1,536")
     print(f"{'layers':>6} {'capture+profile s':>18} {'search s':>9} {'total s':>8} {'candidates':>11}  chosen")
@@ -51,8 +51,8 @@ def planner_speed():
 def local_predictions(runs: int, steps: int = 21):
     import autopar
     import jobs
-    from autopar.cost.cluster import calibrate_local
-    from autopar.estimate import Profiles, evaluate_plan
+    from autopar.cost.calibration import calibrate_local
+    from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import TinyGPT, gpt_batch
     from autopar.testing import run
     c = calibrate_local()
@@ -93,7 +93,7 @@ def local_predictions(runs: int, steps: int = 21):
 def published():
     import autopar
     from autopar.cost.cluster import get_cluster
-    from autopar.estimate import Profiles, evaluate_plan
+    from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import NAMED, named
     rows = [("gpt-39b", 8, 2, 512, 1536, 138), ("gpt-76b", 8, 4, 1024, 1792, 140),
             ("gpt-146b", 8, 8, 1536, 2304, 148), ("gpt-310b", 8, 16, 1920, 2160, 155)]

@@ -1,9 +1,16 @@
-"""autopar's cost model: symbolic (sympy) formulas, numbers only when evaluated.
+"""autopar's cost model: what a plan costs, predicted without running it.
 
-``cost`` depends on nothing distributed: it speaks of sizes, ranks and dtypes.
+    formulas, comm, compute, memory   sympy formulas (bytes, alpha-beta times, rooflines, memory)
+    cluster, cache                    hardware descriptions and presets; the local preset's cache
+    calibration                       measuring this machine for the local preset (runs processes)
+    profile                           what one rank computes, keeps and sends, read from the graph
+    estimate, replay                  a plan's step composed from those; the pipeline replayed
+    planner                           the search over plans
+
+Numbers only at evaluation time; ``autopar.sizes`` holds the arithmetic the runtime shares.
 """
-from .formulas import (B, H, N, PSI, S, T, dp_comm_elements, evaluate, tp_layer_comm_elements,
-                       zero_memory_bytes)
+from .formulas import B, H, N, PSI, S, T, dp_comm_elements, evaluate, tp_layer_comm_elements
+from .memory import model_state_bytes
 
-__all__ = ["N", "PSI", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements",
-           "zero_memory_bytes", "evaluate"]
+__all__ = ["N", "PSI", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements", "model_state_bytes",
+           "evaluate"]

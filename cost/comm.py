@@ -26,22 +26,26 @@ from __future__ import annotations
 
 import sympy as sp
 
+from autopar.sizes import ring_bytes
+
 __all__ = ["ALPHA", "BETA", "NBYTES", "P", "ALGORITHMS", "collective_time", "collective_time_expr",
            "bytes_per_rank_expr", "bytes_per_rank", "pipeline_hop_time"]
 
 ALPHA, BETA, NBYTES, P = sp.symbols("alpha beta n p", positive=True)
 
 _LOG = sp.log(P, 2)
+_SENT = {kind: ring_bytes(kind, NBYTES, P) * BETA for kind in ("all_gather", "reduce_scatter", "all_reduce",
+                                                                 "all_to_all", "p2p")}
 ALGORITHMS: dict[str, dict[str, sp.Expr]] = {
-    "all_gather": {"ring": (P - 1) * ALPHA + (P - 1) / P * NBYTES * BETA,
-                   "recursive_doubling": _LOG * ALPHA + (P - 1) / P * NBYTES * BETA},
-    "reduce_scatter": {"ring": (P - 1) * ALPHA + (P - 1) / P * NBYTES * BETA,
-                       "recursive_halving": _LOG * ALPHA + (P - 1) / P * NBYTES * BETA},
-    "all_reduce": {"ring": 2 * (P - 1) * ALPHA + 2 * (P - 1) / P * NBYTES * BETA,
+    "all_gather": {"ring": (P - 1) * ALPHA + _SENT["all_gather"],
+                   "recursive_doubling": _LOG * ALPHA + _SENT["all_gather"]},
+    "reduce_scatter": {"ring": (P - 1) * ALPHA + _SENT["reduce_scatter"],
+                       "recursive_halving": _LOG * ALPHA + _SENT["reduce_scatter"]},
+    "all_reduce": {"ring": 2 * (P - 1) * ALPHA + _SENT["all_reduce"],
                    "tree": 2 * _LOG * (ALPHA + NBYTES * BETA),
-                   "rabenseifner": 2 * _LOG * ALPHA + 2 * (P - 1) / P * NBYTES * BETA},
-    "all_to_all": {"pairwise": (P - 1) * ALPHA + (P - 1) / P * NBYTES * BETA},
-    "p2p": {"direct": ALPHA + NBYTES * BETA},
+                   "rabenseifner": 2 * _LOG * ALPHA + _SENT["all_reduce"]},
+    "all_to_all": {"pairwise": (P - 1) * ALPHA + _SENT["all_to_all"]},
+    "p2p": {"direct": ALPHA + _SENT["p2p"]},
 }
 
 
@@ -59,13 +63,12 @@ def collective_time_expr(kind: str, algorithm: str = "ring") -> sp.Expr:
 
 
 def bytes_per_rank_expr(kind: str) -> sp.Expr:
-    """Bytes each rank sends: the β coefficient of the ring (bandwidth-optimal) form."""
-    return sp.expand(collective_time_expr(kind, "ring")).coeff(BETA)
+    """Bytes each rank sends: the β coefficient of the ring (bandwidth-optimal) form,
+    ``autopar.sizes.ring_bytes``."""
+    return ring_bytes(kind, NBYTES, P)
 
 
 _LAMBDAS: dict = {}
-_SENT = {k: sp.lambdify((NBYTES, P), bytes_per_rank_expr(k), "math") for k in ("all_reduce", "all_gather",
-                                                                                 "reduce_scatter", "all_to_all")}
 
 
 def _fn(kind: str, algorithm: str):
@@ -78,7 +81,7 @@ def _fn(kind: str, algorithm: str):
 def bytes_per_rank(kind: str, nbytes: float, p: int) -> float:
     """Bytes each rank sends in one ``kind`` collective of an ``nbytes`` buffer over ``p`` ranks
     (a point-to-point message: its bytes)."""
-    return float(nbytes) if kind == "p2p" else _SENT[kind](float(nbytes), float(p))
+    return float(ring_bytes(kind, float(nbytes), p))
 
 
 def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "auto", *,

@@ -1,19 +1,20 @@
-"""Communication volume and memory of the data-parallel modes, as sympy expressions.
+"""Communication volume per step of the data-parallel modes and of a tensor-parallel layer,
+as sympy expressions (memory per ZeRO stage: ``cost.memory.model_state_bytes``).
 
-Ψ is the parameter count, N the data-parallel group size. Sources: Rajbhandari et al.,
-"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20), section 7
-(communication) and figure 1 (memory, written there for mixed precision with K = 12).
+Ψ is the parameter count, N the data-parallel group size. Source: Rajbhandari et al.,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20), section 7.
 """
 from __future__ import annotations
 
 import sympy as sp
 
+from autopar.sizes import ring_bytes
+
 PSI, N = sp.symbols("Psi N", positive=True)
 
 B, S, H, T = sp.symbols("b s h t", positive=True)
 
-__all__ = ["PSI", "N", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements",
-           "zero_memory_bytes", "evaluate"]
+__all__ = ["PSI", "N", "B", "S", "H", "T", "dp_comm_elements", "tp_layer_comm_elements", "evaluate"]
 
 
 def dp_comm_elements(mode: str) -> sp.Expr:
@@ -23,8 +24,11 @@ def dp_comm_elements(mode: str) -> sp.Expr:
     zero1, zero2: reduce-scatter of gradients + all-gather of params  Ψ(N−1)/N + Ψ(N−1)/N
     zero3:        all-gather in forward, again in backward, reduce-scatter  3Ψ(N−1)/N
     """
-    k = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[mode]
-    return k * PSI * (N - 1) / N
+    kinds = {"ddp": ("all_reduce",), "zero1": ("reduce_scatter", "all_gather"),
+             "zero2": ("reduce_scatter", "all_gather"), "zero3": ("all_gather", "all_gather", "reduce_scatter")}
+    if mode not in kinds:
+        raise ValueError(f"unknown data-parallel mode {mode!r}; expected ddp, zero1, zero2 or zero3")
+    return sum(ring_bytes(kind, PSI, N) for kind in kinds[mode])
 
 
 def tp_layer_comm_elements(sp_: bool = False) -> sp.Expr:
@@ -38,19 +42,7 @@ def tp_layer_comm_elements(sp_: bool = False) -> sp.Expr:
     (plus, as there, one all-gather per column input in backward when those inputs are kept
     as sequence shards: 2·b·s·h·(t−1)/t more, not counted here).
     """
-    return 8 * B * S * H * (T - 1) / T
-
-
-def zero_memory_bytes(mode: str, param_bytes: int = 4, grad_bytes: int = 4,
-                      optim_bytes: int = 8) -> sp.Expr:
-    """Per-rank bytes of parameters + gradients + optimizer state after a step.
-
-    With fp32 parameters and gradients and Adam's two fp32 moments (4 + 4 + 8 bytes):
-    ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N.
-    """
-    p, g, o = param_bytes * PSI, grad_bytes * PSI, optim_bytes * PSI
-    return {"ddp": p + g + o, "zero1": p + g + o / N, "zero2": p + (g + o) / N,
-            "zero3": (p + g + o) / N}[mode]
+    return 4 * ring_bytes("all_reduce", B * S * H, T)
 
 
 def evaluate(expr: sp.Expr, **values) -> float:

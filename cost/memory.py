@@ -24,19 +24,18 @@ b, hidden h, a heads, tensor-parallel size t, in 16-bit with dropout (bytes):
 Flash attention (Dao et al., 2022) never materialises the a·s² scores, which removes the
 5·a·s/h term as selective recomputation does.
 
-In-flight micro-batches (Narayanan et al., SC'21, section 2.2): GPipe keeps all m
-micro-batches' activations; 1F1B keeps at most p on the first stage (p − r on stage r);
-interleaved 1F1B with v stages per rank keeps the first rank's p·v + (p−1)·... ≈ (1 + (p−1)/(p·v))
-times a stage's layers' worth per micro-batch of p.
+The micro-batches a pipeline schedule keeps in flight are ``autopar.sizes.inflight_microbatches``.
 """
 from __future__ import annotations
 
 import sympy as sp
 
+from autopar.sizes import state_bytes
+
 from .formulas import N, PSI
 
-__all__ = ["S", "B", "H", "A", "T", "L", "model_state_bytes", "activation_bytes_per_layer",
-           "inflight_microbatches", "MIXED_PRECISION", "FP32"]
+__all__ = ["S", "B", "H", "A", "T", "L", "model_state_bytes", "activation_bytes_per_layer", "MIXED_PRECISION",
+           "FP32"]
 
 S, B, H, A, T, L = sp.symbols("s b h a t L", positive=True)
 
@@ -47,13 +46,8 @@ FP32 = (4, 4, 8)               # fp32 parameters and gradients, Adam m, v
 
 def model_state_bytes(mode: str, dtypes: tuple[int, int, int] = FP32) -> sp.Expr:
     """Per-rank bytes of parameters + gradients + optimizer state (formula in the module
-    docstring) as a sympy expression in Ψ and N."""
-    p, g, k = (d * PSI for d in dtypes)
-    try:
-        return {"ddp": p + g + k, "zero1": p + g + k / N, "zero2": p + (g + k) / N,
-                "zero3": (p + g + k) / N}[mode]
-    except KeyError:
-        raise ValueError(f"unknown data-parallel mode {mode!r}; expected ddp, zero1, zero2 or zero3") from None
+    docstring; ``autopar.sizes.state_bytes``) as a sympy expression in Ψ and N."""
+    return state_bytes(mode, PSI, N, dtypes)
 
 
 def activation_bytes_per_layer(*, tp: bool = False, sp_: bool = False, recompute: str = "none",
@@ -69,19 +63,3 @@ def activation_bytes_per_layer(*, tp: bool = False, sp_: bool = False, recompute
     if sp_:
         return S * B * H / t * (34 + quadratic)
     return S * B * H * (10 + 24 / t + quadratic / t)
-
-
-def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, stage: int = 0) -> float:
-    """Micro-batches whose activations rank ``stage`` of the pipeline holds at its peak, in
-    units of one micro-batch through that rank's layers. GPipe: m. 1F1B and zero-bubble
-    (ZB-H1 keeps 1F1B's bound): min(m, p − stage). Interleaved: the first rank holds
-    (1 + (p−1)/(p·v))·p of them (Narayanan et al., section 2.2.2; Korthikanti section 4.2.3)."""
-    if schedule is None or p == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in ("1f1b", "zero_bubble"):
-        return float(min(m, p - stage))
-    if schedule == "interleaved":
-        return min(float(m), p * (1 + (p - 1) / (p * v)))
-    raise ValueError(f"unknown schedule {schedule!r}")

@@ -1,10 +1,39 @@
-"""autopar's graph passes: each ``(GraphModule, CompileContext) -> GraphModule``, run in order
-by ``autopar.compile``."""
+"""autopar's graph passes: each ``(GraphModule, CompileContext) -> GraphModule``.
+
+``for_plan(plan)`` is the ordered list a graph goes through under a plan (the pipeline pass,
+which cuts the graph into stages first, and the order check, which compares ranks and
+rewrites nothing, are called by the compile driver apart from it):
+
+    shard               layouts: one placement per mesh axis on every node
+    collectives         the communication the layouts need (dp gathers / buckets, tp redistributions)
+    localize            global sizes in ops rewritten to this rank's
+    sequence_parallel   (sp) each sequence-sharded pointwise region fused into one node
+    overlap             collectives as start / wait, placed to overlap compute
+    weight_split        (a schedule that splits backward) weight gradients deferred to W
+"""
 from .shard import shard
 from .collectives import collectives
 from .localize import localize
 from .sequence_parallel import sequence_parallel
 from .pipeline import pipeline
 from .overlap import overlap
+from .weight_split import weight_split
+from .order_check import check_collective_order
 
-__all__ = ["shard", "collectives", "localize", "sequence_parallel", "pipeline", "overlap"]
+__all__ = ["for_plan", "shard", "collectives", "localize", "sequence_parallel", "pipeline", "overlap",
+           "weight_split", "check_collective_order"]
+
+
+def for_plan(plan) -> list:
+    """The passes a graph (a whole model, or one pipeline stage) goes through under ``plan``,
+    in order: layouts first (collectives and localize read them), localize on the final
+    graph, then the sequence-parallel regions become one node each (they hold localized ops),
+    overlap on the final order of the nodes, and the weight-gradient split last (it rewrites
+    the matmuls overlap left in place)."""
+    out = [shard, collectives, localize]
+    if plan.sp:
+        out.append(sequence_parallel)
+    out.append(overlap)
+    if plan.split_backward:
+        out.append(weight_split)
+    return out

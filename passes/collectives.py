@@ -27,27 +27,16 @@ import torch
 from torch import fx
 
 from autopar import meta
-from autopar.comm import CommInfo, ShardSpec, ring_bytes
 from autopar.context import CompileContext
-from autopar.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
-from autopar.passes.shard import input_nodes
-from autopar.passes.rules import local_size
+from autopar.meta import COMM_TP, REPLICAS, SYNC, CommInfo
 from autopar.placement import Layout, Partial, Replicate, Shard
+from autopar.runtime.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
+from autopar.runtime.tpcomm import (tp_all_reduce, tp_copy, tp_gather, tp_param_sync, tp_reduce_scatter, tp_split,
+                                    tp_vocab_cross_entropy, tp_vocab_embedding)
+from autopar.sizes import FIRST_BUCKET_BYTES, chunk_range, local_size, ring_bytes
 
-SYNC = "sync_dp"        # attribute holding the DataParallelSync of the emitted module
-COMM_TP = "comm_tp"     # attribute holding the AxisComm of the tp axis
-REPLICAS = "replicas"   # ZeRO-1/2: submodule holding the full parameter replicas
-
-
-def shard_specs(ctx: CompileContext) -> dict[str, ShardSpec]:
-    """How every trainable parameter is split over ``dp`` (ddp: N=1, nothing split)."""
-    n = ctx.mesh.axis_size("dp") if ctx.plan.dp != "ddp" else 1
-    index = ctx.mesh.coordinate("dp") if n > 1 else 0
-    return {name: ShardSpec(ctx.local_shape(name), n, index)
-            for name, info in ctx.params.items() if not info.is_buffer and info.requires_grad}
-
-
-FIRST_BUCKET_BYTES = 1 << 20
+from .analysis import input_nodes
+from .tensor_parallel import varying as _varying
 
 
 def _size_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
@@ -57,7 +46,7 @@ def _size_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str
     buckets, cur, cur_bytes, cap = [], [], 0, min(FIRST_BUCKET_BYTES, ctx.plan.bucket_bytes)
     for name in reversed(order):
         info = ctx.params[name]
-        size = specs[name].n * specs[name].chunk_numel * info.dtype.itemsize
+        size = specs[name].padded_numel * info.dtype.itemsize
         if cur and (cur_bytes + size > cap or info.dtype != ctx.params[cur[0]].dtype):
             buckets.append(cur)
             cur, cur_bytes, cap = [], 0, ctx.plan.bucket_bytes
@@ -89,7 +78,7 @@ def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str
         cur, cur_bytes = [], 0
         for name in members:
             info = ctx.params[name]
-            size = specs[name].n * specs[name].chunk_numel * info.dtype.itemsize
+            size = specs[name].padded_numel * info.dtype.itemsize
             if cur and (cur_bytes + size > ctx.plan.bucket_bytes or info.dtype != ctx.params[cur[0]].dtype):
                 units.append(cur)
                 cur, cur_bytes = [], 0
@@ -102,7 +91,7 @@ def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str
 
 def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g = gm.graph
-    specs = shard_specs(ctx)
+    specs = ctx.shard_specs()
     position = {nd: i for i, nd in enumerate(g.nodes)}
     used = [nd for nd in g.nodes if nd.op == "get_attr" and nd.meta.get(meta.PARAM) in specs and nd.users]
     used.sort(key=lambda nd: min(position[u] for u in nd.users))     # order of first use
@@ -193,7 +182,7 @@ def _insert_bucket_syncs(gm, ctx, params, specs, sync) -> None:
                 values.append(replica)
                 owners.append(params[m])
             node = g.create_node("call_function", dp_bucket_sync, (sync, k, values, owners), name=f"bucket_{k}")
-            nbytes = sum((specs[m].n * specs[m].chunk_numel if mode != "ddp" else specs[m].numel)
+            nbytes = sum((specs[m].padded_numel if mode != "ddp" else specs[m].numel)
                          * ctx.params[m].dtype.itemsize for m in bucket)
             node.meta.update({meta.VAL: tuple(params[m].meta[meta.VAL] for m in bucket),
                               meta.LAYOUT: tuple(_whole_dp(params[m], ctx) for m in bucket),
@@ -219,7 +208,7 @@ def _unit_info(units, k, name, specs, ctx, n, bucket) -> CommInfo:
     unit = units[k]
     if name != unit[0]:
         return CommInfo("all_gather", "dp", 0.0, "forward", f"part of unit {k}, gathered with {unit[0]}")
-    nbytes = sum(specs[m].n * specs[m].chunk_numel * ctx.params[m].dtype.itemsize for m in unit)
+    nbytes = sum(specs[m].padded_numel * ctx.params[m].dtype.itemsize for m in unit)
     return CommInfo("all_gather", "dp", ring_bytes("all_gather", nbytes, n), "forward",
                     f"unit {k} ({len(unit)} params); backward: gathered again if read, "
                     f"gradients reduce_scatter in bucket {bucket}")
@@ -257,8 +246,6 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
     redistribution (one per producer and target layout, shared by its consumers); where a
     replicated input is read by per-rank compute, insert Megatron's ``f`` (``tp_copy``) so
     that backward sums the ranks' gradient addends. Outputs are made whole along tp."""
-    from autopar.tpcomm import tp_all_reduce, tp_copy, tp_gather, tp_reduce_scatter, tp_split
-    from autopar.passes.tensor_parallel import varying as _varying
     g, t = gm.graph, ctx.mesh.axis_size("tp")
     gm.add_submodule(COMM_TP, torch.nn.Module())     # stand-in: emit binds the AxisComm
     with g.inserting_before(next(iter(g.nodes))):
@@ -351,7 +338,6 @@ def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileCo
     parallelism: the norms and the row products' biases), one ``tp_param_sync`` per numbered
     layer, before the layer's first such read: one gradient all-reduce per layer instead of
     one per vector, and ZeRO-3 still meets each layer's parameters where the layer starts."""
-    from autopar.tpcomm import tp_param_sync
     position = {n: i for i, n in enumerate(g.nodes)}
     groups: dict = {}
     for src, users in shared.items():
@@ -376,8 +362,7 @@ def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileCo
 
 
 def _lower_vocab_parallel(node: fx.Node, comm: fx.Node, ctx: CompileContext) -> None:
-    """Replace the op by its vocabulary-parallel form (autopar.tpcomm) for this rank's rows."""
-    from autopar.tpcomm import chunk_range, tp_vocab_cross_entropy, tp_vocab_embedding
+    """Replace the op by its vocabulary-parallel form (autopar.runtime.tpcomm) for this rank's rows."""
     t, r = ctx.mesh.axis_size("tp"), ctx.mesh.coordinate("tp")
     if node.meta[meta.LOWER] == "vocab_embedding":
         table, idx = node.args[:2]

@@ -17,25 +17,31 @@
     plan.collective_matmul (tp + sp)
         tp_gather(x) -> linear      =>  all_gather_matmul(x, w, b)
         linear -> tp_reduce_scatter =>  matmul_reduce_scatter(x, w, b)
-        (``autopar.collmatmul``: the matmul of one chunk overlaps the ring transfer of the next)
+        (``autopar.runtime.collmatmul``: the matmul of one chunk overlaps the ring transfer of the next)
 
 With ``plan.overlap`` off every start sits right before its wait, so nothing overlaps: the
 baseline the pass is measured against. Backward collectives come from autograd: gradient
 buckets are launched as they fill and ZeRO-3 re-gathers ahead by the runtime
-(``autopar.dpsync``) under the same flag and budget.
+(``autopar.runtime.dpsync``) under the same flag and budget.
 
 Bytes issued ahead count the gathered unit and its send buffer: (N + 1)/N of the unit's
 parameters. Every rank runs the same graph, so every rank issues the same collectives in the
-same order; ``check_collective_order`` verifies it before the first step.
+same order; the order_check pass verifies it before the first step.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
+from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
+from autopar.runtime.dpsync import dp_gather, dp_unit_start, dp_unit_wait
+from autopar.runtime.tpcomm import (tp_all_reduce, tp_copy, tp_copy_linear, tp_gather, tp_reduce_scatter, tp_start,
+                                    tp_wait)
+from autopar.sizes import gather_unit_bytes
 
-__all__ = ["overlap", "unit_ahead_bytes", "collective_sequence"]
+__all__ = ["overlap", "unit_ahead_bytes"]
 
 
 def overlap(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -58,7 +64,6 @@ def overlap(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 # ---- tensor parallel ------------------------------------------------------------------------
 
 def _split_tp(g: fx.Graph, on: bool) -> int:
-    from autopar.tpcomm import tp_all_reduce, tp_gather, tp_reduce_scatter, tp_start, tp_wait
     kinds = {tp_all_reduce: "all_reduce", tp_gather: "all_gather", tp_reduce_scatter: "reduce_scatter"}
     order = {n: i for i, n in enumerate(g.nodes)}
     count = 0
@@ -87,9 +92,6 @@ def _fuse_collective_matmuls(g: fx.Graph, t: int) -> int:
     """tp_gather -> linear (its only reader; the gradient is a sum over tp) becomes
     all_gather_matmul; linear without bias -> tp_reduce_scatter (its only reader, along a dim
     that divides by tp) becomes matmul_reduce_scatter."""
-    import torch
-    from autopar.collmatmul import all_gather_matmul, matmul_reduce_scatter
-    from autopar.tpcomm import tp_gather, tp_reduce_scatter
     linear = torch.ops.aten.linear.default
     count = 0
     for node in list(g.nodes):
@@ -129,8 +131,6 @@ def _fuse_copy_linear(g: fx.Graph) -> int:
     """tp_copy(x) read only by a linear (Megatron's f before a column product) becomes
     tp_copy_linear: in backward the input gradient's all-reduce is issued before the weight
     gradient is computed and waited on after it."""
-    import torch
-    from autopar.tpcomm import tp_copy, tp_copy_linear
     count = 0
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not tp_copy or len(node.users) != 1:
@@ -148,15 +148,10 @@ def _fuse_copy_linear(g: fx.Graph) -> int:
 # ---- ZeRO-3 ---------------------------------------------------------------------------------
 
 def unit_ahead_bytes(ctx: CompileContext) -> list[int]:
-    """Bytes a unit's gather holds while in flight: the gathered unit plus the rank's send
-    buffer, (N + 1)/N of its parameters (padded)."""
-    from autopar.passes.collectives import shard_specs
-    specs = shard_specs(ctx)
-    out = []
-    for unit in ctx.gather_units:
-        width = sum(specs[n].chunk_numel for n in unit)
-        out.append((specs[unit[0]].n + 1) * width * ctx.params[unit[0]].dtype.itemsize)
-    return out
+    """Bytes each unit's gather holds while in flight (``sizes.gather_unit_bytes``)."""
+    specs = ctx.shard_specs()
+    return [gather_unit_bytes(sum(specs[n].padded_numel for n in unit), specs[unit[0]].n,
+                              ctx.params[unit[0]].dtype.itemsize) for unit in ctx.gather_units]
 
 
 def _issue_after(sizes: list[int], k: int, budget) -> int:
@@ -174,8 +169,6 @@ def _issue_after(sizes: list[int], k: int, budget) -> int:
 
 
 def _place_unit_gathers(gm: fx.GraphModule, ctx: CompileContext) -> int:
-    from autopar.dpsync import dp_gather, dp_unit_start, dp_unit_wait
-    from autopar.passes.collectives import SYNC
     g = gm.graph
     unit_of = {name: k for k, unit in enumerate(ctx.gather_units) for name in unit}
     first: dict[int, fx.Node] = {}
@@ -184,7 +177,7 @@ def _place_unit_gathers(gm: fx.GraphModule, ctx: CompileContext) -> int:
             first.setdefault(unit_of[node.args[2]], node)
     if not first:
         return 0
-    sync = next(n for n in g.nodes if n.op == "get_attr" and n.target == SYNC)
+    sync = next(n for n in g.nodes if n.op == "get_attr" and n.target == meta.SYNC)
     sizes = unit_ahead_bytes(ctx)
     units = sorted(first, key=lambda k: list(g.nodes).index(first[k]))
     waits: dict[int, fx.Node] = {}
@@ -210,12 +203,3 @@ def _place_unit_gathers(gm: fx.GraphModule, ctx: CompileContext) -> int:
     ctx.notes.append(f"ZeRO-3 gathers issued (prefetch {'one unit' if budget is None else f'{budget:,} B'}"
                      f"{'' if ctx.plan.overlap else ', overlap off'}): unit " + "; ".join(placed))
     return len(units)
-
-
-# ---- the order every rank issues ------------------------------------------------------------
-
-def collective_sequence(gm: fx.GraphModule) -> list[str]:
-    """The collectives this graph issues, in order, as comparable text (one per node that
-    carries ``meta.COMM``: the forward ones and the backward ones autograd derives from them)."""
-    return [f"{node.name}: {node.meta[meta.COMM]}" for node in gm.graph.nodes
-            if meta.COMM in node.meta and node.meta[meta.COMM] is not None]

@@ -8,7 +8,7 @@ defined before the cut and read after it (or is an output): residual streams, an
 else, are passed along stage by stage. A parameter read by two stages (a tied embedding and
 LM head) lives in both; the runtime sums its gradient over the two.
 
-The cut is chosen in two steps (stage cost = forward FLOPs, ``cost.compute.node_flops``):
+The cut is chosen in two steps (stage cost = forward FLOPs, ``autopar.ops.node_flops``):
 
     1. T* = the smallest possible cost of the most expensive stage (dynamic program over
        the legal cuts: between two nodes where only tensors cross);
@@ -32,8 +32,10 @@ from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
-from autopar.cost import evaluate, zero_memory_bytes
-from autopar.cost.compute import node_flops, value_bytes
+from autopar.ops import node_flops, value_bytes
+from autopar.sizes import inflight_microbatches, state_bytes
+
+from .analysis import batch_dependent
 
 BALANCE_SLACK = 0.10
 
@@ -85,16 +87,6 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 # ---- analysis ----------------------------------------------------------------------------
 
-def batch_dependent(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes with a graph input among their ancestors (the inputs included)."""
-    dep: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "placeholder" or (n.op in ("call_function", "call_module", "call_method")
-                                     and any(a in dep for a in n.all_input_nodes)):
-            dep.add(n)
-    return dep
-
-
 def _crossing(order, pos, output):
     """Bytes crossing each cut c (between order[c-1] and order[c]) and whether the cut is legal
     (everything crossing is a tensor)."""
@@ -132,9 +124,10 @@ def _memory_model(order, ctx: CompileContext):
             if info is not None and name not in seen:
                 seen.add(name)
                 numel += info.numel
-        state.append(evaluate(zero_memory_bytes(mode), Psi=numel, N=dp) if numel else 0.0)
+        state.append(float(state_bytes(mode, numel, dp)) if numel else 0.0)
         act.append(value_bytes(node.meta.get(meta.VAL)))
-    in_flight = {"gpipe": ctx.plan.microbatches}.get(ctx.plan.pp_schedule, ctx.mesh.axis_size("pp"))
+    plan, p = ctx.plan, ctx.mesh.axis_size("pp")
+    in_flight = inflight_microbatches(plan.pp_schedule, p, plan.microbatches, plan.virtual_stages)
     return np.concatenate([[0.0], np.cumsum(state)]), np.concatenate([[0.0], np.cumsum(act)]) * in_flight
 
 

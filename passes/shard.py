@@ -24,32 +24,11 @@ from torch import fx
 from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Replicate, Shard
-from autopar.passes.rules import OpInfo, format_placement, strategies_for
+from . import tensor_parallel
+from .analysis import input_nodes, is_value
+from .rules import OpInfo, format_placement, strategies_for
 
 R = Replicate()
-
-
-def _is_value(val) -> bool:
-    return isinstance(val, torch.Tensor) or (
-        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
-
-
-def input_nodes(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor inputs in the order strategies list them (args, then kwargs; lists
-    walked; a multi-output value counts once)."""
-    found = []
-
-    def walk(v):
-        if isinstance(v, fx.Node):
-            if _is_value(v.meta.get(meta.VAL)):
-                found.append(v)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    for v in list(node.args) + list(node.kwargs.values()):
-        walk(v)
-    return found
 
 
 def _matches(required, current) -> bool:
@@ -97,7 +76,6 @@ def _choose(node: fx.Node, placed: dict, n: int):
 
 
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    from autopar.passes import tensor_parallel
     if ctx.plan.tp:     # parameter placements along tp first: they may move row-parallel biases
         tensor_parallel.decide(gm, ctx)
     _shard_dp(gm, ctx)
@@ -112,7 +90,7 @@ def _shard_dp(gm: fx.GraphModule, ctx: CompileContext) -> None:
     placed: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         val = node.meta.get(meta.VAL)
-        if not _is_value(val):
+        if not is_value(val):
             continue
         if node.op == "get_attr":
             info = ctx.params.get(node.meta.get(meta.PARAM, ""))

@@ -45,12 +45,13 @@ from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
-from autopar.placement import Layout, Partial, Replicate, Shard, parse_placement
-from autopar.tpcomm import TPParam
-from autopar.passes.rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
-from autopar.passes.rules.registry import replicated
-from autopar.passes.rules.view import _groups
-from autopar.passes.shard import _is_value, input_nodes
+from autopar.placement import Layout, Partial, Replicate, Shard, TPParam, parse_placement
+from autopar.sizes import chunk
+
+from .analysis import input_nodes, is_value
+from .rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
+from .rules.registry import replicated
+from .rules.view import _groups
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -62,13 +63,13 @@ VIEWLIKE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
             aten.contiguous.default, aten.clone.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
+_ROW_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
 
 
 def sp_op(target) -> bool:
     """Ops of the pointwise regions sequence parallelism shards along the sequence."""
     rule = RULES.get(target)
-    return target in _NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
+    return target in _ROW_NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class _Walk:
     def run(self):
         for node in list(self.gm.graph.nodes):
             val = node.meta.get(meta.VAL)
-            if not _is_value(val):
+            if not is_value(val):
                 continue
             if node.op == "placeholder":
                 self.pl[node] = R
@@ -310,7 +311,7 @@ class _Walk:
                                          "logits feed cross_entropy in the graph")
             vocab = info.args[0].shape[0]
             if name in self.params and self.params[name].placement == Shard(0) and cur[1] == R:
-                if vocab < self.t or -(-vocab // self.t) * (self.t - 1) >= vocab:
+                if vocab < self.t or chunk(vocab, self.t) * (self.t - 1) >= vocab:
                     raise ValueError(f"{name}: a vocabulary of {vocab} rows leaves some of tp={self.t} "
                                      "ranks without rows; keep the table whole (Plan tp_layout 'R')")
                 node.meta[meta.LOWER] = "vocab_embedding"

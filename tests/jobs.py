@@ -170,7 +170,7 @@ def memory(mode):
 
 def comm_functions():
     """The autograd-aware collectives and their conjugate backward, with byte counts."""
-    from autopar.comm import AxisComm, CommStats, all_gather, all_reduce, copy_to_axis, reduce_scatter
+    from autopar.runtime.comm import AxisComm, CommStats, all_gather, all_reduce, copy_to_axis, reduce_scatter
     world, rank = dist.get_world_size(), dist.get_rank()
     stats = CommStats()
     comm = AxisComm("dp", world, rank, dist.group.WORLD, stats)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from autopar.cost.cluster import PRESETS, Cluster, Device, Link, calibrate_local, get_cluster
+from autopar.cost.calibration import calibrate_local
+from autopar.cost.cluster import PRESETS, Cluster, Device, Link, get_cluster
 
 pytestmark = pytest.mark.timeout(300)
 

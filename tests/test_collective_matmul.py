@@ -1,4 +1,4 @@
-"""Collective matmul (autopar.collmatmul): values, gradients and byte counts against plain torch
+"""Collective matmul (autopar.runtime.collmatmul): values, gradients and byte counts against plain torch
 on the whole tensors and against the non-decomposed collectives (2 and 4 gloo ranks)."""
 import functools
 
@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.collmatmul import all_gather_matmul, matmul_reduce_scatter
-from autopar.comm import AxisComm, CommStats, all_gather, reduce_scatter, ring_bytes
+from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
+from autopar.runtime.comm import AxisComm, CommStats, all_gather, reduce_scatter
+from autopar.sizes import ring_bytes
 from autopar.testing import run
 
 pytestmark = pytest.mark.timeout(120)

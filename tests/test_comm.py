@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from autopar.comm import ShardSpec, ring_bytes
+from autopar.placement import ShardSpec
+from autopar.sizes import ring_bytes
 from autopar.testing import run
 
 import jobs

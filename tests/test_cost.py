@@ -15,13 +15,15 @@ import pytest
 import sympy as sp
 
 import autopar
-from autopar.comm import ring_bytes
+from autopar.sizes import ring_bytes
 from autopar.cost.comm import ALGORITHMS, NBYTES, P, bytes_per_rank_expr, collective_time
 from autopar.cost.cluster import Link, get_cluster
 from autopar.cost.formulas import N, PSI, evaluate
-from autopar.cost.memory import (MIXED_PRECISION, activation_bytes_per_layer, inflight_microbatches,
-                                 model_state_bytes)
-from autopar.estimate import Profiles, closed_form_pipeline, evaluate_plan, group_time
+from autopar.cost.memory import MIXED_PRECISION, activation_bytes_per_layer, model_state_bytes
+from autopar.sizes import inflight_microbatches
+from autopar.cost.compute import group_time
+from autopar.cost.estimate import Profiles, evaluate_plan
+from autopar.cost.replay import closed_form_pipeline
 from autopar.models import NAMED, GPTConfig, TinyGPT, gpt_batch, named
 from autopar.schedule import build_schedule, simulate
 
@@ -128,7 +130,7 @@ def test_activations_of_the_compiled_graph_match_korthikanti_table_2(gpt3_one_la
     the bytes autopar's profile finds saved for backward in the captured graph of one layer
     (by the saved-tensor table of autograd's formulas, after the tp / sp passes) are the
     published formula, within 5%."""
-    from autopar.estimate import _saved
+    from autopar.cost.estimate import _saved
     math_attention, _ = gpt3_one_layer
     prof = math_attention.get(tp, sp_)
     layer = prof.layers[0]

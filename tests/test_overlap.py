@@ -9,11 +9,11 @@ import json
 import pytest
 
 import autopar
-from autopar.dpsync import dp_gather, dp_unit_start, dp_unit_wait
+from autopar.runtime.dpsync import dp_gather, dp_unit_start, dp_unit_wait
 from autopar.models import GPTConfig, TinyGPT, gpt_batch
 from autopar.passes.overlap import unit_ahead_bytes
 from autopar.testing import run
-from autopar.tpcomm import tp_start, tp_wait
+from autopar.runtime.tpcomm import tp_start, tp_wait
 
 import jobs
 
@@ -135,7 +135,7 @@ def test_tp_waits_right_before_first_use():
 def test_collective_matmul_replaces_the_pairs():
     """collective_matmul: per layer, the all-gathers before qkv and fc become all_gather_matmul
     and the reduce-scatters after proj and out become matmul_reduce_scatter."""
-    from autopar.collmatmul import all_gather_matmul, matmul_reduce_scatter
+    from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
     dm = _compile(autopar.Plan(tp=True, sp=True, collective_matmul=True), tp=2)
     targets = [n.target for n in _order(dm) if n.op == "call_function"]
     assert targets.count(all_gather_matmul) == 4 and targets.count(matmul_reduce_scatter) == 4
@@ -224,7 +224,7 @@ def test_different_plans_on_the_ranks_are_an_error():
 def test_megatron_f_backward_all_reduce_runs_under_the_weight_gradient():
     """tp: Megatron's f before each column product is fused with it (tp_copy_linear: the input
     gradient's all-reduce goes out before the weight gradient is computed); off, it is not."""
-    from autopar.tpcomm import tp_copy, tp_copy_linear
+    from autopar.runtime.tpcomm import tp_copy, tp_copy_linear
     on = [n.target for n in _order(_compile(autopar.Plan(tp=True), tp=2)) if n.op == "call_function"]
     off = [n.target for n in _order(_compile(autopar.Plan(tp=True, overlap=False), tp=2)) if n.op == "call_function"]
     assert on.count(tp_copy_linear) == 4 and tp_copy not in on          # qkv and fc of 2 layers

@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar import meta
-from autopar.dpsync import dp_bucket_sync, dp_gather, dp_release
+from autopar.runtime.dpsync import dp_bucket_sync, dp_gather, dp_release
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
 from autopar.placement import Partial, Replicate, Shard
 

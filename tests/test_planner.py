@@ -7,9 +7,9 @@ import pytest
 
 import autopar
 from autopar.cost.cluster import Cluster, Device, Link, get_cluster
-from autopar.estimate import Profiles, evaluate_plan
+from autopar.cost.estimate import Profiles, evaluate_plan
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, named
-from autopar.planner import InfeasiblePlan, _Chain, _score
+from autopar.cost.planner import InfeasiblePlan, _Chain, _score
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +44,7 @@ def test_planner_choice_equals_exhaustive_enumeration(small_gpt, world, cluster)
 
 
 def _all_scores(profiles, world, c, gb):
-    from autopar.planner import candidates
+    from autopar.cost.planner import candidates
     base = profiles.base
     for axes, plan, rc in candidates(profiles, world, c, gb, heads=base.heads, layers=len(base.layers)):
         ch = _Chain(profiles.get(axes["tp"], plan.sp))

@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 import autopar
-from autopar.cost.cluster import calibrate_local
-from autopar.estimate import Profiles, evaluate_plan
+from autopar.cost.calibration import calibrate_local
+from autopar.cost.estimate import Profiles, evaluate_plan
 from autopar.models import TinyGPT, gpt_batch
 from autopar.testing import run
 

@@ -10,10 +10,10 @@ from autopar.schedule import (
     ScheduleDeadlock,
     build_schedule,
     execute,
-    execute_shared,
     lower,
     simulate,
 )
+from autopar.cost.replay import execute_shared, simulate_shared
 
 BUILT = [(name, p, m, v) for p in (1, 2, 4) for m in (4, 8)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3))
@@ -212,7 +212,7 @@ def test_shared_cores_replay(name, p, m, v):
     assert [[(a, pytest.approx(b), pytest.approx(e)) for a, b, e in evs] for evs in plain.events] == same.events
     total = sum(e - b for evs in plain.events for _, b, e in evs)
     assert execute_shared(s, lower(s), 1, duration=dur).makespan == pytest.approx(total)
-    half = simulate(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
+    half = simulate_shared(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
     assert plain.makespan <= half.makespan + 1e-9 and half.makespan >= total / (p / 2) - 1e-9
     assert all(e - b >= work[a] - 1e-9 for evs in half.events for a, b, e in evs)
     with pytest.raises(ValueError, match="positive number of processors"):
@@ -227,16 +227,16 @@ def test_shared_replay_with_placement():
     s = build_schedule("1f1b", 2, 4)
     dur = {"F": 1.0, "B": 2.0}
     lat = lambda a: 0.3      # noqa: E731
-    halved = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
+    halved = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
     doubled = simulate(s, duration=lambda a: 2 * dur[a.kind], latency=lat)
     assert halved.makespan == pytest.approx(doubled.makespan)
     s4 = build_schedule("zero_bubble", 4, 4)
     d4 = {"F": 1.0, "B": 1.0, "W": 1.0}
     own = simulate(s4, duration=lambda a: d4[a.kind], latency=lat).makespan
-    paired = simulate(s4, duration=lambda a: d4[a.kind], latency=lat,
+    paired = simulate_shared(s4, duration=lambda a: d4[a.kind], latency=lat,
                       placement=[(0, 1.0, 1.0), (0, 1.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 1.0)]).makespan
     assert own < paired < simulate(s4, duration=lambda a: 2 * d4[a.kind], latency=lat).makespan
-    slower = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
+    slower = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
                       speed=0.5)
     assert slower.makespan == pytest.approx(simulate(s, duration=lambda a: 4 * dur[a.kind], latency=lat).makespan)
 
@@ -306,7 +306,7 @@ def test_text_grid():
 def test_chrome_trace():
     t = simulate(build_schedule("interleaved", 2, 4, v=2))
     trace = json.loads(json.dumps(t.chrome_trace()))
-    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert sorted(e["pid"] for e in meta) == [0, 1] and meta[0]["args"]["name"] == "rank 0"
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == 2 * 2 * 4 * 2 and {e["pid"] for e in xs} == {0, 1}

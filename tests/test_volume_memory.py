@@ -1,7 +1,7 @@
 """Bytes per step and per-rank memory against the ZeRO formulas, on real processes."""
 import pytest
 
-from autopar.cost import dp_comm_elements, evaluate, zero_memory_bytes
+from autopar.cost import dp_comm_elements, evaluate, model_state_bytes
 from autopar.testing import run
 
 import jobs
@@ -71,7 +71,7 @@ def memories():
 @pytest.mark.parametrize("mode", jobs.MODES)
 def test_memory_after_step_matches_zero_formula(memories, world, mode):
     for r in memories[(world, mode)]:
-        formula = evaluate(zero_memory_bytes(mode), Psi=r["psi"], N=world)
+        formula = evaluate(model_state_bytes(mode), Psi=r["psi"], N=world)
         # the module's parameters, gradients, replicas and gradient buffers plus Adam's moments
         assert r["module_bytes"] + r["opt_bytes"] == formula
         # every live tensor in the process: nothing else is held (gathered parameters, full

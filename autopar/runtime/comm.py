@@ -20,39 +20,16 @@ them is differentiable and backward communication comes from autograd:
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["AxisComm", "CommStats", "CommInfo", "ShardSpec", "ring_bytes",
-           "all_gather", "reduce_scatter", "all_reduce", "copy_to_axis"]
+from ..sizes import ring_bytes
 
-
-def ring_bytes(kind: str, nbytes: float, n: int) -> float:
-    """Per-rank bytes a ring ``kind`` collective over ``n`` ranks moves for a ``nbytes`` tensor."""
-    if n <= 1:
-        return 0.0
-    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[kind]
-    return factor * (n - 1) * nbytes / n
-
-
-@dataclass(frozen=True)
-class CommInfo:
-    """What a collective node of the graph does, for dumps and explain()."""
-    kind: str          # all_gather | reduce_scatter | all_reduce
-    axis: str
-    nbytes: float      # per rank, per call
-    phase: str = "forward"
-    then: str = ""     # what else it causes (its conjugate in backward, its bucket)
-
-    def __str__(self) -> str:
-        then = f"; {self.then}" if self.then else ""
-        return f"{self.phase} {self.kind}[{self.axis}] {self.nbytes:,.0f} B/rank{then}"
+__all__ = ["AxisComm", "CommStats", "TracedWork", "all_gather", "reduce_scatter", "all_reduce", "copy_to_axis"]
 
 
 class CommStats:
@@ -118,7 +95,7 @@ class AxisComm(nn.Module):
             trace.append(("comm", name, t0, t1))
             trace.append(("wait", name, t0, t1))
             return work
-        return _TracedWork(work, name, t0, trace)
+        return TracedWork(work, name, t0, trace)
 
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
@@ -156,7 +133,7 @@ class AxisComm(nn.Module):
                          async_op)
 
 
-class _TracedWork:
+class TracedWork:
     """An asynchronous collective's handle that records when it completed (a callback on its
     future where the backend offers one, else when the wait returned) and how long a wait
     blocked."""
@@ -187,69 +164,6 @@ class _TracedWork:
             if t1 - t0 > 2e-5:       # a wait that found the transfer done did not block
                 self._trace.append(("wait", self._name, t0, t1))
         return result
-
-
-# ---- dim-0 sharding with padding ----------------------------------------------------------
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A tensor split along dim 0 into N chunks of ``ceil(d0/N)`` rows; the last ranks may hold
-    fewer rows (or none). Collectives move padded chunks of ``chunk_numel`` elements."""
-    shape: tuple[int, ...]
-    n: int
-    index: int
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if self.shape else 1
-
-    @property
-    def chunk_rows(self) -> int:
-        return -(-self.rows // self.n)
-
-    @property
-    def chunk_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
-
-    def row_range(self, index: int | None = None) -> tuple[int, int]:
-        i = self.index if index is None else index
-        lo = min(i * self.chunk_rows, self.rows)
-        return lo, min(lo + self.chunk_rows, self.rows)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        lo, hi = self.row_range()
-        return (hi - lo,) + tuple(self.shape[1:])
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def local_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``full`` (a view)."""
-        lo, hi = self.row_range()
-        return full.reshape(self.rows, *self.shape[1:])[lo:hi]
-
-    def padded_chunks(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` as an (N, chunk_numel) tensor, zero-padded at the end."""
-        flat = full.reshape(-1)
-        pad = self.n * self.chunk_numel - flat.numel()
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(self.n, self.chunk_numel)
-
-    def padded_local(self, local: torch.Tensor) -> torch.Tensor:
-        flat = local.reshape(-1)
-        pad = self.chunk_numel - flat.numel()
-        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-    def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The full tensor from an (N * chunk_numel) gathered buffer (a view, no copy)."""
-        return gathered.reshape(-1)[: self.numel].view(self.shape)
 
 
 # ---- autograd-aware collectives along a tensor dim ------------------------------------------

@@ -37,7 +37,9 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from .comm import AxisComm, ShardSpec
+from ..placement import ShardSpec
+from ..sizes import chunk_range, gather_unit_bytes
+from .comm import AxisComm
 
 __all__ = ["DataParallelSync", "dp_gather", "dp_release", "dp_bucket_sync", "dp_local_chunk", "dp_unit_start",
            "dp_unit_wait"]
@@ -104,10 +106,9 @@ class DataParallelSync(nn.Module):
 
     # ---- parameters --------------------------------------------------------------------
     def unit_bytes(self, k: int) -> int:
-        """Bytes unit ``k``'s gather holds in flight: the gathered parameters and this rank's
-        send buffer, (N + 1)/N of the unit (as ``passes.overlap.unit_ahead_bytes``)."""
+        """Bytes unit ``k``'s gather holds in flight (``sizes.gather_unit_bytes``)."""
         u = self.units[k]
-        return (self.comm.size + 1) * u.width * self._params[u.names[0]].element_size()
+        return gather_unit_bytes(self.comm.size * u.width, self.comm.size, self._params[u.names[0]].element_size())
 
     def start_unit(self, k: int) -> None:
         """Forward (graph node ``dp_unit_start``): issue unit ``k``'s gather."""
@@ -511,7 +512,5 @@ def dp_unit_wait(sync: DataParallelSync, unit: int) -> None:
 def dp_local_chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
     """Rank ``index``'s ceil-chunk of a replicated ``x`` along ``dim`` (Replicate -> Shard, no
     communication; backward is narrow's: the gradient of this rank's part)."""
-    size = x.shape[dim]
-    chunk = -(-size // n)
-    lo = min(index * chunk, size)
-    return x.narrow(dim, lo, min(lo + chunk, size) - lo)
+    lo, hi = chunk_range(x.shape[dim], n, index)
+    return x.narrow(dim, lo, hi - lo)

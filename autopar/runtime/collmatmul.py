@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import AxisComm, ring_bytes
+from ..sizes import ring_bytes
+from .comm import AxisComm
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 

@@ -1,121 +1,49 @@
-"""emit and run: the DistributedModule.
+"""DistributedModule: this rank's part of the compiled model, as an ``nn.Module``.
 
-``emit`` turns the rewritten graph into this rank's module: its parameters are this rank's
-shards (ddp: full copies), ZeRO-1/2 replicas are non-persistent buffers, and the
-``DataParallelSync`` of the dp axis serves the graph's collective nodes. Nothing of the
-original model is kept: every tensor is copied (ZeRO-3 copies only this rank's rows).
+Its ``module`` is the emitted GraphModule (``autopar.runtime.emit``); its parameters are this
+rank's shards (ddp: full copies). It runs forward on this rank's data-parallel slice, builds
+the optimizer over the shards, and gathers full views (state dict, gradients, the global
+gradient norm) with collectives. Inspection (``explain``, ``predict``, ``dump``) needs the
+cost model and the printing of the front end, which the runtime does not import: compile
+hands the module an ``inspector`` that provides them (``autopar.explain.Inspector``).
 """
 from __future__ import annotations
 
 import math
 import operator
 import weakref
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from . import meta
-from .comm import AxisComm, CommStats, ShardSpec
-from .context import CompileContext
+from ..context import CompileContext
+from ..meta import REPLICAS
+from ..placement import ShardSpec
+from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
-from .tpcomm import SavedRegather
+from .timeline import record
+from .tpcomm import gather_tp_param
 
-__all__ = ["DistributedModule", "emit", "collective_sequences", "check_collective_order"]
+__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path"]
 
 
-def _attr(obj, dotted: str):
+def attr_path(obj, dotted: str):
     """``obj.a.b.c`` for ``"a.b.c"``: parameters and buffers under their qualified names."""
     return operator.attrgetter(dotted)(obj)
 
 
-def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
-         stats: CommStats | None = None) -> "DistributedModule":
-    from autopar.passes.collectives import COMM_TP, REPLICAS, SYNC, shard_specs
-    mode = ctx.plan.dp
-    specs = shard_specs(ctx)
-    stats = stats if stats is not None else CommStats()   # pipeline stages share one counter
-    comm = _axis_comm(ctx, "dp", stats)
-    tp_comm = _axis_comm(ctx, "tp", stats) if ctx.plan.tp else None
-    if ctx.plan.sp:   # column inputs are saved as sequence shards, gathered again in backward
-        tp_comm.regather = SavedRegather()
-    root: dict[str, Any] = {}
-    shards: dict[str, nn.Parameter] = {}
-    replicas: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, info in ctx.params.items():
-            full = _attr(model, name).detach()
-            if name in ctx.tp_params:                   # this rank's slice along tp (a copy if interleaved)
-                full = ctx.tp_params[name].local_of(full, tp_comm.size, tp_comm.index)
-            if name not in specs:                       # buffers and frozen parameters: copied
-                root[name] = full.clone() if info.is_buffer else nn.Parameter(full.clone(), requires_grad=False)
-                continue
-            if mode == "zero3":
-                shard = nn.Parameter(specs[name].local_of(full).clone())
-            elif mode == "ddp":
-                shard = nn.Parameter(full.clone())
-            else:   # the shard is a view of the replica's own rows: updating it updates the replica
-                replicas[name] = full.clone()
-                shard = nn.Parameter(specs[name].local_of(replicas[name]))
-                root[f"{REPLICAS}.{name}"] = replicas[name]
-            shards[name] = root[name] = shard
-        for node in gm.graph.nodes:    # lifted constants of the captured graph
-            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC, COMM_TP) \
-                    and not node.target.startswith(REPLICAS + "."):
-                root[node.target] = _attr(gm, node.target)
-            elif node.op == "call_module":     # fused regions (sequence parallelism)
-                root[node.target] = gm.get_submodule(node.target)
-    # with overlap, gradient reductions run on a second dp group, so that a bucket's reduction in
-    # flight does not hold up the next unit's gather (measured on gloo: a gather issued behind a
-    # reduce-scatter on one group waited for it). Every rank creates it (new_group is collective):
-    # the condition depends on the plan and mesh only
-    reduce_comm = None
-    if ctx.plan.overlap and comm.size > 1 and not ctx.mesh.virtual:
-        reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)
-    sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units,
-                            overlap=ctx.plan.overlap, prefetch_bytes=ctx.plan.prefetch_bytes,
-                            reduce_comm=reduce_comm)
-    root[SYNC] = sync
-    if tp_comm is not None:
-        root[COMM_TP] = tp_comm
-    out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
-    for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest
-        if name not in (SYNC, COMM_TP) and not _has_attr(out, name):
-            _set_attr(out, name, value)
-    if REPLICAS in dict(out.named_children()):
-        for mod in out.get_submodule(REPLICAS).modules():
-            for bname, buf in list(mod._buffers.items()):
-                mod.register_buffer(bname, buf, persistent=False)
-    return DistributedModule(out, ctx, sync, stats, tp_comm)
+class Inspector(Protocol):
+    """What ``explain``, ``predict`` and ``dump`` of a compiled module call (the front end's
+    ``autopar.explain.Inspector`` implements it)."""
 
+    def explain(self, dm, cluster) -> str: ...
 
-def _axis_comm(ctx: CompileContext, axis: str, stats: CommStats) -> AxisComm:
-    mesh = ctx.mesh
-    return AxisComm(axis, mesh.axis_size(axis), mesh.coordinate(axis),
-                    mesh.group(axis) if axis in mesh.axes else None, stats)
+    def predict(self, dm, cluster, global_batch, recompute): ...
 
-
-def _has_attr(mod: nn.Module, dotted: str) -> bool:
-    try:
-        _attr(mod, dotted)
-        return True
-    except AttributeError:
-        return False
-
-
-def _set_attr(mod: nn.Module, dotted: str, value: torch.Tensor) -> None:
-    """Register ``value`` at ``dotted`` (a parameter, or a buffer), making the submodules."""
-    *path, leaf = dotted.split(".")
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)
+    def dump(self, dm, path: str, cluster) -> list[str]: ...
 
 
 class DistributedModule(nn.Module):
@@ -135,6 +63,7 @@ class DistributedModule(nn.Module):
         self._names = list(sync.specs)  # trainable parameters, canonical names
         self._optimizer = None
         self.timelines: list = []       # per rank, from the last record_timeline()
+        self.inspector: Inspector | None = None   # set by autopar.compile
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -191,13 +120,13 @@ class DistributedModule(nn.Module):
         if spec is None or spec.n == 1:
             whole = local.detach().clone()
         else:
-            out = local.new_empty(spec.n * spec.chunk_numel)
+            out = local.new_empty(spec.padded_numel)
             self._sync.comm.all_gather_flat(out, spec.padded_local(local.detach()), label=f"full {name}",
                                             phase="state")
             whole = spec.unpad(out).clone()
         tp = self.ctx.tp_params.get(name)
         if tp is not None and tp.sharded and self._tp is not None:
-            whole = tp.gather(whole, self._tp, self.ctx.params[name].shape)
+            whole = gather_tp_param(tp, whole, self._tp, self.ctx.params[name].shape)
         return whole
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -205,7 +134,7 @@ class DistributedModule(nn.Module):
         out = {}
         with torch.no_grad():
             for name, info in self.ctx.params.items():
-                local = self.module.get_parameter(name) if name in self._sync.specs else _attr(self.module, name)
+                local = self.module.get_parameter(name) if name in self._sync.specs else attr_path(self.module, name)
                 full = self._full(name, local)
                 for key in (name,) + info.aliases:
                     out[key] = full
@@ -243,26 +172,25 @@ class DistributedModule(nn.Module):
                     else:
                         p.copy_(spec.local_of(full) if spec.n > 1 else full)
                 else:
-                    _attr(self.module, name).copy_(full)
+                    attr_path(self.module, name).copy_(full)
         self._sync.record_versions()
 
     def to_empty(self, *, device="cpu") -> "DistributedModule":
         """Allocate (uninitialised) storage for a module captured from a meta-device model;
         follow with ``load_full_state_dict``."""
-        from autopar.passes.collectives import REPLICAS
         self.module.to_empty(device=device)
         for name, spec in self._sync.specs.items():
             # leaving the meta device makes new Parameter objects: point the sync at them
             self._sync._params[name] = self.module.get_parameter(name)
             if self.plan.dp in ("zero1", "zero2"):   # the shards are views of the new replicas again
-                replica = _attr(self.module, f"{REPLICAS}.{name}")
+                replica = attr_path(self.module, f"{REPLICAS}.{name}")
                 self.module.get_parameter(name).data = spec.local_of(replica)
                 self._sync._replicas[name] = replica
         self._sync.record_versions()
         return self
 
     def _buffer(self, name: str) -> torch.Tensor:
-        return _attr(self.module, name)
+        return attr_path(self.module, name)
 
     def _grad_sq_sum(self, skip=lambda name: False) -> torch.Tensor:
         """Sum of squared gradient elements over this module's dp and tp shards (each element
@@ -308,33 +236,36 @@ class DistributedModule(nn.Module):
         return total
 
     # ---- inspection --------------------------------------------------------------------
+    def _inspect(self, what: str) -> Inspector:
+        if self.inspector is None:
+            raise RuntimeError(f"{what}() needs the cost model and printing of the front end, which "
+                               "autopar.compile attaches; this module was built without them (compile it "
+                               "with autopar.compile, or set dm.inspector = autopar.explain.Inspector())")
+        return self.inspector
+
     def explain(self, cluster=None) -> str:
         """The plan, its collectives and bytes, memory, and (with ``cluster``, or a calibrated
         local preset on disk) the cost model's predicted step, each cost as formula and number."""
-        from .explain import explain
-        return explain(self, cluster)
+        return self._inspect("explain").explain(self, cluster)
 
     def predict(self, cluster="local", global_batch=None, recompute: str = "none"):
         """The cost model's prediction of one training step of this plan (``autopar.estimate``
-        on the graph this module was compiled from): an ``autopar.estimate.Estimate``.
+        on the graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
         ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's."""
-        from .estimate import predict_module
-        return predict_module(self, cluster, global_batch, recompute)
+        return self._inspect("predict").predict(self, cluster, global_batch, recompute)
 
     def record_timeline(self):
         """``with dm.record_timeline(): <one step>`` records when each collective ran and how
         long each wait blocked, on every rank; afterwards ``dm.timelines`` holds each rank's
-        ``autopar.timeline.Timeline`` (``exposed_comm_s``, ``lanes()``) and ``dm.dump`` writes
-        them as a Chrome trace beside the cost model's prediction. Every rank must record."""
-        from .timeline import record
+        ``autopar.runtime.timeline.MeasuredTimeline`` (``exposed_comm_s``, ``lanes()``) and ``dm.dump``
+        writes them as a Chrome trace beside the cost model's prediction. Every rank must record."""
         return record(self)
 
     def dump(self, path: str, cluster=None) -> list[str]:
         """Every pass's graph, the emitted code, explain(), and (after ``record_timeline``)
         timeline.json: the measured step of every rank beside the predicted one (``cluster``:
         default the calibrated local preset, if on disk)."""
-        from .explain import dump
-        return dump(self, path, cluster)
+        return self._inspect("dump").dump(self, path, cluster)
 
 
 def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
@@ -345,63 +276,3 @@ def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
                          f"by dp={n}; use a global batch that is a multiple of {n}")
     k = t.shape[0] // n
     return t[i * k:(i + 1) * k]
-
-
-# ---- every rank issues the same collectives --------------------------------------------------
-
-def collective_sequences(graphs, ctx: CompileContext) -> dict[str, list[str]]:
-    """Per mesh axis, the collectives this rank's graphs will issue, in order: the plan, then
-    per (graph, its context) every node that communicates (forward, and the backward it
-    causes), the ZeRO-3 gather units and the gradient buckets with their members and widths."""
-    from autopar.passes.collectives import shard_specs
-    seq: dict[str, list[str]] = {axis: [f"plan {ctx.plan} on {ctx.mesh}"] for axis in ctx.mesh.axes}
-    for gm, gctx in graphs:
-        for node in gm.graph.nodes:
-            info = node.meta.get(meta.COMM)
-            if info is not None:
-                seq.setdefault(info.axis, []).append(f"{node.name}: {info}")
-        specs = shard_specs(gctx)
-        sharded = gctx.plan.dp != "ddp"
-        for kind, groups in (("gather unit", gctx.gather_units), ("gradient bucket", gctx.grad_buckets)):
-            for i, names in enumerate(groups):
-                width = sum(specs[n].chunk_numel if sharded else specs[n].numel for n in names)
-                seq.setdefault("dp", []).append(f"{kind} {i}: {len(names)} tensors, {width} elements/rank "
-                                                f"({', '.join(names)})")
-    return {axis: s for axis, s in seq.items() if ctx.mesh.axis_size(axis) > 1}
-
-
-def check_collective_order(graphs, ctx: CompileContext) -> None:
-    """Before emit (a compile's first communication, bar plan='auto''s broadcast): every rank's
-    sequence of collectives on each dp / tp group must equal its peers' (they run one program,
-    but a rank compiled from another model, other example inputs or another plan would
-    otherwise wait forever in a collective its peers never issue). ``graphs``: (graph module,
-    its context) per graph this rank runs. One all-gather of the sequences over the world; a
-    mismatch anywhere is a ValueError on every rank naming the group and the first differing
-    collective. (pp ranks run different stages by design: the schedule's sends and receives
-    are matched by its simulation.)"""
-    mesh = ctx.mesh
-    if mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = ({a: mesh.coordinate(a) for a in mesh.axes}, collective_sequences(graphs, ctx))
-    rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, mine)
-    for axis in ("dp", "tp"):
-        if mesh.axis_size(axis) < 2:
-            continue
-        groups: dict = {}
-        for rank, (coords, _) in enumerate(rows):
-            groups.setdefault(tuple(sorted((a, c) for a, c in coords.items() if a != axis)), []).append(rank)
-        for members in groups.values():
-            first = rows[members[0]][1].get(axis, [])
-            for other in members[1:]:
-                seq = rows[other][1].get(axis, [])
-                if seq == first:
-                    continue
-                i = next((k for k, (x, y) in enumerate(zip(first, seq)) if x != y), min(len(first), len(seq)))
-                a = first[i] if i < len(first) else "nothing (its sequence ends here)"
-                b = seq[i] if i < len(seq) else "nothing (its sequence ends here)"
-                raise ValueError(
-                    f"the ranks of {axis} group {members} would issue different collectives: at collective "
-                    f"#{i} on {axis}, rank {members[0]} issues {a!r} but rank {other} issues {b!r} (rank "
-                    f"{members[0]}: {len(first)} collectives, rank {other}: {len(seq)}). Running would hang "
-                    "there. Every rank must compile the same model with the same example inputs and the same plan.")

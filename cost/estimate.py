@@ -25,20 +25,27 @@ closed forms, which equal them for uniform layers.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .cost import cluster as _cluster
-from .cost.comm import collective_time, pipeline_hop_time
-from .cost.formulas import N as SYM_N, PSI
-from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches, model_state_bytes
-from .mesh import Mesh
-from .plan import Plan
-from .profile import GroupCost, Profile
+from autopar.capture import capture
+from autopar.context import CompileContext
+from autopar.mesh import Mesh
+from autopar.planspec import Plan
+from autopar.schedule import bubble_formula
+from autopar.sizes import inflight_microbatches
+from autopar.trace import ChromeTrace
 
-__all__ = ["Estimate", "estimate", "evaluate_plan", "Profiles", "group_time", "pipeline_placement"]
+from .cluster import get_cluster
+from .comm import collective_time, pipeline_hop_time
+from .compute import GROUP_TIME_FORMULA, compute_time, group_time
+from .formulas import N as SYM_N, PSI, dp_comm_elements
+from .memory import FP32, MIXED_PRECISION, model_state_bytes
+from .profile import GroupCost, Profile, profile
+from .replay import pipeline_placement, pipeline_time
+
+__all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
 
 # autopar's data-parallel runtime dispatches per parameter tensor and step, besides the arithmetic
 # (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-3's gathered units laid
@@ -99,24 +106,25 @@ class Estimate:
     def __str__(self) -> str:
         return self.explain()
 
+    def add_lanes(self, trace: ChromeTrace, pid_of=lambda rank: rank) -> None:
+        """The predicted step's compute and communication lanes, rank r as process ``pid_of(r)``."""
+        for rank, lane, name, start, end in self.timeline:
+            pid = pid_of(rank)
+            trace.process(pid, f"rank {rank} (predicted): step {self.step_time_s * 1e3:.2f} ms, exposed "
+                               f"communication {self.exposed_comm_s * 1e3:.2f} ms", ("compute", "communication"))
+            trace.span(pid, 0 if lane == "compute" else 1, name, start, end, f"predicted {lane}")
+
     def chrome_trace(self) -> dict:
         """The simulated step as a Chrome / Perfetto trace: a compute and a communication lane
-        per simulated rank (times in microseconds)."""
-        events, pids = [], set()
-        for rank, lane, name, start, end in self.timeline:
-            if rank not in pids:
-                pids.add(rank)
-                events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                               "args": {"name": f"rank {rank} (predicted)"}})
-                for tid, lname in ((0, "compute"), (1, "communication")):
-                    events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lname}})
-            events.append({"name": name, "ph": "X", "pid": rank, "tid": 0 if lane == "compute" else 1,
-                           "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6, "cat": lane})
-        return {"traceEvents": events}
+        per simulated rank."""
+        trace = ChromeTrace()
+        self.add_lanes(trace)
+        return trace.as_dict()
 
     def write_chrome_trace(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.chrome_trace(), f)
+        trace = ChromeTrace()
+        self.add_lanes(trace)
+        trace.write(path)
 
 
 # ---- profiles per tensor-parallel variant ------------------------------------------------------
@@ -126,15 +134,12 @@ class Profiles:
     variant: the planner's cache."""
 
     def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True):
-        from .capture import capture
-        from .context import CompileContext
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
         self._gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), self._ctx)
         self.flash = flash
         self._cache: dict = {}
 
     def get(self, tp: int, sp: bool) -> Profile:
-        from .profile import profile
         key = (tp, sp and tp > 1)
         if key not in self._cache:
             self._cache[key] = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash)
@@ -147,23 +152,6 @@ class Profiles:
 
 # ---- the model -----------------------------------------------------------------------------------
 
-def _compute_time(flops: float, nbytes: float, c) -> float:
-    d = c.device
-    return max(flops / (d.peak_flops * d.matmul_efficiency), nbytes / (d.mem_bandwidth * d.memory_efficiency))
-
-
-def group_time(g, c, k: float = 1.0) -> float:
-    """Seconds of one group's forward at ``k`` times its profiled rows on one device: the
-    roofline per op class, summed (the classes run one after another, not at once): matmuls at
-    peak·matmul_efficiency, the fused attention kernel at peak·attention_efficiency plus its
-    per-(row, head) setup, the other ops' bytes read + written at bandwidth·memory_efficiency,
-    and a dispatch per op."""
-    d = c.device
-    return (g.dense_flops * k / (d.peak_flops * d.matmul_efficiency)
-            + g.attention_flops * k / d.attention_rate + g.attention_heads * k * d.attention_overhead
-            + g.pointwise_bytes * k / (d.mem_bandwidth * d.memory_efficiency) + g.ops * d.op_overhead)
-
-
 def _comm_list_time(items, p: int, link, after: float | None = None) -> float:
     return sum(collective_time(kind, nbytes / _ring_factor(kind, p), p, link, after=after) for kind, nbytes, _ in items)
 
@@ -175,7 +163,7 @@ def _ring_factor(kind: str, p: int) -> float:
     return {"all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_reduce": 2 * (p - 1) / p}.get(kind, 1.0)
 
 
-def _partition(times: list[float], stages: int) -> list[int]:
+def partition(times: list[float], stages: int) -> list[int]:
     """Contiguous split of the group chain into ``stages`` parts minimising the largest part
     (binary search on the bound, greedy fill); returns the first group index of each stage."""
     n = len(times)
@@ -261,8 +249,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     F = [fc + a for fc, a in zip(f_c, tpf)]
     B = [2 * fc + b + e + (a if recompute == "full" and is_l else 0.0)
          for fc, b, e, a, is_l in zip(f_c, tpb, extra, tpf, layer)]
-    W = [_compute_time(g.matmul_flops, 0.0, c) * cslow for g in groups]
-    starts = _partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
+    W = [compute_time(g.matmul_flops, 0.0, c) * cslow for g in groups]
+    starts = partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
     bounds = list(zip(starts, starts[1:] + [len(groups)]))
     stage_groups = [groups[a:b] for a, b in bounds]
 
@@ -323,7 +311,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     # (AdamW's single-tensor loop: on the local CPU its per-tensor cost, not the arithmetic, is
     # most of its time) and the runtime's per-tensor work of the data-parallel sync
     ovh = c.device.op_overhead
-    opt_time = [(_compute_time(0.0, 3 * states[s], c) + n_tensors[s] * (c.device.step_overhead
+    opt_time = [(compute_time(0.0, 3 * states[s], c) + n_tensors[s] * (c.device.step_overhead
                  + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow for s in range(S)]
     sync_time = [n_tensors[s] * SYNC_OPS_PER_TENSOR[mode] * ovh * slow for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
@@ -356,7 +344,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
             Bs = [both(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
         hop = [pipeline_hop_time(p2p_bytes[s], link_pp, after=sum(f_stage[s])) for s in range(S)]
-        pipe, bubble, busy = _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
+        pipe, bubble, busy = pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
                                             wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
         after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync_time[s] for s in range(S)]
@@ -410,9 +398,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
     lay = _first_layer(groups)
     formulas.append(("forward compute / layer / micro-batch",
-                     "dense/(peak*matmul_eff) + attention/(peak*attention_eff) + slices*attention_setup"
-                     " + pointwise_bytes/(bandwidth*memory_eff) + ops*op_overhead"
-                     + (" (x slowdown of ranks sharing cores)" if slow > 1 else ""),
+                     GROUP_TIME_FORMULA + (" (x slowdown of ranks sharing cores)" if slow > 1 else ""),
                      f"{lay.dense_flops:,.0f} FLOP, {lay.attention_flops:,.0f} FLOP, {lay.attention_heads:,.0f} "
                      f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops -> {group_time(lay, c) * 1e3:.4g} ms"
                      + (f" x {slow:.2f}" if slow > 1 else "")))
@@ -424,10 +410,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         formulas.append(("tp bytes / layer / micro-batch", "8*b*s*h*(t-1)/t (+ sp re-gather)",
                          f"{sum(b for _, b, _ in _first_layer(groups).tp_forward):,.0f} B fwd"))
     if n > 1:
-        from .cost.formulas import dp_comm_elements
         formulas.append((f"dp elements / step ({mode})", str(dp_comm_elements(mode)), f"{by_axis.get('dp', 0):,.0f} B"))
     if p > 1:
-        formulas.append(("bubble", _bubble_text(plan, p, m, v),
+        formulas.append(("bubble", bubble_formula(plan.pp_schedule, p, m, v) + " for equal stages;",
                          f"{bubble:.4f} replayed with these stages' times and transfers"))
     device_mem = float(c.device.memory_bytes)
     return Estimate(plan=plan, mesh_axes=dict(axes), cluster=c.name, global_batch=global_batch,
@@ -575,16 +560,6 @@ def _oversubscription(c, axes) -> float:
     return c.slowdown(math.prod(axes.values()))
 
 
-def _bubble_text(plan, p, m, v) -> str:
-    """The schedule's bubble for equal stages, as formula = number."""
-    if plan.pp_schedule == "interleaved":
-        return f"(p-1)/(v*m+p-1) = {p - 1}/({v}*{m}+{p - 1}) = {(p - 1) / (v * m + p - 1):.4f} for equal stages;"
-    if plan.pp_schedule == "zero_bubble":
-        return (f"(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = {(p - 1) / (3 * m + p - 1):.4f} for F=B=W, p={p}, "
-                f"m={m};")
-    return f"(p-1)/(m+p-1) = {p - 1}/({m}+{p - 1}) = {(p - 1) / (m + p - 1):.4f} for equal stages;"
-
-
 def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, overlap=True):
     """One stage, two streams: returns (step, compute busy, exposed communication, bubble=0).
     With the overlap pass, ZeRO-3 gathers go one unit ahead and gradient buckets are reduced
@@ -660,83 +635,6 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
 
 
 
-def closed_form_pipeline(schedule: str, m: int, v: int, fb: list, w: list) -> float:
-    """Makespan of a pipeline whose rank r takes ``fb[r]`` = F + B per micro-batch (``w[r]`` of
-    B deferred as W by zero-bubble): the busiest rank's m micro-batches plus the fill and drain
-    of the others, (m - 1)·max + Σ — for uniform ranks (m + p - 1)(F + B), the GPipe / 1F1B
-    bubble (p - 1)/(m + p - 1); interleaving divides the fill and drain by v (Narayanan et al.,
-    SC'21, section 2.2.2); zero-bubble fills them with W, (p - 1)(F + B - 2W) (Qi et al., "Zero
-    Bubble Pipeline Parallelism", ICLR 2024, ZB-H1)."""
-    top = max(range(len(fb)), key=lambda r: fb[r])
-    rest = sum(fb) - fb[top]
-    if schedule == "interleaved":
-        return m * fb[top] + rest / v
-    if schedule == "zero_bubble":
-        return m * fb[top] + rest - 2 * (sum(w) - w[top])
-    return m * fb[top] + rest
-
-
-def pipeline_placement(p: int, world: int, cores: int, slow: float) -> tuple:
-    """Where a pipeline's p ranks compute when ``world`` ranks share ``cores`` cores: (speed of a
-    process alone on a core, per rank (group, cores of the group, processes it stands for)). A
-    stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
-    dealt out by stage: with p >= cores, consecutive stages share a core (a stage's bubble frees
-    its core for its neighbours, not for the other stages); with fewer stages, each has
-    cores / p of them. Measured here: 1F1B on pp=2 x dp=2 runs as if each stage's two replicas
-    shared a core (its bubbles save nothing), zero-bubble on pp=4 as if two stages did. The
-    speed is the measured slowdown over the fair share (the switching and shared caches)."""
-    replicas = world / p
-    speed = max(1.0, world / cores) / slow
-    if p >= cores:
-        return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
-    return speed, [(r, cores / p, replicas) for r in range(p)]
-
-
-def _pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=None, wake=0.0, slow=1.0):
-    """(makespan of the schedule, bubble fraction, busiest rank's busy time). ``shared``: the
-    ``pipeline_placement`` of ranks sharing cores (stage times are then each on a core of its
-    own); the replay shares the cores as placed (a rank its message wakes while its cores are
-    taken waiting ``wake`` for one), the closed form slows every stage by ``slow``."""
-    from .schedule import Schedule, build_schedule, simulate as replay
-    split = plan.pp_schedule == "zero_bubble"
-    if shared is not None and (not simulate or m * p * v > 20000):
-        k = max(1.0, slow)
-        Fs, Bs, Ws, shared = [f * k for f in Fs], [b * k for b in Bs], [w * k for w in Ws], None
-        hop = [h + wake for h in hop]
-    per_rank = [(sum(Fs[s] for s in range(len(Fs)) if s % p == r), sum(Bs[s] for s in range(len(Bs)) if s % p == r),
-                 sum(Ws[s] for s in range(len(Ws)) if s % p == r)) for r in range(p)]
-    if not simulate or m * p * v > 20000:
-        fb = [f + b for f, b, _ in per_rank]
-        ws = [min(w, b / 2) if split else 0.0 for _, b, w in per_rank]
-        total = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws) + (p - 1) * max(hop) * 2
-        busy = m * max(fb)
-        return total, 1 - m * sum(fb) / len(fb) / total if total else 0.0, busy
-    if plan.pp_schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
-        schedule = build_schedule(plan.pp_schedule, p, m, v)
-    else:
-        schedule = Schedule.parse(plan.pp_schedule)
-
-    def duration(a):
-        if a.kind == "F":
-            return Fs[a.stage]
-        if a.kind == "W":
-            return min(Ws[a.stage], Bs[a.stage] / 2)
-        if a.kind == "B" and split:
-            return Bs[a.stage] - min(Ws[a.stage], Bs[a.stage] / 2)
-        return Bs[a.stage]
-
-    def latency(a):
-        return hop[a.stage] if a.kind == "SEND_F" else hop[a.stage - 1]
-
-    speed, placement = shared if shared is not None else (1.0, None)
-    tl = replay(schedule, duration=duration, latency=latency, wake=wake, placement=placement, speed=speed)
-    for r, evs in enumerate(tl.events):
-        for a, s0, e in evs:
-            timeline.append((r, "compute", str(a), s0, e))
-    busy = max(sum(e - s0 for _, s0, e in evs) for evs in tl.events)
-    return tl.makespan, tl.bubble_fraction(), busy
-
-
 def predict_module(dm, cluster="local", global_batch=None, recompute: str = "none") -> Estimate:
     """``dm.predict``: the estimate of a compiled module's plan from the profile of the graph it
     was compiled from (``global_batch`` defaults to the example's)."""
@@ -744,34 +642,21 @@ def predict_module(dm, cluster="local", global_batch=None, recompute: str = "non
     if prof is None:
         raise RuntimeError("no cost-model profile was recorded at compile time (see the log for why)")
     rows = global_batch or prof.rows * (dm.plan.microbatches if dm.plan.pp_schedule else 1)
-    return evaluate_plan(prof, dict(dm.mesh.axes), dm.plan, _cluster.get_cluster(cluster), rows, recompute=recompute)
+    return evaluate_plan(prof, dict(dm.mesh.axes), dm.plan, get_cluster(cluster), rows, recompute=recompute)
 
 
-# ---- the public function -------------------------------------------------------------------------
-
-def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inputs, example_kwargs=None,
-             cluster="local", global_batch: Optional[int] = None, recompute: str = "none",
-             flash_attention: bool = True, profiles: Optional[Profiles] = None) -> Estimate:
-    """Predict ``plan`` for ``model`` on ``mesh`` (real or ``virtual=True``) and ``cluster`` (a
-    preset name or an ``autopar.cost.cluster.Cluster``). ``example_inputs`` are one batch
-    (meta tensors are fine); ``global_batch`` (rows per step, default: the example's) scales
-    it. ``recompute`` is ``none``, ``selective`` or ``full`` activation recomputation;
-    ``flash_attention=False`` models attention that keeps its a·s² probabilities."""
+def estimate_plan(model, mesh: Mesh, plan: Plan, *, example_inputs, example_kwargs=None, cluster="local",
+                  global_batch: Optional[int] = None, recompute: str = "none", flash_attention: bool = True,
+                  profiles: Optional[Profiles] = None) -> Estimate:
+    """The prediction of ``plan`` for ``model`` on ``mesh`` (``autopar.estimate`` without the
+    planner: see there)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-    c = _cluster.get_cluster(cluster)
-    if plan == "auto":
-        from .planner import plan as _plan
-        report = _plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                       cluster=c, global_batch=global_batch, mesh_axes=dict(mesh.axes))
-        plan = report.plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan or 'auto', got {plan!r}")
-    from .api import _check_axes
-    _check_axes(plan, mesh)
+    plan.check_mesh(mesh)
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full'")
     profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)
-    rows = profiles.base.rows
-    gb = global_batch or rows
-    return evaluate_plan(profiles, dict(mesh.axes), plan, c, gb, recompute=recompute)
+    gb = global_batch or profiles.base.rows
+    return evaluate_plan(profiles, dict(mesh.axes), plan, get_cluster(cluster), gb, recompute=recompute)

@@ -45,23 +45,18 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..placement import TPParam
+from ..sizes import chunk, chunk_range
 from .comm import AxisComm, all_reduce, copy_to_axis
-from .placement import Replicate, Shard
 
-__all__ = ["TPParam", "Pending", "tp_start", "tp_wait", "tp_copy_linear", "tp_all_reduce", "tp_copy", "tp_gather", "tp_reduce_scatter", "tp_split",
-           "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy", "chunk_range"]
-
-
-def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
-    c = -(-size // n)
-    lo = min(index * c, size)
-    return lo, min(lo + c, size)
+__all__ = ["Pending", "tp_start", "tp_wait", "tp_copy_linear", "tp_all_reduce", "tp_copy", "tp_gather",
+           "tp_reduce_scatter", "tp_split", "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy",
+           "SavedRegather", "gather_tp_param"]
 
 
 def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str,
@@ -69,7 +64,7 @@ def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, labe
     """Start an all-gather (S(dim) -> R) or reduce-scatter (P(sum) -> S(dim)) of ``x`` along
     ``dim`` (``size``: the whole dim), padded to equal chunks: (handle, receive buffer, send
     buffer), the dim moved first."""
-    n, c = comm.size, -(-size // comm.size)
+    n, c = comm.size, chunk(size, comm.size)
     y = x.movedim(dim, 0)
     rows = c if kind == "all_gather" else n * c
     if y.shape[0] < rows:
@@ -421,67 +416,18 @@ class SavedRegather:
             self._live.clear()
 
 
-@dataclass(frozen=True)
-class TPParam:
-    """How one parameter is stored along ``tp``."""
-    placement: object = Replicate()
-    groups: int = 1          # > 1: a fused projection stored interleaved (each part split alike)
-    reason: str = ""
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.placement, Shard)
-
-    def __str__(self) -> str:
-        g = f" interleaved x{self.groups}" if self.groups > 1 else ""
-        return f"{self.placement}{g}"
-
-    def local_shape(self, shape: tuple, n: int, index: int) -> tuple:
-        if not self.sharded:
-            return tuple(shape)
-        d = self.placement.dim
-        part = shape[d] // self.groups
-        lo, hi = chunk_range(part, n, index)
-        out = list(shape)
-        out[d] = (hi - lo) * self.groups
-        return tuple(out)
-
-    def local_of(self, full: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        """This rank's piece of the whole parameter (a copy when interleaved)."""
-        if not self.sharded:
-            return full
-        d = self.placement.dim
-        parts = full.chunk(self.groups, dim=d) if self.groups > 1 else (full,)
-        pieces = []
-        for p in parts:
-            lo, hi = chunk_range(p.shape[d], n, index)
-            pieces.append(p.narrow(d, lo, hi - lo))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
-
-    def full_from(self, locals_: list) -> torch.Tensor:
-        """The whole parameter from every rank's piece (in rank order)."""
-        if not self.sharded:
-            return locals_[0]
-        d = self.placement.dim
-        if self.groups == 1:
-            return torch.cat(locals_, dim=d)
-        split = [x.chunk(self.groups, dim=d) if x.shape[d] else (x,) * self.groups for x in locals_]
-        return torch.cat([torch.cat([s[g] for s in split], dim=d) for g in range(self.groups)], dim=d)
-
-    def gather(self, local: torch.Tensor, comm: AxisComm, shape: tuple) -> torch.Tensor:
-        """The whole parameter, all-gathered along ``tp`` (every rank of the axis must call)."""
-        if not self.sharded or comm.size == 1:
-            return local
-        n, d = comm.size, self.placement.dim
-        pieces = []
-        for r in range(n):
-            pieces.append(self.local_shape(shape, n, r))
-        c = max(p[d] for p in pieces)
-        x = local.movedim(d, 0)
-        if x.shape[0] < c:
-            x = torch.cat([x, x.new_zeros((c - x.shape[0],) + tuple(x.shape[1:]))])
-        x = x.contiguous()
-        out = x.new_empty((n * c,) + tuple(x.shape[1:]))
-        comm.all_gather_flat(out.view(-1), x.view(-1), label="full parameter", phase="state")
-        blocks = [out[r * c: r * c + pieces[r][d]].movedim(0, d) for r in range(n)]
-        return self.full_from(blocks)
+def gather_tp_param(param: TPParam, local: torch.Tensor, comm: AxisComm, shape: tuple) -> torch.Tensor:
+    """The whole parameter of ``shape`` stored as ``param`` says, all-gathered along ``tp`` from
+    this rank's piece ``local`` (every rank of the axis must call)."""
+    if not param.sharded or comm.size == 1:
+        return local
+    n, d = comm.size, param.placement.dim
+    rows = [param.local_shape(shape, n, r)[d] for r in range(n)]
+    c = max(rows)
+    x = local.movedim(d, 0)
+    if x.shape[0] < c:
+        x = torch.cat([x, x.new_zeros((c - x.shape[0],) + tuple(x.shape[1:]))])
+    x = x.contiguous()
+    out = x.new_empty((n * c,) + tuple(x.shape[1:]))
+    comm.all_gather_flat(out.view(-1), x.view(-1), label="full parameter", phase="state")
+    return param.full_from([out[r * c: r * c + rows[r]].movedim(0, d) for r in range(n)])

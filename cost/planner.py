@@ -25,16 +25,20 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .cost import cluster as _cluster
-from .cost.comm import collective_time, pipeline_hop_time
-from .cost.memory import FP32, MIXED_PRECISION, inflight_microbatches
-from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _compute_time, group_time,
-                       _oversubscription, closed_form_pipeline, evaluate_plan)
-from .mesh import Mesh
-from .plan import DP_MODES, Plan
-from .profile import GroupCost, Profile
+from autopar.mesh import Mesh
+from autopar.planspec import DP_MODES, Plan
+from autopar.sizes import inflight_microbatches
 
-__all__ = ["plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
+from .cluster import get_cluster
+from .comm import collective_time, pipeline_hop_time
+from .compute import compute_time, group_time
+from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _oversubscription,
+                       _padded, _ring_factor, evaluate_plan)
+from .memory import FP32, MIXED_PRECISION
+from .profile import GroupCost, Profile
+from .replay import closed_form_pipeline
+
+__all__ = ["find_plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -145,13 +149,11 @@ def _average(layers: list) -> GroupCost:
 # ---- the closed-form score ------------------------------------------------------------------------
 
 def _tp_time(items, k, t, link) -> float:
-    from .estimate import _ring_factor
     return sum(collective_time(kind, (b * k if sc else b) / _ring_factor(kind, t), t, link) for kind, b, sc in items)
 
 
 def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tuple[float, float]:
     """(step time, peak memory per rank) of one candidate by the closed forms."""
-    from .estimate import _padded
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
     m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
     k = gb / (n * m) / ch.rows
@@ -172,7 +174,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
             extra = fc + tf
         elif is_layer and recompute == "selective":
             extra = g.attention_flops * k / c.device.attention_rate * slow
-        w = _compute_time(g.matmul_flops * k, 0.0, c) * slow
+        w = compute_time(g.matmul_flops * k, 0.0, c) * slow
         return fc + tf, 2 * fc + tb + extra, w, tf + tb
 
     Fp, Bp, Wp, Tp = parts(ch.pre, False)
@@ -209,7 +211,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
     states = _states(mode, psi, pad, n, dt)
-    opt = (_compute_time(0.0, 3 * states, c) + n_tensors * (c.device.step_overhead
+    opt = (compute_time(0.0, 3 * states, c) + n_tensors * (c.device.step_overhead
            + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow
     opt += n_tensors * SYNC_OPS_PER_TENSOR[mode] * ovh * slow       # the runtime's per-tensor sync work
     tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
@@ -356,7 +358,7 @@ def _clean_axes(axes: dict) -> dict:
 
 # ---- the public function ---------------------------------------------------------------------------
 
-def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster="local",
+def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster="local",
          global_batch: Optional[int] = None, top: int = 10, exhaustive: bool = False,
          mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, flash_attention: bool = True,
          profiles: Optional[Profiles] = None, detail: bool = True) -> PlanReport:
@@ -366,7 +368,7 @@ def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster
     ``mesh_axes`` restricts the search to one mesh shape; ``recompute`` to some modes.
     Raises InfeasiblePlan (with the smallest memory any plan needs) when nothing fits."""
     t0 = time.perf_counter()
-    c = _cluster.get_cluster(cluster)
+    c = get_cluster(cluster)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive integer")
     profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)

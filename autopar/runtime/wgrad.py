@@ -2,26 +2,22 @@
 
 A zero-bubble schedule runs a stage's backward in two actions: B computes the gradient of
 the stage's input (what the previous stage waits for) and W, later, the gradients of the
-weights, filling what would otherwise be bubble. The weight gradient of a matmul is the
-expensive half of its backward (gᵀx, as many FLOPs as the forward), so matmuls that read a
-parameter are rewritten to ``wsplit_matmul``: during B its backward returns the input
-gradient only and leaves (x, g) in a ``WeightGradStash``; W computes gᵀx and pushes it into
-the weight's own autograd path (through the data-parallel reducer or the tensor-parallel
-layout, exactly as a normal backward would) with ``torch.autograd.backward`` on the
-weight's gradient edge. Other parameter readers (norms, biases, embeddings) are cheap and
-keep their weight gradient in B.
+weights, filling what would otherwise be bubble. The weight_split pass
+(``passes/weight_split.py``) rewrites the matmuls that read a parameter to ``wsplit_matmul``:
+during B its backward returns the input gradient only and leaves (x, g) in the module's
+``WeightGradStash``; W computes gᵀx and pushes it into the weight's own autograd path
+(through the data-parallel reducer or the tensor-parallel layout, exactly as a normal
+backward would) with ``torch.autograd.backward`` on the weight's gradient edge.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["WeightGradStash", "wsplit_matmul", "split_weight_grads"]
-
-STASH = "wgrad_stash"
+__all__ = ["WeightGradStash", "wsplit_matmul"]
 
 
 class WeightGradStash(nn.Module):
@@ -90,46 +86,3 @@ class _WSplitMatmul(torch.autograd.Function):
 
 def wsplit_matmul(x, w, b, stash, transposed: bool):
     return _WSplitMatmul.apply(x, w, b, stash, transposed)
-
-
-def _matmul_operands(node: fx.Node):
-    """(x, w, b, transposed) of a matmul whose weight is a 2-D value, or None."""
-    name = getattr(node.target, "__name__", "").split(".")[0]
-    a = node.args
-    if name == "linear":
-        return a[0], a[1], (a[2] if len(a) > 2 else node.kwargs.get("bias")), True
-    if name == "addmm" and len(a) == 3 and not node.kwargs:
-        return a[1], a[2], a[0], False
-    if name in ("mm", "matmul") and len(a) == 2:
-        return a[0], a[1], None, False
-    return None
-
-
-def split_weight_grads(gm: fx.GraphModule, batch_free) -> int:
-    """Rewrite every matmul whose weight does not depend on the batch (``batch_free(node)``)
-    into ``wsplit_matmul``; returns how many were rewritten."""
-    if not hasattr(gm, STASH):
-        gm.add_module(STASH, WeightGradStash())
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        ops = _matmul_operands(node)
-        if ops is None:
-            continue
-        x, w, b, transposed = ops
-        val = w.meta.get("val") if isinstance(w, fx.Node) else None
-        if not (isinstance(w, fx.Node) and batch_free(w) and isinstance(val, torch.Tensor) and val.dim() == 2):
-            continue
-        if isinstance(x, fx.Node) and batch_free(x):
-            continue
-        with gm.graph.inserting_before(node):
-            stash = gm.graph.get_attr(STASH)
-            new = gm.graph.call_function(wsplit_matmul, (x, w, b, stash, transposed))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        count += 1
-    gm.graph.lint()
-    gm.recompile()
-    return count

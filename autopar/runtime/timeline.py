@@ -10,8 +10,8 @@ collective from issue to completion and every wait that blocked the rank's threa
                       its future fires, or at the latest when its wait returns)
     exposed_comm_s    the union of the blocked waits: communication no compute covered
 
-``chrome_trace`` lays the measured lanes of every rank beside the cost model's predicted
-lanes of the same plan (``Estimate.timeline``) for Perfetto / chrome://tracing.
+``MeasuredTimeline.add_lanes`` draws them in a ``ChromeTrace``; ``dm.dump`` lays them beside the
+cost model's predicted lanes of the same plan.
 """
 from __future__ import annotations
 
@@ -19,7 +19,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["Timeline", "chrome_trace", "record"]
+import torch.distributed as dist
+
+from ..trace import ChromeTrace
+
+__all__ = ["MeasuredTimeline", "record"]
 
 
 def _union(spans) -> list[tuple[float, float]]:
@@ -33,7 +37,7 @@ def _union(spans) -> list[tuple[float, float]]:
 
 
 @dataclass
-class Timeline:
+class MeasuredTimeline:
     """One rank's recorded span; ``events`` are (kind, name, start, end) in seconds from the
     start of the recording, kind "comm" or "wait"."""
     rank: int
@@ -41,7 +45,7 @@ class Timeline:
     events: list = field(default_factory=list)
 
     @classmethod
-    def from_trace(cls, rank: int, start: float, end: float, trace: list) -> "Timeline":
+    def from_trace(cls, rank: int, start: float, end: float, trace: list) -> "MeasuredTimeline":
         return cls(rank, end - start, [(k, name, a - start, b - start) for k, name, a, b in trace])
 
     @property
@@ -67,42 +71,19 @@ class Timeline:
         out += [("comm", name, a, b) for k, name, a, b in self.events if k == "comm"]
         return out
 
-
-def chrome_trace(measured: list[Timeline], predicted=None) -> dict:
-    """Measured lanes of every rank (processes "rank r (measured)") and, if given, an
-    ``Estimate``'s predicted lanes ("rank r (predicted)"), each from its own time zero."""
-    events: list[dict] = []
-
-    def process(pid: int, title: str) -> None:
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": title}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        for tid, lane in ((0, "compute"), (1, "communication")):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}})
-
-    for tl in measured:
-        pid = 2 * tl.rank
-        process(pid, f"rank {tl.rank} (measured): step {tl.duration_s * 1e3:.2f} ms, exposed communication "
-                     f"{tl.exposed_comm_s * 1e3:.2f} ms")
-        for lane, name, a, b in tl.lanes():
-            events.append({"name": name, "ph": "X", "pid": pid, "tid": 0 if lane == "compute" else 1,
-                           "ts": a * 1e6, "dur": max(b - a, 0.0) * 1e6, "cat": f"measured {lane}"})
-    if predicted is not None:
-        for rank, lane, name, a, b in predicted.timeline:
-            pid = 2 * rank + 1
-            if not any(e.get("pid") == pid for e in events):
-                process(pid, f"rank {rank} (predicted): step {predicted.step_time_s * 1e3:.2f} ms, exposed "
-                             f"communication {predicted.exposed_comm_s * 1e3:.2f} ms")
-            events.append({"name": name, "ph": "X", "pid": pid, "tid": 0 if lane == "compute" else 1,
-                           "ts": a * 1e6, "dur": max(b - a, 0.0) * 1e6, "cat": f"predicted {lane}"})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    def add_lanes(self, trace: ChromeTrace, pid: int) -> None:
+        """This rank's measured compute and communication lanes as process ``pid`` of ``trace``."""
+        trace.process(pid, f"rank {self.rank} (measured): step {self.duration_s * 1e3:.2f} ms, exposed "
+                           f"communication {self.exposed_comm_s * 1e3:.2f} ms", ("compute", "communication"))
+        for lane, name, a, b in self.lanes():
+            trace.span(pid, 0 if lane == "compute" else 1, name, a, b, f"measured {lane}")
 
 
 @contextmanager
 def record(owner):
     """Record ``owner``'s collectives (``owner.comm_stats``) while the block runs, then share
-    every rank's Timeline (a collective over the world: every rank records the same step) as
+    every rank's MeasuredTimeline (a collective over the world: every rank records the same step) as
     ``owner.timelines``, in rank order."""
-    import torch.distributed as dist
     stats = owner.comm_stats
     trace: list = []
     stats.trace = trace
@@ -112,7 +93,7 @@ def record(owner):
     finally:
         end = time.perf_counter()
         stats.trace = None
-    mine = Timeline.from_trace(owner.mesh.rank, start, end, trace)
+    mine = MeasuredTimeline.from_trace(owner.mesh.rank, start, end, trace)
     if not owner.mesh.virtual and dist.is_initialized() and dist.get_world_size() > 1:
         rows: list = [None] * dist.get_world_size()
         dist.all_gather_object(rows, mine)

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .comm import CommStats
-from .runtime import DistributedModule, slice_batch
-from .schedule import Action, Schedule, lower, simulate
-from .wsplit import STASH
+from ..meta import STASH
+from ..schedule import Action, Schedule, lower, simulate
+from ..trace import ChromeTrace
+from .comm import CommStats, TracedWork
+from .module import DistributedModule, slice_batch
 
 __all__ = ["PipelineModule"]
 
@@ -54,6 +55,7 @@ class PipelineModule(DistributedModule):
         self._optimizer = None
         self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
         self.timelines: list = []   # per rank, from the last record_timeline()
+        self.inspector = None       # set by autopar.compile (explain, predict, dump)
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -191,16 +193,8 @@ class PipelineModule(DistributedModule):
         trace = self.comm_stats.trace
         if trace is None:
             return works
-        from .comm import _TracedWork
         now = time.perf_counter()
-        return [_TracedWork(w, name, now, trace) for w in works]
-
-    def record_timeline(self):
-        """``with pm.record_timeline(): pm.train_step(...)`` records every collective and
-        point-to-point transfer of the step on every rank (see DistributedModule.record_timeline);
-        ``pm.timelines`` holds each rank's Timeline."""
-        from .timeline import record
-        return record(self)
+        return [TracedWork(w, name, now, trace) for w in works]
 
     def _take(self, s, key):
         bufs, works = s.recv.pop(key)
@@ -339,8 +333,16 @@ class PipelineModule(DistributedModule):
         return out
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for k, st in self.stages.items():
-            st.load_full_state_dict({n: state[n] for n in st.ctx.params})
+        """Fill every stage this rank runs from full tensors (keys of the model's state_dict())."""
+        for st in self.stages.values():
+            st.load_full_state_dict(state)
+
+    def to_empty(self, *, device="cpu") -> "PipelineModule":
+        """Allocate storage for every stage this rank runs (a model captured on the meta device);
+        follow with ``load_full_state_dict``."""
+        for st in self.stages.values():
+            st.to_empty(device=device)
+        return self
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
@@ -371,29 +373,12 @@ class PipelineModule(DistributedModule):
         else:
             rows = [(self.mesh.rank, self.timeline)]
         t0 = min((e[1] for _, tl in rows for e in tl), default=0.0)
-        events = []
+        trace = ChromeTrace()
         for i, (rank, tl) in enumerate(rows):
-            events.append({"name": "process_name", "ph": "M", "pid": i, "args": {"name": f"pp rank {i} (rank {rank})"}})
+            trace.process(i, f"pp rank {i} (rank {rank})")
             for name, a, b in tl:
-                kind = Action.parse(name).kind
-                events.append({"name": name, "cat": kind, "ph": "X", "pid": i, "tid": 0,
-                               "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-    def explain(self, cluster=None) -> str:
-        from .explain import explain_pipeline
-        return explain_pipeline(self, cluster)
-
-    def predict(self, cluster="local", global_batch=None, recompute: str = "none"):
-        """The cost model's prediction of one training step of this plan (``autopar.estimate``
-        on the graph this module was compiled from): an ``autopar.estimate.Estimate``.
-        ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's."""
-        from .estimate import predict_module
-        return predict_module(self, cluster, global_batch, recompute)
-
-    def dump(self, path: str) -> list[str]:
-        from .explain import dump_pipeline
-        return dump_pipeline(self, path)
+                trace.span(i, 0, name, a - t0, b - t0, Action.parse(name).kind)
+        return trace.as_dict()
 
 
 class _StepState:

@@ -36,31 +36,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from . import meta
-from .context import CompileContext
-from .mesh import Mesh
-from .placement import Layout, Partial, Shard
-from .plan import Plan
+from autopar import meta, passes
+from autopar.context import CompileContext
+from autopar.mesh import Mesh
+from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
+from autopar.passes.analysis import batch_dependent
+from autopar.placement import Layout, Partial, Shard
+from autopar.planspec import Plan
 
 __all__ = ["GroupCost", "Profile", "profile", "layer_key"]
 
 _NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
-_MATMULS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm"}
-_VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
-          "squeeze", "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "alias",
-          "detach", "getitem", "contiguous", "flatten", "unflatten", "movedim", "narrow", "as_strided"}
-_KEEP_INPUT = {"gelu", "silu", "relu", "tanh", "sigmoid", "mul", "div", "pow", "sqrt", "rsqrt", "sin",
-               "cos", "log", "mean", "neg", "abs", "square"}
-_KEEP_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "sigmoid", "tanh", "rsqrt"}
-_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "batch_norm"}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
-_LOSSES = {"cross_entropy", "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss"}
-
 
 def _op(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return op_name(node.target)
 
 
 def layer_key(path: str) -> str | None:
@@ -179,7 +169,7 @@ def _root(node: fx.Node, sp: bool = False) -> fx.Node:
     again in backward), so the gather resolves to what it gathers."""
     seen = 0
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and seen < 64 and (
-            _op(node) in _VIEWS or (sp and _op(node) == "tp_gather" and len(node.args) > 4 and node.args[4])):
+            _op(node) in VIEWS or (sp and _op(node) == "tp_gather" and len(node.args) > 4 and node.args[4])):
         node, seen = node.args[0], seen + 1
     return node
 
@@ -192,17 +182,17 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
     val = node.meta.get(meta.VAL)
     if node not in batch:
         return [], 0.0, False
-    if name in _MATMULS or name in _LOSSES:
+    if name in MATMULS or name in LOSSES:
         return act, 0.0, False
-    if name in _NORMS:
+    if name in NORMS:
         x = node.args[0].meta.get(meta.VAL)
         norm = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else [x.shape[-1]]
         rows = x.numel() // max(1, math.prod(norm))
         stats = 2 if name in ("layer_norm", "native_layer_norm") else 1
         return act[:1], float(rows * 4 * stats), False
-    if name in _KEEP_OUTPUT:
+    if name in KEEP_OUTPUT:
         return [node], 0.0, False
-    if name in _KEEP_INPUT:
+    if name in KEEP_INPUT:
         return act, 0.0, False
     if name in ("dropout", "native_dropout", "feature_dropout"):
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
@@ -211,11 +201,11 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
     if name in ("embedding",):
         idx = node.args[1]
         return ([idx] if isinstance(idx, fx.Node) and idx in batch else []), 0.0, False
-    if name in _ATTENTION:
+    if name in ATTENTION:
         q = node.args[0].meta[meta.VAL]
         k = node.args[1].meta[meta.VAL]
         *b, s, _ = q.shape
-        flash = node.meta.get("autopar_flash", True)
+        flash = node.meta.get(meta.FLASH, True)
         dropout = (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) or 0.0
         if flash:
             return act[:3] + [node], float(math.prod(b) * s * 4), False
@@ -223,11 +213,6 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
         extra = probs * q.element_size() * (2 if dropout else 1) + (probs if dropout else 0)
         return act[:3], float(extra), True
     return [], 0.0, False
-
-
-def _batch_nodes(graph: fx.Graph) -> set:
-    from .passes.pipeline import batch_dependent
-    return set(batch_dependent(graph))
 
 
 def _tp_comm(node: fx.Node, info, sp: bool = False) -> tuple[list, list]:
@@ -271,8 +256,6 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     for f in ("params", "in_spec", "out_spec", "constant_inputs"):
         setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)
-    from . import passes
-    from .cost.compute import node_flops
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
     logical = _logical_groups(gm)
     readers, read_back = {}, {}
@@ -281,17 +264,17 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             name = node.meta[meta.PARAM]
             for u in node.users:
                 readers.setdefault(name, set()).add(logical.get(u, "pre"))
-                if u.op == "call_function" and _op(u) in _MATMULS | _NORMS | {"embedding"}:
+                if u.op == "call_function" and _op(u) in MATMULS | NORMS | {"embedding"}:
                     read_back.setdefault(name, set()).add(logical.get(u, "pre"))
     order0 = list(dict.fromkeys(logical.values()))
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
                 for name in ctx.params}
-    batch_before = _batch_nodes(gm.graph)
+    batch_before = batch_dependent(gm.graph)
     _mark_flash(gm, flash)
     gm = passes.shard(gm, ctx)
     if tp > 1:
         gm = passes.collectives(gm, ctx)
-    batch = _batch_nodes(gm.graph) | batch_before
+    batch = batch_dependent(gm.graph) | batch_before
     groups: dict[str, GroupCost] = {g: GroupCost(g) for g in order0}
     order: list[str] = list(order0)
     members: dict[str, list] = {g: [] for g in order0}
@@ -325,22 +308,22 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         split = _split_factor(node, mesh)
         flops = node_flops(node) / split
         g.ops += 1
-        if _op(node) not in _VIEWS:
+        if _op(node) not in VIEWS:
             g.max_value = max(g.max_value, _nbytes(node, mesh))
         g.flops += flops
         name = _op(node)
-        if name in _MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
+        if name in MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
-        if name in _MATMULS:
+        if name in MATMULS:
             g.dense_flops += flops
-        if name in _ATTENTION:
+        if name in ATTENTION:
             g.attention_flops += flops
             q, kv = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
             g.attention_heads += flops / (4 * q.shape[-2] * kv.shape[-2] * q.shape[-1])
-        if name not in _VIEWS and flops:
+        if name not in VIEWS and flops:
             moved = _nbytes(node, mesh) + sum(_nbytes(a, mesh) for a in node.all_input_nodes)
             g.bytes_moved += moved
-            if name not in _MATMULS and name not in _ATTENTION:
+            if name not in MATMULS and name not in ATTENTION:
                 g.pointwise_bytes += moved
         keep, extra, quadratic = _saved(node, batch)
         g.saved += extra / split
@@ -390,8 +373,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
 def _mark_flash(gm: fx.GraphModule, flash: bool) -> None:
     """Mark each attention node fused (flash / memory-efficient kernel) or math form."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in _ATTENTION:
-            n.meta["autopar_flash"] = flash
+        if n.op == "call_function" and _op(n) in ATTENTION:
+            n.meta[meta.FLASH] = flash
 
 
 def _rows(gm: fx.GraphModule) -> int:
@@ -405,7 +388,7 @@ def _rows(gm: fx.GraphModule) -> int:
 
 def _dims(gm: fx.GraphModule) -> tuple[int, int, int]:
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in _ATTENTION:
+        if n.op == "call_function" and _op(n) in ATTENTION:
             q = n.args[0].meta[meta.VAL]
             return int(q.shape[1] * q.shape[-1]), int(q.shape[1]), int(q.shape[-2])
     return 0, 0, 0
@@ -413,7 +396,7 @@ def _dims(gm: fx.GraphModule) -> tuple[int, int, int]:
 
 def _activation_dtype_bytes(gm: fx.GraphModule) -> int:
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in _MATMULS:
+        if n.op == "call_function" and _op(n) in MATMULS:
             return n.meta[meta.VAL].element_size()
     return 4
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from .placement import parse_placement
+from .schedule import SCHEDULES as PP_SCHEDULES, Schedule
 
 __all__ = ["Plan", "DP_MODES", "PP_SCHEDULES"]
 
 DP_MODES = ("ddp", "zero1", "zero2", "zero3")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Plan:
     collective_matmul: bool = False
     """Tensor parallel with sp: run each all-gather + column-parallel matmul and each
     row-parallel matmul + reduce-scatter as ring steps, the matmul of one chunk overlapping the
-    transfer of the next (``autopar.collmatmul``)."""
+    transfer of the next (``autopar.runtime.collmatmul``)."""
 
     def __post_init__(self):
         if self.dp not in DP_MODES:
@@ -119,7 +119,6 @@ class Plan:
                              "sequence-parallel all-gather / reduce-scatter around the tp matmuls")
 
     def _check_custom_schedule(self) -> None:
-        from .schedule import Schedule
         if not isinstance(self.pp_schedule, str) or "rank" not in self.pp_schedule:
             raise ValueError(f"Plan(pp_schedule={self.pp_schedule!r}) is unknown; expected one of "
                              f"{PP_SCHEDULES}, None, or a schedule's text form ('rank 0: 0F0 0F1 0B0 ...')")
@@ -129,6 +128,27 @@ class Plan:
             raise ValueError(f"the custom schedule runs {s.m} micro-batches and {s.v} stages per rank, but "
                              f"the plan says microbatches={self.microbatches}, virtual_stages="
                              f"{self.virtual_stages}; make them agree")
+
+    @property
+    def split_backward(self) -> bool:
+        """The schedule runs each backward as B (input gradient) and W (weight gradients,
+        deferred): zero-bubble, or a custom action list with W actions."""
+        if self.pp_schedule is None or self.pp_schedule in PP_SCHEDULES:
+            return self.pp_schedule == "zero_bubble"
+        return Schedule.parse(self.pp_schedule).split_backward
+
+    def check_mesh(self, mesh) -> None:
+        """A ValueError unless every axis this plan uses is in ``mesh`` (an ``autopar.Mesh``)
+        and every axis of ``mesh`` larger than 1 has a role in the plan."""
+        used = self.axes_used()
+        for axis in used:
+            if axis != "dp" and axis not in mesh.axes:
+                raise ValueError(f"{self} uses mesh axis {axis!r}, but {mesh} has none; add it to the mesh "
+                                 f"(e.g. Mesh(dp=..., {axis}=2)) or drop it from the plan")
+        for axis, size in mesh.axes.items():
+            if axis not in used and size > 1:
+                raise ValueError(f"{mesh} has axis {axis}={size}, which {self} gives no role; "
+                                 f"set the plan's {axis} field or make the axis size 1")
 
     def axes_used(self) -> tuple[str, ...]:
         """The mesh axes this plan gives a role to."""

@@ -1,0 +1,21 @@
+"""What the emitted program calls at run time.
+
+    comm              AxisComm (one mesh axis's process group and byte counter), the
+                      autograd-aware collectives and their counters
+    dpsync            the dp axis: ZeRO-3 gathers, bucketed gradient reduction (ddp, ZeRO-1/2/3)
+    tpcomm            the tp axis: Megatron's f/g, gathers, reduce-scatters, vocabulary parallelism
+    collmatmul        all-gather + matmul and matmul + reduce-scatter as ring steps
+    wgrad             the zero-bubble weight-gradient stash
+    timeline          measured timelines of a step
+    module            DistributedModule
+    pipeline_module   PipelineModule: a rank's stages and the schedule that drives them
+    emit              the rewritten graph -> this rank's DistributedModule
+
+The runtime imports the IR (autopar.meta, placement, sizes, context, schedule) and nothing
+of the passes or the cost model.
+"""
+from .emit import emit
+from .module import DistributedModule, slice_batch
+from .pipeline_module import PipelineModule
+
+__all__ = ["emit", "DistributedModule", "PipelineModule", "slice_batch"]

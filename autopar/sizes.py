@@ -1,0 +1,125 @@
+"""Rules of arithmetic shared by the runtime, the passes, the cost model and explain.
+
+Each rule is written once, here, so that what the runtime moves and holds and what the cost
+model predicts cannot drift apart. The functions take numbers or sympy symbols alike where
+the cost model wants a formula (``cost/`` builds its symbolic expressions from them).
+
+    chunk(size, n)               ceil(size / n): the rows of one rank's shard. Shards follow
+                                 FSDP's convention: every rank but the last ones holds
+                                 ceil(size/n) rows, the last ranks fewer (or none)
+    chunk_range(size, n, i)      [lo, hi) of rank i's rows; local_size(size, n, i) = hi - lo
+    padded(size, n)              n · chunk(size, n): what a collective over equal chunks moves
+    padded_numel(shape, n)       elements of a tensor split along dim 0 once padded
+    RING_FACTOR, ring_bytes      bytes each rank sends in a ring collective of an S-byte buffer
+                                 over n ranks: (n−1)/n·S (all-gather, reduce-scatter),
+                                 2(n−1)/n·S (all-reduce)
+    gather_unit_bytes            what a ZeRO-3 unit's gather holds while in flight
+    state_bytes                  parameters + gradients + optimizer state of one rank per ZeRO
+                                 stage (Rajbhandari et al., "ZeRO", SC'20, section 3)
+    inflight_microbatches        micro-batches whose activations a pipeline rank holds at its
+                                 peak (Narayanan et al., SC'21, section 2.2)
+"""
+from __future__ import annotations
+
+import math
+
+__all__ = ["chunk", "chunk_range", "local_size", "padded", "padded_numel", "RING_FACTOR", "ring_bytes",
+           "gather_unit_bytes", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES"]
+
+FIRST_BUCKET_BYTES = 1 << 20
+"""The first gradient bucket is cut at 1 MiB (or ``Plan.bucket_bytes`` if smaller), so that
+communication starts early in backward, as DDP does; later buckets at ``Plan.bucket_bytes``."""
+
+
+def chunk(size: int, n: int) -> int:
+    """Rows of one rank's (full) shard of ``size`` rows over ``n`` ranks: ceil(size / n)."""
+    return -(-size // n)
+
+
+def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
+    """Rank ``index``'s rows [lo, hi) of ``size`` rows split over ``n`` ranks in ceil chunks."""
+    c = chunk(size, n)
+    lo = min(index * c, size)
+    return lo, min(lo + c, size)
+
+
+def local_size(size: int, n: int, index: int) -> int:
+    """Rank ``index``'s share of a dim of ``size`` split over ``n`` ranks (ceil chunks)."""
+    lo, hi = chunk_range(size, n, index)
+    return hi - lo
+
+
+def padded(size: int, n: int) -> int:
+    """``size`` rounded up to ``n`` equal chunks: what a collective over the chunks moves."""
+    return chunk(size, n) * n
+
+
+def padded_numel(shape: tuple, n: int) -> int:
+    """Elements of a tensor of ``shape`` split along dim 0 over ``n`` ranks, padded to equal
+    chunks (a 0-d tensor is one row)."""
+    rows = shape[0] if len(shape) else 1
+    return padded(rows, n) * math.prod(shape[1:])
+
+
+RING_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}
+"""Bytes each rank sends in a ring collective, in units of (n−1)/n of the buffer."""
+
+
+def ring_bytes(kind: str, nbytes, n):
+    """Per-rank bytes a ring ``kind`` collective over ``n`` ranks sends for an ``nbytes``
+    buffer (the whole gathered / unreduced buffer): RING_FACTOR[kind]·(n−1)/n·nbytes; zero on
+    one rank. A point-to-point message (``p2p``) sends its bytes."""
+    if kind == "p2p":
+        return nbytes
+    try:
+        factor = RING_FACTOR[kind]
+    except KeyError:
+        raise ValueError(f"unknown collective {kind!r}; expected p2p or one of {sorted(RING_FACTOR)}") from None
+    return factor * (n - 1) * nbytes / n
+
+
+def gather_unit_bytes(padded_elements: int, n: int, element_size: int) -> int:
+    """Bytes a ZeRO-3 unit's all-gather holds while in flight: the gathered unit (its padded
+    elements) and this rank's send buffer, (N + 1)/N of the unit."""
+    return (n + 1) * (padded_elements // n) * element_size
+
+
+def state_bytes(mode: str, psi, n, dtypes=(4, 4, 8), padded_psi=None):
+    """Per-rank bytes of parameters + gradients + optimizer state after a step, with ``psi``
+    parameters held as (parameter, gradient, optimizer-state) ``dtypes`` bytes each over ``n``
+    data-parallel ranks (ZeRO, section 3 and figure 1):
+
+        ddp    (p + g + K)·Ψ
+        zero1  (p + g)·Ψ + K·Ψ/N
+        zero2  p·Ψ + (g + K)·Ψ/N
+        zero3  (p + g + K)·Ψ/N
+
+    ``padded_psi``: the elements the shards cover once padded to equal chunks (the runtime's
+    shards: Ψ/N becomes padded_psi/N); default Ψ. Works on sympy symbols."""
+    p, g, k = dtypes
+    pad = psi if padded_psi is None else padded_psi
+    if mode == "ddp":
+        return (p + g + k) * psi
+    if mode == "zero1":
+        return (p + g) * psi + k * pad / n
+    if mode == "zero2":
+        return p * psi + (g + k) * pad / n
+    if mode == "zero3":
+        return (p + g + k) * pad / n
+    raise ValueError(f"unknown data-parallel mode {mode!r}; expected ddp, zero1, zero2 or zero3")
+
+
+def inflight_microbatches(schedule: str | None, p: int, m: int, v: int = 1, stage: int = 0) -> float:
+    """Micro-batches whose activations rank ``stage`` of the pipeline holds at its peak, in
+    units of one micro-batch through that rank's layers. No pipeline: 1. GPipe: m (every forward
+    runs before the first backward). 1F1B and zero-bubble (ZB-H1 keeps 1F1B's bound):
+    min(m, p − stage). Interleaved: the first rank holds (1 + (p−1)/(p·v))·p of them (Narayanan
+    et al., section 2.2.2; Korthikanti et al., section 4.2.3). A custom schedule (its action
+    list) is bounded like 1F1B."""
+    if schedule is None:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        return min(float(m), p * (1 + (p - 1) / (p * v)))
+    return float(min(m, p - stage))

@@ -1,0 +1,69 @@
+"""The cache of the local preset: this machine's measured cluster, as JSON on disk.
+
+``python -m autopar calibrate`` measures the machine and stores the result here;
+``get_cluster("local")`` and everything else only read it. The file is ``$AUTOPAR_CACHE``
+(a ``.json`` file, or a directory to hold local_cluster.json), else
+~/.cache/autopar/local_cluster.json. An entry is keyed by (hostname, cpu count, torch
+version); the file carries a format version, and an entry of another version reads as
+missing (the machine is measured again).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Optional
+
+import torch
+
+__all__ = ["cache_path", "load_local", "store_local"]
+
+FORMAT_VERSION = 22
+
+
+def cache_path() -> str:
+    """Where the local preset is cached (see the module docstring)."""
+    env = os.environ.get("AUTOPAR_CACHE")
+    if env:
+        return env if env.endswith(".json") else os.path.join(env, "local_cluster.json")
+    return os.path.join(os.path.expanduser("~"), ".cache", "autopar", "local_cluster.json")
+
+
+def _key() -> str:
+    """What makes a measurement reusable: same host, same core count, same torch."""
+    return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}"
+
+
+def _read(path: str) -> dict:
+    """The file's entries (key -> cluster as a dict); empty if missing, unreadable or of
+    another format version."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def load_local(path: str | None = None) -> Optional[dict]:
+    """This machine's entry (``dataclasses.asdict`` of its Cluster), or None."""
+    return _read(path or cache_path()).get(_key())
+
+
+def store_local(entry: dict, path: str | None = None) -> None:
+    """Store this machine's entry, atomically (a temporary file renamed over the old one). A
+    read-only home keeps it uncached, silently: the caller still has the numbers."""
+    path = path or cache_path()
+    entries = _read(path)
+    entries[_key()] = entry
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"version": FORMAT_VERSION, "entries": entries}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass

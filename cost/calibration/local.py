@@ -1,0 +1,642 @@
+"""The local preset: this machine measured for the cost model (about a minute), then cached.
+
+``calibrate_local`` runs the probes below (some on several gloo processes, some compiling
+small models with ``autopar.compile``), builds a Cluster named "local" whose ``source`` says
+what was measured and how, and stores it in the cache (``autopar.cost.cache``) that
+``get_cluster("local")`` reads. This is the only part of the cost model that runs processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import datetime
+import os
+import platform
+import socket
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from autopar.api import compile as autopar_compile
+from autopar.mesh import Mesh
+from autopar.models import GPTConfig, TinyGPT, gpt_batch
+from autopar.planspec import Plan
+from autopar.schedule import build_schedule, lower
+from autopar.testing import run
+
+from .. import cache
+from ..cluster import Cluster, Device, Link, cached_local, slowdown
+from ..comm import bytes_per_rank
+from ..estimate import Profiles, partition
+from ..replay import pipeline_placement, simulate_shared
+
+__all__ = ["calibrate_local"]
+
+_MATMUL_SIZES = (384, 768)
+_MATMUL_SECONDS = 0.25                   # timed seconds per matmul size
+_COPY_BYTES = 64 * 2**20
+_COPY_SECONDS = 0.25
+_GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
+_GLOO_WARMUP = 3
+_GLOO_REPS = 9
+_GLOO_WORLD = 2
+_CONTENTION_SECONDS = 1.5
+_SKEW_COMPUTE = (2e-4, 1e-3, 4e-3)     # compute seconds before a collective, for Link.skew
+
+
+def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
+    """Median wall time of ``op()`` over about ``seconds`` of repetitions after ``warmup`` calls.
+    The median rather than the mean: other processes share these cores."""
+    for _ in range(warmup):
+        op()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _measure_matmul_flops() -> float:
+    """Achieved fp32 matmul FLOP/s on one thread: the best size's median rate (2n^3 per n x n mm)."""
+    rates = []
+    for n in _MATMUL_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        c = torch.empty(n, n)
+        t = _timed_median(lambda: torch.mm(a, b, out=c), _MATMUL_SECONDS)
+        rates.append(2 * n**3 / t)
+    return max(rates)
+
+
+def _measure_memory_bandwidth() -> float:
+    """Achieved bytes/s of a large fp32 copy on one thread, counting the read and the write."""
+    src = torch.ones(_COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    t = _timed_median(lambda: dst.copy_(src), _COPY_SECONDS, warmup=2, min_reps=3)
+    return 2 * _COPY_BYTES / t
+
+
+def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all_reduce",
+                group_size: int | None = None, busy: bool = False) -> list[float]:
+    """Run on every rank by ``autopar.testing.run``: median seconds of an fp32 ``kind``
+    collective (all_reduce, all_gather, reduce_scatter; p2p: the pair's first rank sends to the
+    second and back) of each size in bytes (the whole buffer), in groups of ``group_size``
+    consecutive ranks all working at once (default: the world). A barrier before each timed
+    call lines the ranks up, so the time is the collective's and not the wait for a late peer.
+
+    ``busy``: each timed call follows about 1 ms of matmuls, as a collective in a training step
+    follows compute, and the time is the call's excess over that compute (timed the same way,
+    every rank computing at once, so ranks sharing cores slow it as they do): a rank entering
+    the collective waits for peers still in their time slice and for gloo's threads to be
+    scheduled, which back-to-back calls never see (measured here: 1.5-3x the lined-up time for
+    small messages)."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = group_size or world
+    if kind == "p2p":
+        g = 2
+    groups = [dist.new_group(list(range(k, k + g))) for k in range(0, world, g)] if g < world else [None]
+    group = groups[rank // g] if g < world else None
+    n, first = g, (rank // g) * g
+    a = torch.randn(160, 160)
+    work = _about_a_millisecond(a) if busy else 0
+    base = _crowded_seconds(lambda: [a @ a for _ in range(work)], reps) if busy else 0.0
+    medians = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        part = torch.empty(nbytes // 4 // n)
+        if kind == "all_reduce":
+            op = lambda: dist.all_reduce(x, group=group)    # noqa: E731
+        elif kind == "all_gather":
+            op = lambda: dist.all_gather_into_tensor(x, part, group=group)    # noqa: E731
+        elif kind == "reduce_scatter":
+            op = lambda: dist.reduce_scatter_tensor(part, x, group=group)    # noqa: E731
+        else:
+            def op():
+                if rank == first:
+                    dist.send(x, first + 1)
+                    dist.recv(x, first + 1)
+                else:
+                    dist.recv(x, first)
+                    dist.send(x, first)
+        for _ in range(warmup):
+            op()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(work):
+                a @ a
+            op()
+            times.append(max(time.perf_counter() - t0 - base, 1e-6))
+        medians.append(statistics.median(times))
+    return medians
+
+
+def _crowded_seconds(op, reps: int) -> float:
+    """Median seconds of ``op()`` with every rank running it at once (a barrier before each)."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of seconds = alpha + beta * moved, weighted by 1/seconds so that each
+    point counts by its relative error (plain residuals would let the large messages decide
+    alpha too, and the small messages are the ones that measure it). The 2x2 normal equations
+    of the weighted problem, solved in closed form."""
+    w = [1.0 / t**2 for t in seconds]            # squared weights of the residuals (t - a - b x) / t
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, moved))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, moved))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, moved, seconds))
+    det = sw * sxx - sx * sx
+    if det == 0:
+        return seconds[0], 0.0
+    beta = (sw * sxy - sx * sy) / det
+    return (sy - beta * sx) / sw, beta
+
+
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def _excess_per_round(compute, exchange, rounds: int, blocks: int = 3) -> float:
+    """Seconds ``exchange()`` adds to a round of ``compute()``; every rank runs ``rounds`` rounds
+    of compute alone, then ``rounds`` of compute + exchange, both timed with all ranks at once
+    (so ranks sharing cores slow the compute alike in both); the median over ``blocks``."""
+    out = []
+    for _ in range(blocks):
+        spans = []
+        for with_exchange in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                if with_exchange:
+                    exchange(i)
+                else:
+                    compute()
+            spans.append(time.perf_counter() - t0)
+        out.append(max(spans[1] - spans[0], 0.0) / rounds)
+    return statistics.median(out)
+
+
+def _about_a_millisecond(a) -> int:
+    """Matmuls of ``a`` that take about 1 ms on a core of one's own (timed alone, in turn)."""
+    work = 1
+    for r in range(dist.get_world_size()):
+        if r == dist.get_rank():
+            work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
+        dist.barrier()
+    return work
+
+
+def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
+    """Seconds one small exchange adds when ranks outnumber cores: every rank computes about
+    ``compute_s`` (of matmuls, timed on a free core) then exchanges within its group of
+    ``group_size`` consecutive ranks — a 4 KiB collective, or a p2p round trip of the pair —
+    round after round, as a training step's layers do. The excess over the same compute
+    without the exchanges, per exchange, is the exchange's latency among busy ranks: a woken
+    rank waits for a core as much as for the wire, and peers drift apart within their time
+    slices the longer they compute."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = 2 if kind == "p2p" else group_size
+    groups = [dist.new_group(list(range(k, k + g))) for k in range(0, world, g)] if g < world else [None]
+    group, first = groups[rank // g], (rank // g) * g
+    a = torch.randn(160, 160)
+    work = max(1, round(_about_a_millisecond(a) * compute_s / 1e-3))
+    x, part = torch.ones(1024), torch.empty(1024 // g)
+
+    def compute():
+        for _ in range(work):
+            a @ a
+
+    def exchange(i):
+        compute()
+        if kind == "p2p":
+            if rank == first:
+                dist.send(x, first + 1)
+                dist.recv(x, first + 1)
+            else:
+                dist.recv(x, first)
+                dist.send(x, first)
+        elif kind == "all_reduce":
+            dist.all_reduce(x, group=group)
+        elif kind == "all_gather":
+            dist.all_gather_into_tensor(x, part, group=group)
+        else:
+            dist.reduce_scatter_tensor(part, x, group=group)
+
+    excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)))
+    return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
+
+
+def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
+    """Every kind's medians, for groups of 2 and of the whole world (all groups at once), and
+    when ranks outnumber cores each kind's latency after each compute length of _SKEW_COMPUTE;
+    in one spawn."""
+
+    # the tensor collectives' old names still run gloo's kernels; their deprecation notice is
+    # no news to a user calibrating
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    world = dist.get_world_size()
+    groups = sorted({2, world})
+    out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in groups
+           if not (kind == "p2p" and g != 2)}
+    if world > (os.cpu_count() or 1):
+        for kind in _KINDS:
+            for g in ([2] if kind == "p2p" else groups):
+                for t in _SKEW_COMPUTE:
+                    out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
+    out[("pipeline",)] = _pipeline_probe()
+    return out
+
+
+_PIPE_M, _PIPE_F, _PIPE_B = 4, 6e-4, 1.2e-3      # the synthetic pipeline: micro-batches, F and B seconds
+
+
+def _pipeline_probe(steps: int = 12) -> float:
+    """Run on every rank: seconds per step of a synthetic two-stage 1F1B pipeline (stage =
+    rank // (world / 2), its peer the same replica of the other stage), _PIPE_M micro-batches
+    whose F and B are _PIPE_F and _PIPE_B seconds of matmuls on a core of one's own; each step's
+    receives posted up front and 16 KiB messages sent as each action ends, as autopar's pipeline
+    runtime does. Median over ``steps`` (after a barrier each)."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    half = world // 2
+    stage, replica = rank // half, rank % half
+    peer = (1 - stage) * half + replica
+    a = torch.randn(160, 160)
+    per_ms = _about_a_millisecond(a)
+    work = {"F": max(1, round(per_ms * _PIPE_F * 1e3)), "B": max(1, round(per_ms * _PIPE_B * 1e3))}
+    program = lower(build_schedule("1f1b", 2, _PIPE_M))[stage]
+    x = torch.ones(4096)
+    times = []
+    for i in range(steps + 2):
+        posted = {act: dist.irecv(torch.empty(4096), peer, tag=2 * act.mb + (act.kind == "RECV_B"))
+                  for act in program if act.kind.startswith("RECV")}
+        dist.barrier()
+        t0, sends = time.perf_counter(), []
+        for act in program:
+            if act.kind in ("F", "B"):
+                for _ in range(work[act.kind]):
+                    a @ a
+            elif act.kind.startswith("SEND"):
+                sends.append(dist.isend(x, peer, tag=2 * act.mb + (act.kind == "SEND_B")))
+            else:
+                posted[act].wait()
+        for w in sends:
+            w.wait()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: float | None = None) -> float:
+    """The message latency (or, given ``hop``, the wake-up wait) at which the cost model's
+    replay of the synthetic pipeline (its compute slowed as the model slows it for the ranks
+    there were) lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
+    s = build_schedule("1f1b", 2, _PIPE_M)
+    speed, placement = pipeline_placement(2, world, cores, slowdown) if slowdown > 1 else (1.0, None)
+
+    def replay(x):
+        return simulate_shared(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B,
+                        latency=lambda a: x if hop is None else hop, speed=speed,
+                        wake=0.0 if hop is None else x, placement=placement).makespan
+
+    lo, hi = 0.0, 0.05
+    if replay(lo) >= measured:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if replay(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
+    """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
+    ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
+    table of ``skew`` (ranks outnumbering cores; the slowest rank's); the all-reduce's
+    per-size times; and the synthetic pipeline's step (``_pipeline_probe``, slowest rank)."""
+    per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
+    out = []
+    skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
+    pipeline = max(r[("pipeline",)] for r in per_rank)
+    for key in per_rank[0]:
+        if key[0] in ("skew", "pipeline"):
+            continue
+        kind, g = key
+        seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
+        # a p2p probe is a round trip: two messages of the size
+        moved = [bytes_per_rank(kind, s, g) * (2 if kind == "p2p" else 1) for s in _GLOO_SIZES]
+        alpha, beta = _fit_alpha_beta(moved, seconds)
+        if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
+            beta = seconds[-1] / moved[-1]
+        out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
+        if kind == "all_reduce" and g == world:
+            times = seconds
+    return tuple(out), skew, times, pipeline
+
+
+def _measure_gloo(world: int = _GLOO_WORLD) -> tuple[Link, list[float], float]:
+    """The gloo link between ``world`` local processes: per-kind fits, and latency / bandwidth
+    per message from the all-reduce's (a ring all-reduce sends 2(N-1) messages in turn);
+    also the all-reduce's per-size times."""
+    fits, skew, seconds, pipeline = _measure_kinds(world)
+    _, _, alpha, beta = next(f for f in fits if f[0] == "all_reduce" and f[1] == world)
+    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits, skew=skew), seconds, pipeline
+
+
+def _measure_pointwise_efficiency(mem_bw: float) -> float:
+    """Achieved fraction of the copy bandwidth on the pointwise ops models are made of (GeLU,
+    LayerNorm, softmax, an add; read + write of a 512 KiB fp32 tensor each): their bytes over
+    their summed time, as a block runs one of each after another; on a CPU the transcendental
+    ones are bound by arithmetic before memory."""
+    x = torch.randn(512, 256)
+    ops = (lambda: torch.nn.functional.gelu(x), lambda: torch.nn.functional.layer_norm(x, (256,)),
+           lambda: torch.softmax(x, -1), lambda: x + x)
+    seconds = sum(_timed_median(op, 0.1) for op in ops)
+    return min(1.0, len(ops) * 2 * x.numel() * 4 / seconds / mem_bw)
+
+
+_LINEAR_SHAPES = ((512, 64, 64), (512, 64, 256), (512, 256, 64), (512, 128, 128), (512, 128, 512), (512, 512, 128))
+_ATTENTION_SHAPES = ((64, 32, 16), (16, 256, 64))    # (row x head slices, sequence, head dim)
+
+
+def _measure_matmul_efficiency(peak: float) -> float:
+    """Achieved fraction of ``peak`` on the products of small linear layers: for each (m, k, n)
+    of _LINEAR_SHAPES, y = x[m,k] @ w[k,n] and its backward's dx = dy @ w^T and dw = x^T @ dy;
+    their FLOPs over their summed time."""
+    flops = seconds = 0.0
+    for m, k, n in _LINEAR_SHAPES:
+        x, w, dy = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+        for a, b in ((x, w), (dy, w.t()), (x.t(), dy)):
+            seconds += _timed_median(lambda: torch.mm(a, b), 0.05)
+        flops += 3 * 2 * m * k * n
+    return min(1.0, flops / seconds / peak)
+
+
+def _measure_attention(peak: float) -> tuple[float, float]:
+    """(fraction of ``peak``, seconds per (row, head) slice) of the fused causal attention
+    kernel on one thread: forward + backward timed on a short-head and a long-head shape of
+    _ATTENTION_SHAPES and solved for time = 3 (4·B·s²·d / rate + B·overhead), B slices
+    (backward as two forwards, the model's rule)."""
+    rows = []
+    for slices, s, d in _ATTENTION_SHAPES:
+        q, k, v = (torch.randn(slices, 1, s, d, requires_grad=True) for _ in range(3))
+
+        def fb():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        rows.append((4.0 * slices * s * s * d, float(slices), _timed_median(fb, 0.15) / 3))
+    (f1, b1, t1), (f2, b2, t2) = rows
+    det = f1 * b2 - f2 * b1
+    inv_rate, overhead = (t1 * b2 - t2 * b1) / det, (f1 * t2 - f2 * t1) / det
+    if overhead < 0 or inv_rate <= 0:      # no setup cost visible: the long shape's rate alone
+        return min(1.0, f2 / t2 / peak), 0.0
+    return min(1.0, 1.0 / inv_rate / peak), overhead
+
+
+def _measure_step_overhead() -> float:
+    """Seconds per parameter tensor of ``torch.optim.AdamW.step`` on small tensors (48 of 64 x 64):
+    its per-tensor loop, not its arithmetic."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(48)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _timed_median(opt.step, 0.2) / len(params)
+
+
+def _measure_op_overhead() -> tuple[float, float, float]:
+    """(seconds per op, seconds per stage pass, seconds per message) of framework time as
+    autopar's compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT,
+    h = 8, 2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4
+    micro-batches on 2 gloo processes. The thread CPU time of each rank's forward and backward
+    actions per micro-batch, against the ops the cost model's profile counts in its stage, is
+    fitted as pass + 3 x ops x per-op (each forward op runs again twice in backward): the per-op
+    slope is the dispatch (the FX module's Python and the aten op), the constant what a stage
+    does per micro-batch besides its ops (its call, the runtime's autograd functions and
+    hooks). A send or receive action's CPU time is the per-message cost."""
+    points, messages = [], []
+    for layers in (2, 10):
+        for fb, ops, msg in run(_op_overhead_probe, 2, layers, timeout=120):
+            points.append((3 * ops, fb))
+            messages.append(msg)
+    per_op, per_pass = _fit_line(points)
+    if per_op <= 0:      # a nonsense fit (a noisy machine): everything per op
+        per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
+    return per_op, max(per_pass, 0.0), statistics.median(messages)
+
+
+def _fit_line(points: list) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of y = intercept + slope x."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return slope, my - slope * mx
+
+
+def _op_overhead_probe(layers: int) -> tuple[float, float, float]:
+    """On each rank of a 2-stage pipeline: (thread CPU seconds of its F and B actions per
+    micro-batch, median of 25 steps; ops the profile counts in its stage per micro-batch; CPU
+    seconds per send or receive action)."""
+    torch.set_num_threads(1)
+    c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
+    torch.manual_seed(0)
+    x, t = gpt_batch(c, 8)
+    m = 4
+    dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
+                         plan=Plan(pp_schedule="1f1b", microbatches=m))
+    opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+
+    def loss(out, target):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, c.vocab), target.reshape(-1))
+
+    spent = {"compute": 0.0, "message": 0.0}
+    run_action = dm._run
+
+    def timed(a, *args, **kwargs):
+        c0 = time.thread_time()
+        try:
+            return run_action(a, *args, **kwargs)
+        finally:
+            spent["compute" if a.kind in ("F", "B", "W") else "message"] += time.thread_time() - c0
+
+    dm._run = timed
+    compute, message = [], []
+    for i in range(30):
+        spent.update(compute=0.0, message=0.0)
+        opt.zero_grad(set_to_none=True)
+        dm.train_step(lx, lt, loss)
+        opt.step()
+        if i >= 5:
+            compute.append(spent["compute"] / m)
+            message.append(spent["message"] / (2 * m))      # a receive and a send per micro-batch
+    dist.barrier()
+    groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
+    cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
+    mine = groups[cut:] if dist.get_rank() else groups[:cut]
+    return statistics.median(compute), float(sum(g.ops for g in mine)), statistics.median(message)
+
+
+def _contention_probe(seconds: float) -> float:
+    """Run on every rank by ``autopar.testing.run``: seconds per forward + backward of a small
+    GPT (autopar.models.TinyGPT: 4 layers, h = 64, 4 x 32 tokens; one thread) while every rank
+    runs the same loop at once."""
+    torch.set_num_threads(1)
+    return _small_gpt_seconds(seconds, dist.barrier)
+
+
+def _small_gpt_seconds(seconds: float, start=None) -> float:
+    c = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4)
+    torch.manual_seed(0)
+    model = TinyGPT(c)
+    x, t = gpt_batch(c, 4)
+
+    def fb():
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x).reshape(-1, c.vocab), t.reshape(-1)).backward()
+
+    for _ in range(5):
+        fb()
+    if start is not None:
+        start()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fb()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def _measure_contention(cores: int) -> tuple:
+    """((processes, slowdown), ...) for as many processes as cores and twice as many (at most 8):
+    the small GPT's forward + backward per iteration with that many processes looping at once,
+    the ranks' mean, over the same loop alone. Processes on a core of their own still share caches
+    and memory (1.05-1.15 here); twice as many time-share the cores, plus the switching (2.4
+    here against the 2 of a fair share)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _small_gpt_seconds(_CONTENTION_SECONDS)
+    finally:
+        torch.set_num_threads(threads)
+    out = []
+    for k in sorted({cores, 2 * cores}):
+        if 1 < k <= 8:
+            per_rank = run(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
+            out.append((k, max(1.0, statistics.mean(per_rank) / alone)))
+    return tuple(out)
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _total_ram() -> int:
+    """Physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _measure_local() -> Cluster:
+    """Measure this machine (about a minute) and describe it as a Cluster named "local"."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # the distributed tests run one compute thread per process
+    try:
+        flops = _measure_matmul_flops()
+        mem_bw = _measure_memory_bandwidth()
+        overhead, pass_overhead, message_overhead = _measure_op_overhead()
+        step_overhead = _measure_step_overhead()
+        pointwise = _measure_pointwise_efficiency(mem_bw)
+        matmul = _measure_matmul_efficiency(flops)
+        attention, attention_overhead = _measure_attention(flops)
+    finally:
+        torch.set_num_threads(threads)
+    gloo, seconds, pipe_alone = _measure_gloo()
+    cores = os.cpu_count() or 1
+    crowded, _, pipe_crowded = _measure_gloo(2 * cores) if 2 * cores <= 8 else (None, None, None)
+    contention = _measure_contention(cores)
+    gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores,
+                                                  slowdown(contention, cores, _GLOO_WORLD)))
+    if crowded is not None:
+        crowded = dataclasses.replace(crowded, hop=gloo.hop, wake=_fit_hop(
+            pipe_crowded, 2 * cores, cores, slowdown(contention, cores, 2 * cores), hop=gloo.hop))
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    source = "\n".join([
+        f"measured on {socket.gethostname()} at {when} by autopar.cost.calibration.calibrate_local "
+        f"(torch {torch.__version__}, {os.cpu_count()} cpus)",
+        f"peak_flops: fp32 matmuls n={list(_MATMUL_SIZES)} on 1 thread, best size's median rate "
+        f"over ~{_MATMUL_SECONDS}s each; matmul_efficiency {matmul:.2f}: the forward and backward products "
+        f"of linear layers (m, k, n) in {list(_LINEAR_SHAPES)}, FLOPs / summed median times / peak",
+        f"attention: causal SDPA forward + backward on (slices, s, d) in {list(_ATTENTION_SHAPES)}, "
+        f"time = 3(4*B*s^2*d / rate + B*overhead): attention_efficiency {attention:.2f}, "
+        f"attention_overhead {attention_overhead * 1e6:.2f} us per slice",
+        f"mem_bandwidth: copy_ of {_COPY_BYTES >> 20} MiB fp32 on 1 thread, (read + write) / median time; "
+        f"memory_efficiency {pointwise:.2f}: GeLU, LayerNorm, softmax and add on 512x256 fp32, bytes / summed "
+        "median times / that",
+        f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
+        f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
+        f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
+        "compute timed with every rank at once), slowest rank; "
+        "1/time-weighted least squares of "
+        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
+        f"times {[float(f'{s:.3g}') for s in seconds]} s",
+        "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
+        f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
+        f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
+        f"processes, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
+        f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
+        f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
+        f"{step_overhead * 1e6:.1f} us",
+        "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
+        f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
+        "(excess over the same compute alone)" if crowded else "",
+        f"hop: a synthetic 2-stage 1F1B pipeline ({_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / "
+        f"{_PIPE_B * 1e3:g} ms of matmuls, receives posted ahead), the message latency at which the "
+        f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
+        + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
+           f"wake {crowded.wake * 1e3:.2f} ms" if crowded else ""),
+        f"contention: forward + backward of a small GPT (4 layers, h=64, 4x32 tokens, 1 thread) with k "
+        f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
+    ]).strip()
+    device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
+                    memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
+                    dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
+                    attention_efficiency=attention, attention_overhead=attention_overhead,
+                    pass_overhead=pass_overhead, message_overhead=message_overhead)
+    return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
+                   inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
+                   mixed_precision=False, shared=crowded, contention=contention)
+
+
+
+def calibrate_local(*, force: bool = False, cache_path: str | None = None) -> Cluster:
+    """This machine as a Cluster named "local": read from the cache (``autopar.cost.cache``;
+    ``cache_path`` overrides where) unless ``force``, else measured now by the probes of this
+    module (about a minute; see the returned Cluster's ``source`` for each number's method)
+    and stored there."""
+    if not force:
+        cached = cached_local(cache_path)
+        if cached is not None:
+            return cached
+    cluster = _measure_local()
+    cache.store_local(dataclasses.asdict(cluster), cache_path)
+    return cluster
