@@ -1,14 +1,19 @@
-"""Test helpers: run a function on N local processes (gloo, CPU) and compare a compiled
-module against the single-device model.
+"""Test helpers: run a function on N local processes (gloo, CPU), simulate a rank of a large
+world in this process, measure memory, and compare a compiled module against the
+single-device model.
 
-``run(fn, world_size, *args)`` spawns one process per rank, initialises the default
-process group (gloo, a free localhost port, ``timeout`` for every collective), calls
-``fn(*args)`` on each rank and returns the per-rank results in rank order. A rank that
-raises is reported with its traceback; ranks still running after ``timeout`` seconds are
-killed and reported, so a hang becomes an error.
+``run(fn, world_size, *args)`` spawns one process per rank, initialises the default process
+group (gloo, a free localhost port, ``timeout`` for every collective), calls ``fn(*args)`` on
+each rank and returns the per-rank results in rank order. A rank that raises is reported
+with its traceback; ranks still running after ``timeout`` seconds are killed and reported,
+so a hang becomes an error. ``RankPool`` keeps such processes alive between calls (a test
+suite pays the processes' start once); ``fake_rank`` makes this process one rank of a world
+of any size on a process group that moves no data, so a compiled module runs and counts the
+bytes its collectives would move.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -22,10 +27,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.autograd.profiler import profile
+from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
 
 from .api import compile as autopar_compile
 
-__all__ = ["run", "parity", "ParityReport", "live_tensor_bytes", "optimizer_state_bytes"]
+__all__ = ["run", "RankPool", "fake_rank", "parity", "ParityReport", "live_tensor_bytes", "steady_live_bytes",
+           "optimizer_state_bytes", "profiled_peak_bytes", "saved_activation_bytes"]
+
+LOCAL_WORLD_LIMIT = 8
 
 
 def _free_port() -> int:
@@ -34,62 +44,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, timeout, fn, args, queue):
+def _init(rank: int, world: int, port: int, timeout: float) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def _call(rank, seq, fn, args, results) -> None:
     try:
-        torch.set_num_threads(1)
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args)
         buf = io.BytesIO()   # plain bytes: tensors shared by handle die with this process
         torch.save(result, buf)
-        queue.put((rank, True, buf.getvalue()))
+        results.put((rank, seq, True, buf.getvalue()))
     except BaseException:   # reported to the parent with the rank's traceback
-        queue.put((rank, False, traceback.format_exc()))
+        results.put((rank, seq, False, traceback.format_exc()))
+
+
+def _worker(rank, world, port, timeout, fn, args, results):
+    try:
+        _init(rank, world, port, timeout)
+        _call(rank, 0, fn, args, results)
+    except BaseException:
+        results.put((rank, 0, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(fn, world_size: int, *args, timeout: float = 180.0):
-    """Run ``fn(*args)`` on ``world_size`` local processes; return the results in rank order.
-    ``fn`` must be importable (defined at module level)."""
-    if world_size > 8:
-        raise ValueError(f"world_size={world_size}: local CPU runs are limited to 8 processes; use a "
-                         "virtual Mesh or a fake process group for larger worlds")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, queue), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout + 30
-    results, errors = {}, {}
-    while len(results) + len(errors) < world_size:
-        if time.monotonic() > deadline:
+def _pool_worker(rank, world, port, timeout, tasks, results):
+    try:
+        _init(rank, world, port, timeout)
+    except BaseException:
+        results.put((rank, 0, False, traceback.format_exc()))
+        return
+    while True:
+        job = tasks.get()
+        if job is None:
             break
-        if not queue.empty():
-            rank, ok, value = queue.get()
+        seq, fn, args = job
+        _call(rank, seq, fn, args, results)
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def _check_world(world_size: int) -> None:
+    if world_size > LOCAL_WORLD_LIMIT:
+        raise ValueError(f"world_size={world_size}: local CPU runs are limited to {LOCAL_WORLD_LIMIT} processes; "
+                         "use a virtual Mesh or autopar.testing.fake_rank for larger worlds")
+
+
+def _collect(procs, results, world_size: int, seq: int, timeout: float):
+    """The per-rank results of job ``seq``, in rank order (see ``run`` for the errors)."""
+    deadline = time.monotonic() + timeout + 30
+    done, errors = {}, {}
+    while len(done) + len(errors) < world_size and time.monotonic() < deadline:
+        if not results.empty():
+            rank, got_seq, ok, value = results.get()
+            if got_seq != seq and ok:
+                continue
             if ok:
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                done[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
-            if errors:
                 break
-        elif not any(p.is_alive() for p in procs) and queue.empty():
+        elif not any(p.is_alive() for p in procs) and results.empty():
             break
         else:
             time.sleep(0.02)
-    for p in procs:
-        p.join(timeout=5 if not errors else 0.5)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
     if errors:
         rank = min(errors)
         raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
-    missing = [r for r in range(world_size) if r not in results]
+    missing = [r for r in range(world_size) if r not in done]
     dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, -9)}
     if dead:
         raise RuntimeError(f"ranks {sorted(dead)} of {world_size} exited (codes {list(dead.values())}) "
@@ -97,7 +123,99 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                            "(a collective that some rank never reached?)")
-    return [results[r] for r in range(world_size)]
+    return [done[r] for r in range(world_size)]
+
+
+def _stop(procs, grace: float) -> None:
+    for p in procs:
+        p.join(timeout=grace)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+
+
+def run(fn, world_size: int, *args, timeout: float = 180.0):
+    """Run ``fn(*args)`` on ``world_size`` fresh local processes; return the results in rank
+    order. ``fn`` must be importable (defined at module level)."""
+    _check_world(world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        out = _collect(procs, results, world_size, 0, timeout)
+    except BaseException:
+        _stop(procs, 0.5)
+        raise
+    _stop(procs, 5)
+    return out
+
+
+class RankPool:
+    """``world_size`` local processes with their process group, kept alive between calls:
+    ``pool.run(fn, *args)`` is ``run(fn, world_size, *args)`` without starting processes
+    (nor warming torch up) again. Jobs share the processes, so a job must not depend on
+    another's leftovers (seeds, environment variables set after the pool started). A job that
+    fails or times out closes the pool (its ranks may sit in a collective); ``close()`` ends
+    it. ``timeout`` bounds each collective of every job."""
+
+    def __init__(self, world_size: int, timeout: float = 600.0):
+        _check_world(world_size)
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self._results = ctx.SimpleQueue()
+        port = _free_port()
+        self._procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, timeout, self._tasks[r],
+                                                               self._results), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self._seq = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._procs is not None and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout: float = 180.0):
+        if not self.alive:
+            raise RuntimeError(f"this RankPool of {self.world_size} ranks is closed (a job failed or it was "
+                               "closed); start another")
+        self._seq += 1
+        for q in self._tasks:
+            q.put((self._seq, fn, args))
+        try:
+            return _collect(self._procs, self._results, self.world_size, self._seq, timeout)
+        except BaseException:
+            self.close(grace=0.5)
+            raise
+
+    def close(self, grace: float = 5.0) -> None:
+        if self._procs is None:
+            return
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive():
+                q.put(None)
+        _stop(self._procs, grace)
+        self._procs = None
+
+
+@contextlib.contextmanager
+def fake_rank(world_size: int, rank: int = 0):
+    """Within the block this process is rank ``rank`` of ``world_size`` on torch's fake
+    process group: collectives return at once and move no data (their results are garbage),
+    so a compiled module builds its mesh, runs its steps and counts the bytes each collective
+    would move, for a world of any size and without processes. Meshes built inside run on it."""
+    if dist.is_initialized():
+        raise RuntimeError("fake_rank needs a process without a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- memory census ---------------------------------------------------------------------------
@@ -120,10 +238,54 @@ def live_tensor_bytes() -> int:
     return total
 
 
+def steady_live_bytes(samples: int = 5, pause: float = 0.05) -> int:
+    """``live_tensor_bytes`` in the steady state: the smallest of a few samples ``pause``
+    apart. A synchronous gloo collective returns once its data has arrived, but gloo's worker
+    thread may drop its reference to the buffers a moment later; a real leak persists."""
+    out = []
+    for i in range(samples):
+        if i:
+            time.sleep(pause)
+        out.append(live_tensor_bytes())
+    return min(out)
+
+
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's per-parameter state tensors (Adam's moments; not 0-dim steps)."""
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def profiled_peak_bytes(fn) -> int:
+    """Peak of (allocated - freed) bytes of tensor storage while ``fn`` runs, from the
+    profiler's allocator records ([memory] events): the CPU has no allocator peak counter."""
+    with profile(profile_memory=True, use_kineto=True) as prof:
+        fn()
+    events = sorted((e for e in prof.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def saved_activation_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs, leaving
+    out the storages whose data pointers are in ``exclude`` (parameters: saved by reference,
+    not activations)."""
+    seen, total, held = set(exclude), [0], []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            held.append(st)    # alive until the count is done, so no address is reused meanwhile
+            total[0] += st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
 
 
 # ---- parity -------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from autopar.cost.calibration import calibrate_local
-from autopar.cost.cluster import PRESETS, Cluster, Device, Link, get_cluster
+from autopar.cost import cache
+from autopar.cost.cluster import PRESETS, Cluster, Device, Link, cached_local, get_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,16 +116,9 @@ def test_invalid_numbers_are_refused():
         dataclasses.replace(PRESETS["dgx-h100"].device, matmul_efficiency=1.5)
 
 
-@pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("cache") / "local_cluster.json")
-    start = time.perf_counter()
-    cluster = calibrate_local(cache_path=path)
-    return cluster, path, time.perf_counter() - start
-
-
-def test_calibrate_local_measures_plausible_numbers(local):
-    c, _, seconds = local
+@pytest.mark.slow
+def test_calibrate_local_measures_plausible_numbers(local_cluster):
+    c, seconds = local_cluster
     assert seconds < 120
     assert isinstance(c, Cluster) and isinstance(c.device, Device) and c.name == "local"
     d = c.device
@@ -152,9 +146,23 @@ def test_calibrate_local_measures_plausible_numbers(local):
     assert "calibrate_local" in c.source
 
 
-def test_calibrate_local_reads_its_cache(local):
-    first, path, _ = local
+@pytest.mark.slow
+def test_calibrate_local_reads_its_cache(local_cluster):
+    first, _ = local_cluster
     start = time.perf_counter()
-    again = calibrate_local(cache_path=path)
+    again = calibrate_local()
     assert time.perf_counter() - start < 1.0
     assert again == first
+
+
+def test_local_preset_is_read_from_the_cache_never_measured(tmp_path, monkeypatch):
+    """get_cluster('local') reads what `python -m autopar calibrate` stored; without it, it says
+    so instead of measuring (a lookup starts no processes)."""
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="python -m autopar calibrate"):
+        get_cluster("local")
+    assert cached_local() is None
+    mine = PRESETS["dgx-h100"].with_(name="local", contention=((2, 1.1),))
+    cache.store_local(dataclasses.asdict(mine))
+    assert (tmp_path / "local_cluster.json").exists()
+    assert get_cluster("local") == mine == cached_local(str(tmp_path / "local_cluster.json"))

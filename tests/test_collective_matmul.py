@@ -1,30 +1,26 @@
 """Collective matmul (autopar.runtime.collmatmul): values, gradients and byte counts against plain torch
 on the whole tensors and against the non-decomposed collectives (2 and 4 gloo ranks)."""
-import functools
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
-from autopar.runtime.comm import AxisComm, CommStats, all_gather, reduce_scatter
+from autopar.runtime.comm import AxisComm, CommStats
 from autopar.sizes import ring_bytes
-from autopar.testing import run
+
+from jobs import collectives
 
 pytestmark = pytest.mark.timeout(120)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-S_LOCAL = 3   # rows of the decomposed dim per rank
-# (x shape with "S" for the whole decomposed dim, dim, with bias)
-CASES = [((2, "S", 8), 1, True), (("S", 2, 8), 0, False), ((2, 3, "S", 8), -2, True)]
 
 
-def _shape(spec, world, last=None):
-    shape = [S_LOCAL * world if d == "S" else d for d in spec]
-    if last is not None:
-        shape[-1] = last
-    return shape
+@pytest.fixture(scope="module")
+def results(ranks):
+    """(kind, world) -> per-rank results of every case."""
+    return {(kind, world): ranks(collectives.cases_job, world, job, timeout=90)
+            for kind, job in (("ag", collectives.all_gather_matmul_job), ("rs", collectives.matmul_reduce_scatter_job))
+            for world in (2, 4)}
 
 
 def _leaf(t):
@@ -33,102 +29,6 @@ def _leaf(t):
 
 def _grads(*ts):
     return [None if t is None else t.grad for t in ts]
-
-
-def _comm(world, rank):
-    stats = CommStats()
-    return AxisComm("tp", world, rank, dist.group.WORLD, stats), stats
-
-
-def _counters(stats):
-    return dict(stats.bytes), dict(stats.calls)
-
-
-def all_gather_matmul_job(spec, dim, with_bias):
-    """Column-parallel linear on a sequence-sharded x: out features split over the ranks."""
-    torch.set_num_threads(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    out_local = 5
-    X = torch.randn(_shape(spec, world))
-    W = torch.randn(out_local * world, X.shape[-1])
-    B = torch.randn(out_local * world) if with_bias else None
-    Y_ref = F.linear(X, W, B)
-    G = torch.randn_like(Y_ref)
-    d = dim % X.dim()
-    rows, cols = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL), slice(rank * out_local, (rank + 1) * out_local)
-    g_local = G[..., cols]
-
-    res = {}
-    for name in ("decomposed", "plain"):
-        x = _leaf(X.narrow(d, rows.start, S_LOCAL))
-        w = _leaf(W[cols])
-        b = _leaf(B[cols]) if with_bias else None
-        comm, stats = _comm(world, rank)
-        if name == "decomposed":
-            y = all_gather_matmul(x, w, b, comm, dim, size=X.shape[d])
-        else:
-            y = F.linear(all_gather(x, comm, d), w, b)
-        (y * g_local).sum().backward()
-        res[name] = dict(y=y.detach(), grads=_grads(x, w, b), counters=_counters(stats))
-
-    Xr, Wr = _leaf(X), _leaf(W)
-    Br = _leaf(B) if with_bias else None
-    (F.linear(Xr, Wr, Br) * G).sum().backward()
-    res["ref"] = dict(y=Y_ref[..., cols], grads=[Xr.grad.narrow(d, rows.start, S_LOCAL), Wr.grad[cols],
-                                                 Br.grad[cols] if with_bias else None])
-    res["x_bytes"] = X.numel() * X.element_size()
-    return res
-
-
-def matmul_reduce_scatter_job(spec, dim, with_bias):
-    """Row-parallel linear whose output is reduce-scattered along the sequence: in features split."""
-    torch.set_num_threads(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(1)
-    in_local, out = 4, 6
-    X = torch.randn(_shape(spec, world, last=in_local * world))
-    W = torch.randn(out, X.shape[-1])
-    B = torch.randn(out) if with_bias else None
-    Y_ref = F.linear(X, W, B)
-    G = torch.randn_like(Y_ref)
-    d = dim % X.dim()
-    start, cols = rank * S_LOCAL, slice(rank * in_local, (rank + 1) * in_local)
-    g_local = G.narrow(d, start, S_LOCAL)
-
-    res = {}
-    for name in ("decomposed", "plain"):
-        x = _leaf(X[..., cols])
-        w = _leaf(W[:, cols])
-        b = _leaf(B) if with_bias else None
-        comm, stats = _comm(world, rank)
-        if name == "decomposed":
-            y = matmul_reduce_scatter(x, w, b, comm, dim)
-        else:
-            y = reduce_scatter(F.linear(x, w), comm, d)
-            y = y + b if with_bias else y
-        (y * g_local).sum().backward()
-        res[name] = dict(y=y.detach(), grads=_grads(x, w, b), counters=_counters(stats))
-
-    Xr, Wr = _leaf(X), _leaf(W)
-    Br = _leaf(B) if with_bias else None
-    (F.linear(Xr, Wr, Br) * G).sum().backward()
-    # the replicated bias: this rank's addend is the sum over its own output shard
-    own_b = g_local.reshape(-1, out).sum(0) if with_bias else None
-    res["ref"] = dict(y=Y_ref.narrow(d, start, S_LOCAL), grads=[Xr.grad[..., cols], Wr.grad[:, cols], own_b])
-    res["whole_bias_grad"] = Br.grad if with_bias else None
-    res["y_bytes"] = Y_ref.numel() * Y_ref.element_size()
-    return res
-
-
-def cases_job(job):
-    return [job(*case) for case in CASES]
-
-
-@functools.lru_cache(maxsize=None)
-def _results(kind, world):
-    job = all_gather_matmul_job if kind == "ag" else matmul_reduce_scatter_job
-    return run(cases_job, world, job, timeout=90)
 
 
 def _check_against_ref(r):
@@ -140,17 +40,19 @@ def _check_against_ref(r):
             torch.testing.assert_close(got, plain, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_gather_matmul_matches_reference(world):
-    for rank_results in _results("ag", world):
+def test_all_gather_matmul_matches_reference(results, world):
+    for rank_results in results[("ag", world)]:
         for r in rank_results:
             _check_against_ref(r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_matmul_reduce_scatter_matches_reference(world):
-    per_rank = _results("rs", world)
-    for i, (_, _, with_bias) in enumerate(CASES):
+def test_matmul_reduce_scatter_matches_reference(results, world):
+    per_rank = results[("rs", world)]
+    for i, (_, _, with_bias) in enumerate(collectives.CASES):
         for rank_results in per_rank:
             _check_against_ref(rank_results[i])
         if with_bias:   # the ranks' addends sum to the whole bias gradient
@@ -158,16 +60,17 @@ def test_matmul_reduce_scatter_matches_reference(world):
             torch.testing.assert_close(total, per_rank[0][i]["whole_bias_grad"], **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_byte_counters_equal_the_ring_collectives(world):
-    for rank_results in _results("ag", world):
+def test_byte_counters_equal_the_ring_collectives(results, world):
+    for rank_results in results[("ag", world)]:
         for r in rank_results:
             nbytes, calls = r["decomposed"]["counters"]
             assert (nbytes, calls) == r["plain"]["counters"]
             ring = ring_bytes("all_gather", r["x_bytes"], world)
             assert nbytes == {("tp", "all_gather", "forward"): ring, ("tp", "reduce_scatter", "backward"): ring}
             assert set(calls.values()) == {1}
-    for rank_results in _results("rs", world):
+    for rank_results in results[("rs", world)]:
         for r in rank_results:
             nbytes, calls = r["decomposed"]["counters"]
             assert (nbytes, calls) == r["plain"]["counters"]

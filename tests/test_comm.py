@@ -4,15 +4,14 @@ import torch
 
 from autopar.placement import ShardSpec
 from autopar.sizes import ring_bytes
-from autopar.testing import run
-
-import jobs
+from jobs import collectives
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_and_their_conjugates(world):
-    res = run(jobs.comm_functions, world, timeout=60)
+def test_collectives_and_their_conjugates(ranks, world):
+    res = ranks(collectives.comm_functions, world, timeout=60)
     for rank, r in enumerate(res):
         # all_gather along dim 1: blocks of every rank side by side
         expected = torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * k for k in range(world)], dim=1)

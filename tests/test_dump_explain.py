@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from autopar.testing import run
+from jobs import data_parallel
 
-import jobs
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])
-def test_dump_and_explain(tmp_path, mode):
-    res = run(jobs.dump_and_explain, 2, mode, str(tmp_path), timeout=120)
+def test_dump_and_explain(ranks, tmp_path, mode):
+    res = ranks(data_parallel.dump_and_explain, 2, mode, str(tmp_path), timeout=120)
     before, after, files = res[0]
     names = [os.path.basename(f) for f in files]
     assert names == ["00_capture.txt", "01_shard.txt", "02_collectives.txt", "03_localize.txt", "04_overlap.txt",
@@ -39,7 +39,9 @@ def test_dump_and_explain(tmp_path, mode):
 
 
 @pytest.mark.timeout(180)
-def test_demo_command(tmp_path):
+def test_demo_command(local_cluster, tmp_path):
+    """The README's main command, on the session's calibration (the demo itself calibrates a
+    machine that has none)."""
     out = subprocess.run([sys.executable, "-m", "autopar", "demo", "--steps", "3", "--out", str(tmp_path / "d")],
                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -6,7 +6,7 @@ import autopar
 from autopar.models import TinyMLP
 from autopar.testing import run
 
-import jobs
+from jobs import errors
 
 VMESH = autopar.Mesh(dp=2, virtual=True)
 
@@ -15,9 +15,10 @@ def _dm(plan="zero3", mesh=VMESH):
     return autopar.compile(TinyMLP(), mesh, example_inputs=(torch.randn(8, 16),), plan=autopar.Plan(dp=plan))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_mesh_size_differs_from_world_size():
-    msgs = run(jobs.mesh_mismatch, 2, timeout=60)
+def test_mesh_size_differs_from_world_size(ranks):
+    msgs = ranks(errors.mesh_mismatch, 2, timeout=60)
     assert all(m and "4 ranks but the world size is 2" in m and "Mesh(dp=2)" in m for m in msgs)
 
 
@@ -76,9 +77,10 @@ def test_virtual_mesh_cannot_run_collectives():
         dm(torch.randn(4, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_stock_optimizer_on_zero2_is_refused():
-    msgs = run(jobs.stale_shards, 2, timeout=60)
+def test_stock_optimizer_on_zero2_is_refused(ranks):
+    msgs = ranks(errors.stale_shards, 2, timeout=60)
     assert all(m and "dm.optimizer(" in m and "stale" in m for m in msgs)
 
 
@@ -93,7 +95,9 @@ def test_auto_plan_says_what_it_picked(caplog):
     assert "plan='auto' picked" in dm.explain()
 
 
+@pytest.mark.slow
 def test_auto_plan_without_calibration_in_a_rank_says_what_to_do(tmp_path, monkeypatch):
+    """Fresh processes: they read the cache path from the environment set here."""
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
-    msgs = run(jobs.auto_plan_uncalibrated, 2, timeout=90)
+    msgs = run(errors.auto_plan_uncalibrated, 2, timeout=90)
     assert all("python -m autopar calibrate" in m for m in msgs)

@@ -3,19 +3,19 @@
 under every dp mode and match the single-device model, as tests/test_parity.py states."""
 import pytest
 
-from autopar.testing import run
+from jobs import hf
+from jobs.common import MODES
 
-import jobs
-
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return run(jobs.hf_parity_all, 2, timeout=300)
+def reports(ranks):
+    return ranks(hf.hf_parity_all, 2, timeout=300)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", jobs.MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hf_model_parity(reports, name, mode):
     for r in reports:

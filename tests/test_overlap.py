@@ -1,4 +1,4 @@
-"""The overlap pass (issue 6): collectives split into start and wait, ZeRO-3 gathers issued
+"""The overlap pass: collectives split into start and wait, ZeRO-3 gathers issued
 ahead within a memory budget, collective matmul, the same order of collectives on every rank
 (checked before running), and the measured timeline beside the predicted one.
 
@@ -9,13 +9,13 @@ import json
 import pytest
 
 import autopar
-from autopar.runtime.dpsync import dp_gather, dp_unit_start, dp_unit_wait
 from autopar.models import GPTConfig, TinyGPT, gpt_batch
 from autopar.passes.overlap import unit_ahead_bytes
-from autopar.testing import run
-from autopar.runtime.tpcomm import tp_start, tp_wait
+from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
+from autopar.runtime.dpsync import dp_gather, dp_unit_start, dp_unit_wait
+from autopar.runtime.tpcomm import tp_copy, tp_copy_linear, tp_start, tp_wait
 
-import jobs
+from jobs import errors, overlap, pipeline
 
 
 def _compile(plan, layers=2, **mesh):
@@ -135,7 +135,6 @@ def test_tp_waits_right_before_first_use():
 def test_collective_matmul_replaces_the_pairs():
     """collective_matmul: per layer, the all-gathers before qkv and fc become all_gather_matmul
     and the reduce-scatters after proj and out become matmul_reduce_scatter."""
-    from autopar.runtime.collmatmul import all_gather_matmul, matmul_reduce_scatter
     dm = _compile(autopar.Plan(tp=True, sp=True, collective_matmul=True), tp=2)
     targets = [n.target for n in _order(dm) if n.op == "call_function"]
     assert targets.count(all_gather_matmul) == 4 and targets.count(matmul_reduce_scatter) == 4
@@ -144,11 +143,12 @@ def test_collective_matmul_replaces_the_pairs():
         autopar.Plan(tp=True, collective_matmul=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_collective_order_mismatch_is_an_error_not_a_hang():
+def test_collective_order_mismatch_is_an_error_not_a_hang(ranks):
     """Ranks compiling different models: every rank gets a ValueError naming the group and the
     first collective that differs, before any step (ddp, zero3 and tp)."""
-    per_rank = run(jobs.order_mismatch, 2, timeout=240)
+    per_rank = ranks(errors.order_mismatch, 2, timeout=240)
     for rank, out in enumerate(per_rank):
         for name in ("ddp", "zero3", "tp"):
             msg = out[name]
@@ -159,12 +159,13 @@ def test_collective_order_mismatch_is_an_error_not_a_hang():
         assert out["after"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dump_writes_measured_and_predicted_timeline(tmp_path):
+def test_dump_writes_measured_and_predicted_timeline(ranks, local_cluster, tmp_path):
     """After record_timeline, dump writes timeline.json: a compute and a communication lane per
-    rank, measured, and the cost model's predicted lanes of the same plan beside them."""
-    from autopar.cost.cluster import cached_local
-    per_rank = run(jobs.timeline_and_dump, 2, str(tmp_path), {"dp": "zero3"}, timeout=240)
+    rank, measured, and the cost model's predicted lanes of the same plan (by the calibrated
+    local preset) beside them."""
+    per_rank = ranks(overlap.timeline_and_dump, 2, str(tmp_path), {"dp": "zero3"}, timeout=240)
     for r in per_rank:
         assert r["n_timelines"] == 2
         comm = [e for e in r["events"] if e[0] == "comm"]
@@ -179,19 +180,19 @@ def test_dump_writes_measured_and_predicted_timeline(tmp_path):
     assert any(n.startswith("rank 0 (measured)") for n in names) and any(n.startswith("rank 1 (measured)") for n in names)
     cats = {e.get("cat") for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"measured compute", "measured comm"} <= cats
-    if cached_local() is not None:      # the prediction needs the local calibration (the suite makes it)
-        assert any(n.startswith("rank 0 (predicted)") for n in names)
-        assert {"predicted compute", "predicted comm"} <= cats
+    assert any(n.startswith("rank 0 (predicted)") for n in names)
+    assert {"predicted compute", "predicted comm"} <= cats
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_prefetch_stays_within_the_memory_budget():
+def test_prefetch_stays_within_the_memory_budget(ranks):
     """ZeRO-3 on 4 layers with prefetch budgets of 0, one and two layer units and None (one
     unit ahead): the gathers in flight at once (issued, not yet waited on) never exceed the
     budget (or one unit, when a unit is larger), and the measured peak of a step's allocations
     (median of 5 steps) grows by no more than the budget over no prefetch (within that run's
     step-to-step spread)."""
-    out = run(jobs.prefetch_memory, 2, (0, 1, 2, None), timeout=300)
+    out = ranks(overlap.prefetch_memory, 2, (0, 1, 2, None), timeout=300)
     for r in out:
         # the profiler's peak of a step varies from step to step here (gloo's transient
         # buffers): the comparison allows the no-prefetch run's own spread over its 5 steps
@@ -206,25 +207,26 @@ def test_prefetch_stays_within_the_memory_budget():
         assert r[2]["inflight"] > r[1]["inflight"]               # the larger budget is used
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pipeline_timeline_shows_the_transfers(tmp_path):
-    per_rank = run(jobs.pipeline_timeline, 2, str(tmp_path / "d"), timeout=240)
+def test_pipeline_timeline_shows_the_transfers(ranks, tmp_path):
+    per_rank = ranks(pipeline.pipeline_timeline, 2, str(tmp_path / "d"), timeout=240)
     for r in per_rank:
         assert r["n"] == 2
         assert {"send[pp]", "recv[pp]"} <= set(r["names"]), r["names"]
     assert "timeline.json" in per_rank[0]["files"] and "trace.json" in per_rank[0]["files"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_different_plans_on_the_ranks_are_an_error():
-    for msg in run(jobs.order_mismatch_plans, 2, timeout=150):
+def test_different_plans_on_the_ranks_are_an_error(ranks):
+    for msg in ranks(errors.order_mismatch_plans, 2, timeout=150):
         assert msg is not None and "at collective #0 on dp" in msg and "overlap=False" in msg, msg
 
 
 def test_megatron_f_backward_all_reduce_runs_under_the_weight_gradient():
     """tp: Megatron's f before each column product is fused with it (tp_copy_linear: the input
     gradient's all-reduce goes out before the weight gradient is computed); off, it is not."""
-    from autopar.runtime.tpcomm import tp_copy, tp_copy_linear
     on = [n.target for n in _order(_compile(autopar.Plan(tp=True), tp=2)) if n.op == "call_function"]
     off = [n.target for n in _order(_compile(autopar.Plan(tp=True, overlap=False), tp=2)) if n.op == "call_function"]
     assert on.count(tp_copy_linear) == 4 and tp_copy not in on          # qkv and fc of 2 layers

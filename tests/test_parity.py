@@ -11,21 +11,22 @@ step bound instead, as ``autopar.testing.parity`` documents.
 """
 import pytest
 
-from autopar.testing import run
+from jobs import data_parallel
+from jobs.common import MODES
 
-import jobs
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False), (4, False)],
                 ids=["world2", "world4", "world2-overlap-off", "world4-overlap-off"])
-def reports(request):
+def reports(request, ranks):
     """Both ways: with the overlap pass (the default) and with every collective waited on at once."""
     world, overlap = request.param
-    return world, run(jobs.parity_all, world, overlap, timeout=240)
+    return world, ranks(data_parallel.parity_all, world, overlap, timeout=240)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", jobs.MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_parity(reports, model, mode):
     world, per_rank = reports
@@ -43,8 +44,8 @@ def test_parity(reports, model, mode):
 
 
 @pytest.mark.timeout(400)
-def test_parity_at_world_size_8():
-    per_rank = run(jobs.parity_world8, 8, timeout=300)
+def test_parity_at_world_size_8(ranks):
+    per_rank = ranks(data_parallel.parity_world8, 8, timeout=300)
     for r in per_rank:
         for key, rep in r.items():
             assert rep.ok, (key, rep.rank, rep.output_err, rep.loss_err, rep.grad_err, rep.param_err,

@@ -18,9 +18,9 @@ from autopar.context import CompileContext
 from autopar.models import GPTConfig, TinyGPT, gpt_batch
 from autopar.passes import pipeline
 from autopar.schedule import ScheduleDeadlock, build_schedule
-from autopar.testing import run
 
-import jobs
+from jobs import pipeline as pipeline_jobs
+from jobs.common import MODES
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
 
@@ -40,78 +40,70 @@ def _configs(model, axes, schedules, ms, **extra):
 
 # ---- parity on real processes ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_parity_every_schedule_pp2():
-    """GPT with tied embedding/head (summed over the first and last stage), pp=2, m=4 and 8."""
-    _check(run(jobs.parity_pp, 2, _configs("gpt", {"pp": 2}, SCHEDULES, (4, 8)), timeout=450))
+def test_parity_every_schedule_pp2(ranks):
+    """GPT with tied embedding/head (summed over the first and last stage), pp=2, m=4 and 8; and a
+    user's own action list (GPipe with backward in reverse micro-batch order)."""
+    custom = "rank 0: 0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0\nrank 1: 1F0 1F1 1F2 1F3 1B3 1B2 1B1 1B0"
+    configs = _configs("gpt", {"pp": 2}, SCHEDULES, (4, 8)) + [
+        ("gpt", {"pp": 2}, dict(pp_schedule=custom, microbatches=4))]
+    _check(ranks(pipeline_jobs.parity_pp, 2, configs, timeout=450))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_parity_every_schedule_pp4():
+def test_parity_every_schedule_pp4(ranks):
     """pp=4, m=4 and 8 (interleaved: 8 stages); the skip-connection MLP passes its first
     activation through the middle stages."""
     configs = _configs("gpt", {"pp": 4}, SCHEDULES, (4, 8)) + _configs("skip", {"pp": 4}, [("1f1b", 1)], (4,))
-    _check(run(jobs.parity_pp, 4, configs, timeout=550))
+    _check(ranks(pipeline_jobs.parity_pp, 4, configs, timeout=550))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
-def test_parity_pp2_dp2_every_zero_mode():
+def test_parity_pp2_dp2_every_zero_mode(ranks):
     configs = [("gpt", {"pp": 2, "dp": 2}, dict(dp=mode, pp_schedule=s, microbatches=4, virtual_stages=v, overlap=o))
-               for mode, (s, v) in zip(jobs.MODES, SCHEDULES) for o in (True, False)]   # overlap pass on and off
-    _check(run(jobs.parity_pp, 4, configs, timeout=450))
+               for mode, (s, v) in zip(MODES, SCHEDULES) for o in (True, False)]   # overlap pass on and off
+    _check(ranks(pipeline_jobs.parity_pp, 4, configs, timeout=450))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_parity_3d_mesh_pp2_dp2_tp2():
+def test_parity_3d_mesh_pp2_dp2_tp2(ranks):
     """Mesh(pp=2, dp=2, tp=2) on 8 processes: ZeRO and tensor (and sequence) parallelism inside
     each stage."""
     axes = {"pp": 2, "dp": 2, "tp": 2}
     configs = [("gpt", axes, dict(dp="zero2", tp=True, pp_schedule="1f1b", microbatches=4)),
                ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4)),
                ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="1f1b", microbatches=4, overlap=False))]
-    _check(run(jobs.parity_pp, 8, configs, timeout=550))
+    _check(ranks(pipeline_jobs.parity_pp, 8, configs, timeout=550))
 
 
-@pytest.mark.timeout(300)
-def test_custom_schedule_parity():
-    """A user's own action list (GPipe with backward in reverse micro-batch order)."""
-    text = "rank 0: 0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0\nrank 1: 1F0 1F1 1F2 1F3 1B3 1B2 1B1 1B0"
-    _check(run(jobs.parity_pp, 2, [("gpt", {"pp": 2}, dict(pp_schedule=text, microbatches=4))], timeout=250))
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_point_to_point_bytes():
-    """Each step sends the residual stream of every micro-batch forward across each cut, and its
-    gradient backward: b·s·h·4 B per cut and direction (b the whole batch)."""
-    r0, r1 = run(jobs.pp_bytes, 2, timeout=150)
-    residual = r0["residual_bytes"]
-    assert r0["stage_sends"] == [residual // 4, 0]            # one micro-batch crosses the cut
-    tied = 67 * 32 * 4                                         # wte.weight's gradient, each way
-    assert r0["bytes"] == {("pp", "send", "forward"): residual, ("pp", "send", "tied"): tied}
-    assert r1["bytes"] == {("pp", "send", "backward"): residual, ("pp", "send", "tied"): tied}
-    assert r0["calls"][("pp", "send", "forward")] == 4
-
-
-@pytest.mark.timeout(200)
-def test_clip_full_grads_and_state_dict_across_stages():
+def test_clip_full_grads_and_state_dict_across_stages(ranks):
     """pp=2 x dp=2, ZeRO-3, interleaved: the clipped norm is the single-device model's, full
-    gradients (after clipping) match, and a loaded state dict round-trips."""
+    gradients (after clipping) match, a loaded state dict round-trips, and the same plan
+    compiled from a meta-device model materialises and loads the model's weights."""
     plan = dict(dp="zero3", pp_schedule="interleaved", microbatches=2, virtual_stages=2)
-    for r in run(jobs.pp_clip_and_state, 4, plan, timeout=150):
+    for r in ranks(pipeline_jobs.pp_clip_and_state, 4, plan, timeout=150):
         assert r["norm"] == pytest.approx(r["norm_ref"], rel=1e-5)
         assert r["grad_err"] < 1e-6 and r["load_err"] == 0 and r["keys"]
+        assert r["meta_err"] == 0
 
 
 # ---- bubble ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_measured_bubble_matches_formula():
+def test_measured_bubble_matches_formula(ranks):
     """Two stages of equal compute (one process each, one thread), m=4: GPipe and 1F1B idle
     (p−1)/(m+p−1) = 0.2 of the step; zero-bubble less than 1F1B."""
     formula = 1 / 5
 
     def measure():
-        res = run(jobs.pp_bubble, 2, ("gpipe", "1f1b", "zero_bubble"), timeout=250)[0]
+        res = ranks(pipeline_jobs.pp_bubble, 2, ("gpipe", "1f1b", "zero_bubble"), timeout=250)[0]
         return res, all(abs(res[name]["bubble"] - formula) <= 0.05 for name in ("gpipe", "1f1b"))
 
     # wall-clock timing on two shared cores: another process taking one core during a run

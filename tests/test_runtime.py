@@ -4,16 +4,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from autopar.testing import run
+from autopar.models import TinyMLP
 
-import jobs
+from jobs import data_parallel
+from jobs.common import mlp_batch, mse
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
-def test_clip_grad_norm_uses_the_global_norm(world):
-    for per_mode in run(jobs.clip_all, world, timeout=120):
+def test_clip_grad_norm_uses_the_global_norm(ranks, world):
+    for per_mode in ranks(data_parallel.clip_all, world, timeout=120):
         for ref_norm, norm, err in per_mode.values():
             assert norm == pytest.approx(ref_norm, rel=1e-5)
             assert ref_norm > 0.05          # clipping was active
@@ -21,8 +25,8 @@ def test_clip_grad_norm_uses_the_global_norm(world):
 
 
 @pytest.mark.timeout(120)
-def test_seven_rows_over_four_ranks():
-    res = run(jobs.uneven_shards, 4, timeout=60)
+def test_seven_rows_over_four_ranks(ranks):
+    res = ranks(data_parallel.uneven_shards, 4, timeout=60)
     assert [shape for shape, _ in res] == [(2, 32), (2, 32), (2, 32), (1, 32)]
     assert all(same for _, same in res)
 
@@ -39,16 +43,14 @@ def test_example_runs_under_torchrun():
 
 
 @pytest.mark.timeout(120)
-def test_meta_model_materialises_and_trains():
-    import torch
-    from autopar.models import TinyMLP
+def test_meta_model_materialises_and_trains(ranks):
     torch.manual_seed(0)
     ref = TinyMLP()
-    x, y = jobs.mlp_batch()
+    x, y = mlp_batch()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    jobs.mse(ref(x), y).backward()
+    mse(ref(x), y).backward()
     opt.step()
-    for rank_result in run(jobs.meta_materialise, 2, timeout=90):
+    for rank_result in ranks(data_parallel.meta_materialise, 2, timeout=90):
         for mode, (first_err, state) in rank_result.items():
             assert first_err > 0       # the step changed the weights (compared against the old ones)
             for k, v in ref.state_dict().items():
@@ -57,8 +59,8 @@ def test_meta_model_materialises_and_trains():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gradient_accumulation_over_micro_batches(world):
-    for per_mode in run(jobs.accumulation_all, world, timeout=120):
+def test_gradient_accumulation_over_micro_batches(ranks, world):
+    for per_mode in ranks(data_parallel.accumulation_all, world, timeout=120):
         for mode, (err, twice) in per_mode.items():
             assert err < 1e-6, (mode, err)
             # every mode sends a bucket as soon as it fills (the overlap pass), so a backward

@@ -1,5 +1,5 @@
-"""Tensor and sequence parallelism: parity on real processes, the collectives one block gets,
-the bytes they move, and the errors for layouts that cannot be split.
+"""Tensor and sequence parallelism: parity on real processes, the collectives one block gets, the
+activation memory, and the errors for layouts that cannot be split (the bytes: test_bytes.py).
 
 Parity tolerance is ``autopar.testing.parity``'s (fp32, scaled error <= 1 at rtol 1e-4, atol
 1e-5, 1e-6 for gradients): tensor parallelism sums the same products in another order (each
@@ -12,9 +12,9 @@ import torch
 import autopar
 from autopar import meta
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
-from autopar.testing import run
 
-import jobs
+from jobs import hf, tensor_parallel
+from jobs.common import MODES, mlp_batch
 
 
 def _check(reports, label):
@@ -29,27 +29,32 @@ def _check(reports, label):
 OVERLAP = [{}, {"overlap": False}]     # both ways: the overlap pass on (the default) and off
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sp,kw", [(False, {}), (True, {}), (False, {"overlap": False}), (True, {"overlap": False}),
                                    (True, {"collective_matmul": True})],
                          ids=["tp", "tp+sp", "tp-overlap-off", "tp+sp-overlap-off", "tp+sp-collective-matmul"])
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)], ids=["tp2", "tp4"])
-def test_parity_tensor_parallel(world, tp, sp, kw):
-    _check(run(jobs.parity_tp, world, tp, sp, ("ddp",), ("mlp", "gpt"), kw, timeout=300), f"tp={tp} sp={sp} {kw}")
+def test_parity_tensor_parallel(ranks, world, tp, sp, kw):
+    _check(ranks(tensor_parallel.parity_tp, world, tp, sp, ("ddp",), ("mlp", "gpt"), kw, timeout=300),
+           f"tp={tp} sp={sp} {kw}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kw", OVERLAP, ids=["", "overlap-off"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_parity_dp2_tp2_every_dp_mode(sp, kw):
-    _check(run(jobs.parity_tp, 4, 2, sp, jobs.MODES, ("mlp", "gpt"), kw, timeout=500), f"dp=2 x tp=2 sp={sp} {kw}")
+def test_parity_dp2_tp2_every_dp_mode(ranks, sp, kw):
+    _check(ranks(tensor_parallel.parity_tp, 4, 2, sp, MODES, ("mlp", "gpt"), kw, timeout=500),
+           f"dp=2 x tp=2 sp={sp} {kw}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_hf_models_dp2_tp2():
+def test_hf_models_dp2_tp2(ranks):
     """Hugging Face GPT-2 (fused c_attn through Conv1D's addmm, split into q, k, v) and Llama
     (grouped-query attention, rotary embeddings, RMSNorm, SwiGLU), tp and tp+sp."""
-    _check(run(jobs.hf_parity_tp, 4, ("ddp",), (False, True), timeout=500), "hf dp=2 x tp=2")
+    _check(ranks(hf.hf_parity_tp, 4, ("ddp",), (False, True), timeout=500), "hf dp=2 x tp=2")
 
 
 # ---- the graph ------------------------------------------------------------------------------
@@ -141,29 +146,6 @@ def test_explain_and_dump_show_tp_layouts(tmp_path):
     assert "column-parallel" in dm.explain() and "row-parallel" in dm.explain()
 
 
-# ---- bytes ----------------------------------------------------------------------------------
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("t", [2, 4])
-def test_bytes_per_layer(t, sp):
-    """One layer moves 4 collectives of b*s*h elements per step (2 forward, 2 backward):
-    tp: 4 all-reduces, each 2(t-1)/t*b*s*h*4 bytes; tp+sp: 4 all-gathers and 4 reduce-scatters,
-    each (t-1)/t*b*s*h*4 bytes; the same 8(t-1)/t*b*s*h*4 bytes. SP adds the gradient
-    all-reduce of the 6 replicated norm/bias vectors of h the layer reads on a slice, and
-    the backward all-gather of the 2 column inputs it keeps as sequence shards (as Megatron's
-    sequence parallelism does, to divide their activation memory by t)."""
-    r = run(jobs.tp_volume, t, sp, timeout=240)[0]
-    b, s, h = r["bsh"]
-    per_layer = r[2]["total"] - r[1]["total"]
-    expected = 8 * (t - 1) / t * b * s * h * 4
-    if sp:
-        expected += 6 * 2 * (t - 1) / t * h * 4 + 2 * (t - 1) / t * b * s * h * 4
-    assert per_layer == pytest.approx(expected, rel=0, abs=1e-6)
-    kinds = {k for (a, k, p) in r[2]["bytes"] if a == "tp"}
-    assert kinds == ({"all_reduce"} if not sp else {"all_reduce", "all_gather", "reduce_scatter"})
-
-
 # ---- what cannot be split -------------------------------------------------------------------
 
 def test_heads_that_do_not_divide_are_an_error():
@@ -203,9 +185,10 @@ def test_user_override_by_name_pattern():
 
 # ---- activation memory ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("t", [2, 4])
-def test_activation_memory_per_layer(t):
+def test_activation_memory_per_layer(ranks, t):
     """Bytes saved for backward per layer per rank (saved-tensor hooks, distinct storages;
     one layer = the GPT with 2 layers minus with 1), against Korthikanti et al. 2022 (section
     4.2): tensor parallelism keeps the tensors outside the tensor-parallel regions whole —
@@ -213,7 +196,7 @@ def test_activation_memory_per_layer(t):
     4·s·b·h·4 bytes — and divides the rest by t; sequence parallelism divides everything by
     t (the column products' inputs are kept as sequence shards and gathered again in
     backward)."""
-    r = run(jobs.tp_activation_memory, t, timeout=240)[0]
+    r = ranks(tensor_parallel.tp_activation_memory, t, timeout=240)[0]
     s, b, h = r["sbh"]
     single, whole = r["single"], 4 * s * b * h * 4
     assert r["tp"] == pytest.approx(whole + (single - whole) / t, rel=0.10)
@@ -223,12 +206,13 @@ def test_activation_memory_per_layer(t):
 
 # ---- vocabulary parallelism -----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("t", [2, 4])
-def test_vocab_parallel_parity(t):
+def test_vocab_parallel_parity(ranks, t):
     """Loss in the graph: the tied table is split along its 67 rows (34/33 at t=2, 17/17/17/16
     at t=4), the lookup and the cross-entropy are lowered, and training matches one device."""
-    reports = run(jobs.parity_vocab_parallel, t, timeout=300)
+    reports = ranks(tensor_parallel.parity_vocab_parallel, t, timeout=300)
     for sp in (False, True):
         rows = [r[("table", sp)] for r in reports]
         assert rows == [(len(range(67)[i * -(-67 // t):(i + 1) * -(-67 // t)]), 32) for i in range(t)]
@@ -238,7 +222,7 @@ def test_vocab_parallel_parity(t):
 def test_vocab_parallel_never_gathers_logits():
     c = GPTConfig(layers=2)
     tok, tgt = gpt_batch(c, 8)
-    dm = _compile(jobs.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True), tp=2)
+    dm = _compile(tensor_parallel.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True), tp=2)
     kinds = sorted(name for name, _ in _tp_nodes(dm))
     assert "tp_gather" not in kinds, kinds
     assert kinds.count("tp_vocab_embedding") == 1 and kinds.count("tp_vocab_cross_entropy") == 1
@@ -247,25 +231,30 @@ def test_vocab_parallel_never_gathers_logits():
     assert str(dm.ctx.tp_params["gpt.wte.weight"]) == "S(0)"
 
 
-@pytest.mark.timeout(300)
 def test_op_without_rule_runs_replicated_with_a_warning():
-    """cumsum has no sharding rule: its tp-sharded input is gathered, it runs replicated, the
-    compile says so (naming the op), and training still matches one device."""
-    x, _ = jobs.mlp_batch()
-    dm = _compile(jobs.CumsumMLP(), (x,), autopar.Plan(tp=True), tp=2)
+    """cumsum has no sharding rule: its tp-sharded input is gathered, it runs replicated, and
+    the compile says so (naming the op); training matches one device (the test below)."""
+    x, _ = mlp_batch()
+    dm = _compile(tensor_parallel.CumsumMLP(), (x,), autopar.Plan(tp=True), tp=2)
     warnings = [n for n in dm.ctx.notes if "no sharding rule for aten.cumsum.default" in n]
     assert len(warnings) == 1 and "runs replicated" in warnings[0]
     assert "cumsum" in dm.explain()
     cumsum = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.cumsum.default)
     assert cumsum.args[0].target.__name__ == "tp_wait"       # of the gather's tp_start
     assert cumsum.args[0].args[0].args[0] == "all_gather"
-    _check(run(jobs.parity_small_tp, 2, timeout=200), "small tp models")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_small_tp_models_match_one_device(ranks):
+    """The op without a rule (cumsum) and a row product read directly by a column product."""
+    _check(ranks(tensor_parallel.parity_small_tp, 2, timeout=200), "small tp models")
 
 
 def test_row_product_read_by_column_product():
     """The all-reduced output of a row product read directly by a column product gets g, then
     f (its gradient is a sum over tp); the parity runs in the test above."""
-    x, _ = jobs.mlp_batch()
-    dm = _compile(jobs.RowThenColumn(), (x,), autopar.Plan(tp=True), tp=2)
+    x, _ = mlp_batch()
+    dm = _compile(tensor_parallel.RowThenColumn(), (x,), autopar.Plan(tp=True), tp=2)
     kinds = [name for name, _ in _tp_nodes(dm)]
     assert kinds == ["tp_copy", "tp_all_reduce", "tp_copy", "tp_gather"], kinds

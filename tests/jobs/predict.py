@@ -1,0 +1,93 @@
+"""The cost model's predictions against measurements: the plans at world 4 and what each
+measures per rank (bytes, peak memory, step time)."""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.testing import profiled_peak_bytes, steady_live_bytes
+
+PREDICT_CONFIG = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)
+
+
+PREDICT_BATCH = 16
+
+
+# (name, mesh axes, plan keyword arguments): the plans of the earlier issues at world 4
+PREDICT_PLANS = (
+    ("ddp", {"dp": 4}, {"dp": "ddp"}),
+    ("zero1", {"dp": 4}, {"dp": "zero1"}),
+    ("zero2", {"dp": 4}, {"dp": "zero2"}),
+    ("zero3", {"dp": 4}, {"dp": "zero3"}),
+    ("tp", {"dp": 2, "tp": 2}, {"dp": "ddp", "tp": True}),
+    ("tp+sp", {"dp": 2, "tp": 2}, {"dp": "zero2", "tp": True, "sp": True}),
+    ("pp 1f1b", {"pp": 2, "dp": 2}, {"dp": "ddp", "pp_schedule": "1f1b", "microbatches": 4}),
+    ("pp interleaved", {"pp": 2, "dp": 2}, {"dp": "zero1", "pp_schedule": "interleaved", "microbatches": 4,
+                                            "virtual_stages": 2}),
+    ("pp zero_bubble", {"pp": 4}, {"dp": "ddp", "pp_schedule": "zero_bubble", "microbatches": 4}),
+)
+
+
+def measured_plans(names=None, steps=7, extra=()):
+    """Bytes per step, peak memory and step time of each plan in PREDICT_PLANS (and ``extra``
+    (name, axes, plan kwargs) ones) on this rank."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, axes, kw in tuple(PREDICT_PLANS) + tuple(extra):
+        if names is not None and name not in names:
+            continue
+        out[name] = measured_plan(axes, kw, steps)
+    return out
+
+
+def measured_plan(axes, kw, steps):
+    c = PREDICT_CONFIG
+    torch.manual_seed(0)
+    model = TinyGPT(c)
+    x, t = gpt_batch(c, PREDICT_BATCH)
+    plan = autopar.Plan(**kw)
+    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    del model
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+
+    def body():
+        if plan.pp_schedule:
+            dm.train_step(lx, lt, lm_loss)
+        else:
+            loss = lm_loss(dm(*lx), lt)
+            loss.backward()
+            del loss
+        opt.step()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        body()
+
+    for _ in range(2):
+        step()
+    dm.comm_stats.reset()
+    step()
+    nbytes = dm.comm_stats.total()
+    by_axis = {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}
+    # peak: what lives between steps (after zero_grad: parameters, optimizer state, persistent
+    # buffers) plus the most the step allocates on top; the profiler cannot see frees of blocks
+    # allocated before it started, so nothing older than the census is freed inside the window
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    base = steady_live_bytes(3)
+    peaks = [base + profiled_peak_bytes(body) for _ in range(3)]   # the steady state: the median of three
+    peak = sorted(peaks)[1]
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return {"bytes": nbytes, "by_axis": by_axis, "peak": peak, "peaks": peaks, "base": base, "times": times}
