@@ -7,14 +7,27 @@ and those named fields, so that nothing lives in global state.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .mesh import Mesh
 from .placement import ShardSpec
 from .planspec import Plan
+
+
+_NUMBERED = re.compile(r"^((?:[^.]+\.)*?\d+)(?:\.|$)")
+
+
+def layer_key(path: str) -> Optional[str]:
+    """The numbered layer a parameter name or module path sits in: the path through its first
+    numeric component (``blocks.3.attn.qkv.weight`` and ``blocks.3.attn`` -> ``blocks.3``,
+    ``0.weight`` -> ``0``); None outside any numbered layer. ZeRO-3 gathers a layer's
+    parameters as one unit, and the cost model profiles a layer as one group."""
+    m = _NUMBERED.match(path)
+    return m.group(1) if m else None
 
 
 @dataclass

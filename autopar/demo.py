@@ -15,6 +15,7 @@ from .cost.cluster import cached_local
 from .cost.formulas import dp_comm_elements, evaluate
 from .cost.memory import model_state_bytes
 from .mesh import Mesh
+from .sizes import ring_bytes
 from .models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from .testing import optimizer_state_bytes, run
 
@@ -80,7 +81,7 @@ def main(world: int = 2, steps: int = 5, out_dir: str = "autopar_out") -> int:
     line = (f"\nbytes per step ({mode}): formula {formula} x 4 B = {evaluate(formula, Psi=psi, N=n) * 4:,.0f}; "
             f"measured {r0['rows'][-1][5]:,.0f}")
     if mode == "zero3":
-        exact = (2 * r0["psi_pad"] + r0["read"]) * (n - 1) / n * 4
+        exact = ring_bytes("all_gather", (2 * r0["psi_pad"] + r0["read"]) * 4, n)
         line += f" = (2Ψ + Ψ read by backward)(N−1)/N x 4 B = {exact:,.0f}"
     print(line)
     print("per-rank memory after a step (params + grads + AdamW state):")

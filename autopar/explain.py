@@ -23,6 +23,7 @@ from .cost.memory import model_state_bytes
 from .passes.pipeline import BALANCE_SLACK
 from .runtime.pipeline_module import PipelineModule
 from .schedule import bubble_formula
+from .sizes import ring_bytes
 from .trace import ChromeTrace
 
 __all__ = ["Inspector", "graph_text", "explain", "explain_pipeline", "dump", "dump_pipeline"]
@@ -138,7 +139,7 @@ def explain(dm, cluster=None) -> str:
             lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
         if mode == "zero3":
             extra = sum(sync.specs[x].padded_numel for x in sync.saved_in_backward)
-            exact = (2 * psi_pad + extra) * (n - 1) / n * item
+            exact = ring_bytes("all_gather", (2 * psi_pad + extra) * item, n)
             lines.append(f"    exact for this graph: (2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B = {_mb(exact)} "
                          f"(Ψ_read_by_backward = {extra:,})")
     else:
@@ -181,12 +182,12 @@ def predicted_section(dm, cluster) -> list:
     c = cluster if cluster is not None else cached_local()
     if c is None:
         return ["\npredicted step: dm.explain(cluster='local' | 'dgx-h100' | 'dgx-a100-80gb') prints the cost "
-                "model's prediction (the local preset calibrates this machine once, in a few seconds)"]
+                "model's prediction (the local preset needs `python -m autopar calibrate` once: about a minute)"]
     try:
         est = dm.predict(c)
     except Exception as exc:
         return [f"\npredicted step: unavailable ({type(exc).__name__}: {exc})"]
-    return ["\npredicted (cost model, autopar.estimate):"] + ["  " + x for x in est.explain().splitlines()]
+    return ["\npredicted (cost model, dm.predict()):"] + ["  " + x for x in est.explain().splitlines()]
 
 
 def _tp_section(dm) -> list:
@@ -198,7 +199,7 @@ def _tp_section(dm) -> list:
             out.append(f"  {name:<36} {str(p):<22} {p.reason}")
     whole = sum(1 for p in dm.ctx.tp_params.values() if not p.sharded)
     out.append(f"  ({whole} other parameters replicated: norms, embeddings, biases added after a reduction)")
-    out.append(f"  per transformer layer per step: {tp_layer_comm_elements(dm.plan.sp)} elements "
+    out.append(f"  per transformer layer per step: {tp_layer_comm_elements()} elements "
                "(2 collectives of b·s·h forward, 2 backward)")
     by = {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "tp"}
     for (axis, k, phase), v in sorted(by.items()):

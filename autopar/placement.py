@@ -19,7 +19,7 @@ from typing import Mapping, Union
 
 import torch
 
-from .sizes import chunk, chunk_range
+from .sizes import chunk, chunk_range, padded_numel
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "Layout", "ShardSpec", "TPParam",
            "parse_placement", "parse_layout", "to_dtensor_placement", "from_dtensor_placement"]
@@ -168,7 +168,7 @@ class ShardSpec:
     @property
     def padded_numel(self) -> int:
         """Elements of the N equal chunks together (the tensor and its padding)."""
-        return self.n * self.chunk_numel
+        return padded_numel(self.shape, self.n)
 
     def row_range(self, index: int | None = None) -> tuple[int, int]:
         return chunk_range(self.rows, self.n, self.index if index is None else index)

@@ -71,8 +71,7 @@ class Schedule:
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks))
 
     @classmethod
-    def parse(cls, text: str, name: str = "custom", p: int | None = None,
-              v: int | None = None, m: int | None = None) -> Schedule:
+    def parse(cls, text: str, name: str = "custom", p: int | None = None, v: int | None = None) -> Schedule:
         """Inverse of ``str``: one ``rank r: 0F0 0B0 ...`` line per rank, ranks in order."""
         lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
         ranks = []
@@ -94,7 +93,7 @@ class Schedule:
                 raise ValueError(f"schedule text uses {n_stages} stages on {p} ranks: the stage count "
                                  "must be a multiple of the rank count (pass v= explicitly)")
             v = n_stages // p
-        m = max(a.mb for a in acts) + 1 if m is None else m
+        m = max(a.mb for a in acts) + 1
         return cls(name, p, v, m, any(a.kind == "W" for a in acts), tuple(ranks))
 
     def validate(self) -> None:
@@ -200,7 +199,6 @@ def _zero_bubble(p, m):
     run yet, and is forced before an F that would put more than p micro-batches between F and W
     (the first rank's 1F1B peak, which ZB-H1 keeps). B then no longer waits on W, so the backward
     chain drains faster and the pipeline's idle time is a third of 1F1B's when F = B = W.
-    (Giving B priority over F with an F-to-W cap of p - r, the obvious greedy, only saves a third.)
     """
     seqs = [[(a.kind, a.mb) for a in acts] for acts in _one_f_one_b(p, m)]
     done, pos, order, step = set(), [0] * p, [[] for _ in range(p)], 0

@@ -14,6 +14,8 @@ the cost model wants a formula (``cost/`` builds its symbolic expressions from t
                                  over n ranks: (n−1)/n·S (all-gather, reduce-scatter),
                                  2(n−1)/n·S (all-reduce)
     gather_unit_bytes            what a ZeRO-3 unit's gather holds while in flight
+    cut_buckets                  gradients (in the order they become ready) cut into buckets:
+                                 the first at 1 MiB, the others at Plan.bucket_bytes
     state_bytes                  parameters + gradients + optimizer state of one rank per ZeRO
                                  stage (Rajbhandari et al., "ZeRO", SC'20, section 3)
     inflight_microbatches        micro-batches whose activations a pipeline rank holds at its
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["chunk", "chunk_range", "local_size", "padded", "padded_numel", "RING_FACTOR", "ring_bytes",
-           "gather_unit_bytes", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES"]
+           "gather_unit_bytes", "cut_buckets", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first gradient bucket is cut at 1 MiB (or ``Plan.bucket_bytes`` if smaller), so that
@@ -82,6 +84,22 @@ def gather_unit_bytes(padded_elements: int, n: int, element_size: int) -> int:
     """Bytes a ZeRO-3 unit's all-gather holds while in flight: the gathered unit (its padded
     elements) and this rank's send buffer, (N + 1)/N of the unit."""
     return (n + 1) * (padded_elements // n) * element_size
+
+
+def cut_buckets(sizes, bucket_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES, breaks=()) -> list[list[int]]:
+    """Consecutive items (``sizes``: their bytes, in the order their gradients become ready)
+    grouped into buckets, as item indices: a bucket closes before an item that would take it
+    past its cap (the first bucket's min(first_bytes, bucket_bytes), the others'
+    bucket_bytes) or at an index in ``breaks`` (a dtype change); an item larger than the cap
+    gets a bucket of its own."""
+    buckets, cur, cur_bytes, cap = [], [], 0, min(first_bytes, bucket_bytes)
+    for i, size in enumerate(sizes):
+        if cur and (cur_bytes + size > cap or i in breaks):
+            buckets.append(cur)
+            cur, cur_bytes, cap = [], 0, bucket_bytes
+        cur.append(i)
+        cur_bytes += size
+    return buckets + [cur] if cur else buckets
 
 
 def state_bytes(mode: str, psi, n, dtypes=(4, 4, 8), padded_psi=None):

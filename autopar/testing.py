@@ -220,9 +220,11 @@ def fake_rank(world_size: int, rank: int = 0):
 
 # ---- memory census ---------------------------------------------------------------------------
 
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage reachable from Python objects in this process."""
-    gc.collect()
+def live_tensor_bytes(collect: bool = True) -> int:
+    """Bytes of every distinct tensor storage reachable from Python objects in this process
+    (after a garbage collection, unless ``collect`` is false)."""
+    if collect:
+        gc.collect()
     seen, total = set(), 0
     for obj in gc.get_objects():
         try:
@@ -242,11 +244,12 @@ def steady_live_bytes(samples: int = 5, pause: float = 0.05) -> int:
     """``live_tensor_bytes`` in the steady state: the smallest of a few samples ``pause``
     apart. A synchronous gloo collective returns once its data has arrived, but gloo's worker
     thread may drop its reference to the buffers a moment later; a real leak persists."""
+    gc.collect()
     out = []
     for i in range(samples):
         if i:
             time.sleep(pause)
-        out.append(live_tensor_bytes())
+        out.append(live_tensor_bytes(collect=False))
     return min(out)
 
 

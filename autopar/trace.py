@@ -34,9 +34,6 @@ class ChromeTrace:
                 self.events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                                     "args": {"name": lane}})
 
-    def has(self, pid: int) -> bool:
-        return pid in self._processes
-
     def span(self, pid: int, tid: int, name: str, start_s: float, end_s: float, cat: str = "",
              args: dict | None = None) -> None:
         """A complete event on lane ``tid`` of process ``pid`` from ``start_s`` to ``end_s``."""

@@ -5,7 +5,7 @@
 (a ``.json`` file, or a directory to hold local_cluster.json), else
 ~/.cache/autopar/local_cluster.json. An entry is keyed by (hostname, cpu count, torch
 version); the file carries a format version, and an entry of another version reads as
-missing (the machine is measured again).
+missing (until ``python -m autopar calibrate`` measures the machine again).
 """
 from __future__ import annotations
 

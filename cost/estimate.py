@@ -1,27 +1,31 @@
-"""``autopar.estimate``: predicted step time, memory and bytes of a plan, without running it.
+"""The detailed estimate: predicted step time, memory and bytes of a plan, without running it
+(``autopar.estimate``, ``dm.predict``).
 
 The prediction composes the cost model's pieces over the profile of the compiled graph
-(``autopar.profile``: per layer, this rank's FLOPs, bytes, saved activations, tensor-parallel
+(``cost.profile``: per layer, this rank's FLOPs, bytes, saved activations, tensor-parallel
 collectives and parameters):
 
-- compute: each layer's forward on a roofline, max(FLOPs / (peak · efficiency), bytes /
-  (memory bandwidth · efficiency)); backward twice the forward (input and weight gradients);
+- compute: each layer's forward as the roofline of its op classes, summed
+  (``cost.compute.group_time``); backward twice the forward (input and weight gradients);
   full recomputation adds a forward, selective recomputation the attention's;
 - communication: ``cost.comm``'s alpha-beta time of each collective on the link of its mesh
-  axis (``Cluster.axis_link``); tensor-parallel collectives sit on the compute stream (they
+  axis (``Cluster.link_for``); tensor-parallel collectives sit on the compute stream (they
   block the next op); data-parallel ones on a communication stream that overlaps compute as
   the runtime does with the overlap pass (ZeRO-3 prefetches the next layer's gather;
-  gradient buckets, ZeRO-1's too, are reduced while backward continues; ZeRO-1/2's parameter
-  all-gather after the step is exposed); with ``Plan(overlap=False)`` every collective is
-  exposed, one after another;
-- pipeline: the plan's schedule replayed in event time with each stage's F, B (and W) times
-  and the point-to-point transfer of the activation that crosses each cut; the deferred
-  data-parallel reduction and the optimizer step follow;
-- memory: ``cost.memory``'s ZeRO formula over this rank's parameters, the activations the
-  schedule keeps in flight, and the transient gathered parameters of ZeRO-3.
+  gradient buckets, cut as the collectives pass cuts them, ZeRO-1's too, are reduced while
+  backward continues; ZeRO-1/2's parameter all-gather after the step is exposed); with
+  ``Plan(overlap=False)`` every collective is exposed, one after another;
+- pipeline: the plan's schedule replayed in event time (``cost.replay``) with each stage's F,
+  B (and W) times and the point-to-point transfer of the activation that crosses each cut;
+  the deferred data-parallel reduction and the optimizer step follow;
+- memory: a walk over the step as the runtime allocates it (``_memory``): what persists
+  between steps, the activations the schedule keeps in flight, ZeRO-3's gathered units, the
+  gradients and bucket buffers of backward, the optimizer's temporaries.
 
-``simulate=False`` (the planner's inner loop) replaces the two event-time replays by their
-closed forms, which equal them for uniform layers.
+The pieces of a step (``group_passes``, ``saved_bytes``, ``optimizer_time``, ...) are the
+ones the planner's closed form (``cost.planner``) reads too. ``simulate=False`` (the
+planner's detailed re-ranking at scale) replaces the two event-time replays by their closed
+forms, which equal them for uniform layers.
 """
 from __future__ import annotations
 
@@ -34,28 +38,25 @@ from autopar.context import CompileContext
 from autopar.mesh import Mesh
 from autopar.planspec import Plan
 from autopar.schedule import bubble_formula
-from autopar.sizes import inflight_microbatches
+from autopar.sizes import cut_buckets, inflight_microbatches, padded_numel, ring_bytes, state_bytes
 from autopar.trace import ChromeTrace
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import GROUP_TIME_FORMULA, compute_time, group_time
-from .formulas import N as SYM_N, PSI, dp_comm_elements
-from .memory import FP32, MIXED_PRECISION, model_state_bytes
+from .formulas import dp_comm_elements, tp_layer_comm_elements
+from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .profile import GroupCost, Profile, profile
 from .replay import pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
 
-# autopar's data-parallel runtime dispatches per parameter tensor and step, besides the arithmetic
-# (flattening into buckets, ZeRO's padded chunks and shard views; ZeRO-3's gathered units laid
-# back into parameters, forward and backward; ZeRO-1/2's copy of the gathered parameters into
-# the replicas after the step), in ops of the local preset's op_overhead (~6.5 us as compiled
-# modules run them). ddp: the compiled module against the plain model at dp=1, +0.9 ms for 52
-# tensors, less the pass overhead (~0.35 ms). The others: thread CPU time of a step against
-# ddp's, same model, world 2 (one process per core; benchmarks/bench_plan.py's small GPT):
-# ZeRO-1/2 +0.3 ms in backward and +0.7 ms in the optimizer, ZeRO-3 +6.9 ms in forward and
-# backward.
+# Ops (each costing the preset's op_overhead) the data-parallel runtime dispatches per parameter
+# tensor and step besides the arithmetic: flattening into buckets, ZeRO's padded chunks and shard
+# views, ZeRO-3's gathered units laid back into parameters forward and backward (SYNC), and
+# ZeRO-1/2's copy of the gathered parameters into the replicas after the step (GATHER). Fitted to
+# the thread CPU time of benchmarks/bench_plan.py's small GPT per mode against the plain model,
+# on the local preset (BENCHMARKS.md, cost model).
 SYNC_OPS_PER_TENSOR = {"ddp": 2, "zero1": 3, "zero2": 3, "zero3": 22}
 GATHER_OPS_PER_TENSOR = {"zero1": 2, "zero2": 2}
 
@@ -130,7 +131,7 @@ class Estimate:
 # ---- profiles per tensor-parallel variant ------------------------------------------------------
 
 class Profiles:
-    """``autopar.profile`` results per (tp size, sp), captured once and re-annotated per
+    """``cost.profile`` results per (tp size, sp), captured once and re-annotated per
     variant: the planner's cache."""
 
     def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True):
@@ -150,17 +151,72 @@ class Profiles:
         return self.get(1, False)
 
 
-# ---- the model -----------------------------------------------------------------------------------
+# ---- the pieces of a step (the estimate and the planner's closed form read these) -----------------
 
-def _comm_list_time(items, p: int, link, after: float | None = None) -> float:
-    return sum(collective_time(kind, nbytes / _ring_factor(kind, p), p, link, after=after) for kind, nbytes, _ in items)
+def tp_comm_time(items, t: int, link, after: float | None = None) -> float:
+    """Seconds of a group's tensor-parallel collectives, ``GroupCost.tp_forward`` /
+    ``tp_backward`` items (kind, bytes each rank sends, scales with the batch), over ``t``
+    ranks on ``link`` (``after``: the compute before each, for links of ranks sharing cores)."""
+    return sum(collective_time(kind, nbytes / ring_bytes(kind, 1.0, t) if t > 1 else nbytes, t, link, after=after)
+               for kind, nbytes, _ in items)
 
 
-def _ring_factor(kind: str, p: int) -> float:
-    """Per-rank bytes = factor · buffer bytes (the counters record per-rank bytes)."""
-    if p <= 1:
-        return 1.0
-    return {"all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_reduce": 2 * (p - 1) / p}.get(kind, 1.0)
+def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> tuple:
+    """(F, B, W, forward compute alone, tp forward, tp backward) seconds of one group: its
+    forward (the roofline, ``group_time``, times ``slow``, plus its tp collectives, which block
+    the next op), backward (twice the compute, the backward tp collectives, and what
+    recomputation redoes: a layer's whole forward under ``full``, its attention under
+    ``selective``), and W (the weight-gradient matmuls a zero-bubble schedule defers). On a link
+    of ranks sharing cores a collective's latency grows with the compute before it: the
+    group's compute spread over its collectives."""
+    f = group_time(g, c)
+    fc = f * slow
+    tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward)))
+    tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward)))
+    redo = 0.0
+    if g.name not in ("pre", "post"):
+        if recompute == "full":
+            redo = fc + tpf
+        elif recompute == "selective":
+            redo = g.attention_flops / c.device.attention_rate * slow
+    return fc + tpf, 2 * fc + tpb + redo, compute_time(g.matmul_flops, 0.0, c) * slow, f, tpf, tpb
+
+
+def saved_bytes(g: GroupCost, recompute: str) -> float:
+    """Activation bytes a group keeps for backward: everything autograd saves; under full
+    recomputation a layer keeps only its input (the previous layer's output), under selective
+    recomputation all but its attention scores."""
+    if g.name in ("pre", "post"):
+        return g.saved
+    if recompute == "full":
+        return g.out_bytes
+    if recompute == "selective":
+        return g.saved - g.saved_quadratic
+    return g.saved
+
+
+def optimizer_time(mode: str, states: float, n_tensors: int, c) -> float:
+    """Seconds of the optimizer step over this rank's shard: reading and writing parameters,
+    gradients and state (3 x the state bytes, on the roofline), AdamW's per-tensor cost and
+    the runtime's per-tensor work after it (ZeRO-1/2's copy into the replicas)."""
+    return compute_time(0.0, 3 * states, c) + n_tensors * (
+        c.device.step_overhead + GATHER_OPS_PER_TENSOR.get(mode, 0) * c.device.op_overhead)
+
+
+def sync_time(mode: str, n_tensors: int, c) -> float:
+    """Seconds of the data-parallel runtime's per-tensor work in a step (``SYNC_OPS_PER_TENSOR``)."""
+    return n_tensors * SYNC_OPS_PER_TENSOR[mode] * c.device.op_overhead
+
+
+def loss_broadcast_time(p: int, link) -> float:
+    """The mean loss broadcast from the last stage over the pipeline's ``p`` ranks (a
+    binomial tree of one-value messages)."""
+    return collective_time("p2p", 4, 2, link) * math.ceil(math.log2(p)) if p > 1 else 0.0
+
+
+def padded_sum(params: dict, n: int) -> int:
+    """Elements of the parameters (name -> shape) split over ``n`` ranks, padded to equal chunks."""
+    return sum(padded_numel(shape, n) for shape in params.values())
 
 
 def partition(times: list[float], stages: int) -> list[int]:
@@ -198,12 +254,6 @@ def partition(times: list[float], stages: int) -> list[int]:
     return starts
 
 
-def _padded(shape: tuple, n: int) -> int:
-    rows = shape[0] if shape else 1
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    return -(-rows // n) * n * row if n > 1 else rows * row
-
-
 def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c, global_batch: int, *,
                   simulate: bool = True, recompute: str = "none") -> Estimate:
     """The prediction of ``plan`` on a mesh of ``axes`` (name -> size) for cluster ``c``."""
@@ -219,37 +269,15 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     pbytes = dt[0]
     slow = _oversubscription(c, axes)
     world = math.prod(axes.values())
-    crowded = c.shared if (world > c.gpus_per_node and c.shared is not None) else None
     S = p * v
     # ranks sharing cores: a single stage's ranks all compute at once (each slowed by the
     # measured slowdown); a pipeline's replay shares the cores as its ranks compute and idle
     shared = pipeline_placement(p, world, c.gpus_per_node, slow) if (slow > 1 and S > 1) else None
     cslow = 1.0 if shared else slow
-    intra_tp = crowded or (c.axis_link(axes, "tp") if "tp" in axes else c.intra)
-    link_dp = crowded or (c.axis_link(axes, "dp") if "dp" in axes else c.intra)
-    link_pp = crowded or (c.axis_link(axes, "pp") if "pp" in axes else c.intra)
-    # per group: forward / backward compute and the tp collectives on the compute stream
-    # (on a link of ranks sharing cores a collective's latency grows with the compute before
-    # it, ``after``: the group's compute spread over its collectives)
-    f_raw = [group_time(g, c) for g in groups]
-    f_c = [f * cslow for f in f_raw]
-    tpf = [_comm_list_time(g.tp_forward, t, intra_tp, after=f / max(1, len(g.tp_forward)))
-           for g, f in zip(groups, f_raw)]
-    tpb = [_comm_list_time(g.tp_backward, t, intra_tp, after=2 * f / max(1, len(g.tp_backward)))
-           for g, f in zip(groups, f_raw)]
-    layer = [g.name not in ("pre", "post") for g in groups]
-    extra = []
-    for g, fc, is_layer in zip(groups, f_c, layer):
-        if recompute == "full" and is_layer:
-            extra.append(fc)
-        elif recompute == "selective" and is_layer:
-            extra.append(g.attention_flops / c.device.attention_rate * cslow)
-        else:
-            extra.append(0.0)
-    F = [fc + a for fc, a in zip(f_c, tpf)]
-    B = [2 * fc + b + e + (a if recompute == "full" and is_l else 0.0)
-         for fc, b, e, a, is_l in zip(f_c, tpb, extra, tpf, layer)]
-    W = [compute_time(g.matmul_flops, 0.0, c) * cslow for g in groups]
+    link_tp, link_dp, link_pp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
+    # per group: forward / backward / W compute and the tp collectives on the compute stream
+    passes = [group_passes(g, c, t, link_tp, recompute, cslow) for g in groups]
+    F, B, W, f_raw, tpf, tpb = (list(x) for x in zip(*passes))
     starts = partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
     bounds = list(zip(starts, starts[1:] + [len(groups)]))
     stage_groups = [groups[a:b] for a, b in bounds]
@@ -270,28 +298,27 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         shapes = {name: prof.shapes[name] for name in names}
         psi = sum(math.prod(shp) for shp in shapes.values())
-        pad = sum(_padded(shp, n) for shp in shapes.values())
-        read = sum(_padded(shapes[name], n) for name in set().union(*(g.read_by_backward for g in gs)))
-        f = (n - 1) / n if n > 1 else 0.0
+        pad = padded_sum(shapes, n)
+        read = padded_sum({x: shapes[x] for x in set().union(*(g.read_by_backward for g in gs))}, n)
         if mode == "ddp":
-            by = {"backward all_reduce": 2 * f * psi * pbytes}
+            by = {"backward all_reduce": ring_bytes("all_reduce", psi * pbytes, n)}
         elif mode in ("zero1", "zero2"):
-            by = {"backward reduce_scatter": f * pad * pbytes, "optimizer all_gather": f * pad * pbytes}
+            by = {"backward reduce_scatter": ring_bytes("reduce_scatter", pad * pbytes, n),
+                  "optimizer all_gather": ring_bytes("all_gather", pad * pbytes, n)}
         else:
-            by = {"forward all_gather": f * pad * pbytes * m, "backward all_gather": f * read * pbytes * m,
-                  "backward reduce_scatter": f * pad * pbytes}
+            by = {"forward all_gather": ring_bytes("all_gather", pad * pbytes, n) * m,
+                  "backward all_gather": ring_bytes("all_gather", read * pbytes, n) * m,
+                  "backward reduce_scatter": ring_bytes("reduce_scatter", pad * pbytes, n)}
         dp_bytes.append(by)
         psi_stage.append(psi)
         n_tensors.append(len(shapes))
-        states.append(float(model_state_bytes(mode, dt).subs({PSI: psi, SYM_N: n})))
-        fwd_g = [collective_time("all_gather", _padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
+        states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
+        fwd_g = [collective_time("all_gather", padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
                  for g, f in zip(gs, f_stage[s])]
-        bwd_g = [collective_time("all_gather", sum(_padded(g.params[x], n) for x in g.read_by_backward
-                                                   if x in g.params) * pbytes, n, link_dp, after=2 * f)
+        bwd_g = [collective_time("all_gather", padded_sum({x: g.params[x] for x in g.read_by_backward
+                                                           if x in g.params}, n) * pbytes, n, link_dp, after=2 * f)
                  for g, f in zip(gs, f_stage[s])]
-        kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
-        red = _bucket_times(gs, kind, n, pbytes, link_dp, plan.bucket_bytes, per_group=mode == "zero3",
-                            backward=[2 * f * m for f in f_stage[s]],
+        red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
                             lead=0.0 if mode == "zero3" else sum(f_stage[s]) * m)
         dp_fwd_gather.append(fwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
@@ -305,15 +332,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             holders = [s for s, gs in enumerate(stage_groups) if any(name in g.reads for g in gs)]
             if len(set(h % p for h in holders)) > 1:   # exchanged as held: whole (ddp) or this rank's rows
                 shp = prof.shapes[name]
-                held = math.prod(shp) if mode == "ddp" else _padded(shp, n) // max(n, 1)
+                held = math.prod(shp) if mode == "ddp" else padded_numel(shp, n) // n
                 tied_bytes += held * pbytes
-    # optimizer step: reads and writes parameters, gradients and state of this rank's shard
-    # (AdamW's single-tensor loop: on the local CPU its per-tensor cost, not the arithmetic, is
-    # most of its time) and the runtime's per-tensor work of the data-parallel sync
-    ovh = c.device.op_overhead
-    opt_time = [(compute_time(0.0, 3 * states[s], c) + n_tensors[s] * (c.device.step_overhead
-                 + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow for s in range(S)]
-    sync_time = [n_tensors[s] * SYNC_OPS_PER_TENSOR[mode] * ovh * slow for s in range(S)]
+    opt_time = [optimizer_time(mode, states[s], n_tensors[s], c) * slow for s in range(S)]
+    sync = [sync_time(mode, n_tensors[s], c) * slow for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
                     for s, b in enumerate(dp_time_tail)]
@@ -326,7 +348,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     if S == 1:
         F, B = list(F), list(B)
         F[0] += dev.pass_overhead / 3 * cslow
-        B[0] += sync_time[0] + 2 * dev.pass_overhead / 3 * cslow   # the bucket bookkeeping runs inside backward
+        B[0] += sync[0] + 2 * dev.pass_overhead / 3 * cslow   # the bucket bookkeeping runs inside backward
         step, compute, exposed, bubble = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0],
                                                        dp_time_tail[0], opt_time[0], mode, n, timeline, simulate,
                                                        plan.overlap)
@@ -347,16 +369,16 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         pipe, bubble, busy = pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
                                             wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
-        after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync_time[s] for s in range(S)]
+        after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
         tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
         # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
-        loss_t = collective_time("p2p", 4, 2, link_pp) * math.ceil(math.log2(p)) if p > 1 else 0.0
+        loss_t = loss_broadcast_time(p, link_pp)
         step = pipe + max(per_rank_after) + 2 * tied_t + loss_t
         for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
             mine = [s for s in range(S) if s % p == r]
             t0 = pipe
-            for label, lane, dur in (("dp reduction (deferred)", "comm", sum(sum(dp_bwd_reduce[s]) + sync_time[s] for s in mine)),
+            for label, lane, dur in (("dp reduction (deferred)", "comm", sum(sum(dp_bwd_reduce[s]) + sync[s] for s in mine)),
                                      ("tied gradients", "comm", 2 * tied_t),
                                      ("loss broadcast", "comm", loss_t),
                                      ("optimizer", "compute", sum(opt_time[s] for s in mine)),
@@ -403,11 +425,12 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                      f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops -> {group_time(lay, c) * 1e3:.4g} ms"
                      + (f" x {slow:.2f}" if slow > 1 else "")))
     formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'})",
-                     str(model_state_bytes(mode, dt)), f"{st:,.0f} B at Psi={psi_total:,}, N={n}"))
+                     str(model_state_bytes(mode, dt)), f"{st:,.0f} B at Psi={psi_total:,} (sharded terms padded to N "
+                     f"equal chunks), N={n}"))
     formulas.append(("activations", f"saved per micro-batch x in-flight ({plan.pp_schedule or 'no pipeline'})",
                      f"{act:,.0f} B"))
     if t > 1:
-        formulas.append(("tp bytes / layer / micro-batch", "8*b*s*h*(t-1)/t (+ sp re-gather)",
+        formulas.append(("tp bytes / layer / micro-batch", f"{tp_layer_comm_elements()} x element bytes (+ sp re-gather)",
                          f"{sum(b for _, b, _ in _first_layer(groups).tp_forward):,.0f} B fwd"))
     if n > 1:
         formulas.append((f"dp elements / step ({mode})", str(dp_comm_elements(mode)), f"{by_axis.get('dp', 0):,.0f} B"))
@@ -426,34 +449,42 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem)
 
 
-def _bucket_times(gs, kind, n, pbytes, link, bucket_bytes, per_group=False, backward=None, lead=0.0) -> list:
-    """Seconds of the gradient reductions that become ready when each group's backward ends:
-    buckets filled in backward order, the first cut at 1 MiB and the others at
-    ``bucket_bytes`` (the collectives pass's rule); ZeRO-3 reduces each layer's unit.
-    ``backward``: each group's backward compute, ``lead`` the compute before backward since the
-    ranks last synchronised (what a bucket's reduction follows)."""
+def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
+    """The gradient buckets of ``shapes``' parameters as the collectives pass cuts them
+    (``sizes.cut_buckets`` over their bytes, ``nbytes`` per element, padded to ``n`` equal
+    chunks), in the order gradients become ready: the reverse of first use (the groups'
+    parameters in order, then the others)."""
+    order = [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
+    ready = list(reversed(order))
+    return [[ready[i] for i in b]
+            for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in ready], bucket_bytes)]
+
+
+def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -> list:
+    """Seconds of the gradient reductions each group's backward completes: ZeRO-3 reduces each
+    layer's unit; the other modes the buckets of ``_grad_buckets`` (ddp unpadded), each once its
+    last gradient is ready. ``backward``: each group's backward compute; ``lead``: the compute
+    before backward since the ranks last synchronised (what the first reduction follows)."""
     out = [0.0] * len(gs)
     if n <= 1:
         return out
-    back = backward or [None] * len(gs)
-    if per_group:
-        return [collective_time(kind, _padded_sum(g.params, n) * pbytes, n, link, after=b) for g, b in zip(gs, back)]
-    cap, acc, since = min(1 << 20, bucket_bytes), 0.0, lead
+    if mode == "zero3":
+        return [collective_time("reduce_scatter", padded_sum(g.params, n) * pbytes, n, link, after=b)
+                for g, b in zip(gs, backward)]
+    kind, shard = ("all_reduce", 1) if mode == "ddp" else ("reduce_scatter", n)
+    shapes = {x: shp for g in gs for x, shp in g.params.items()}
+    group_of = {x: i for i, g in enumerate(gs) for x in g.params}
+    completes: dict = {}
+    for b in _grad_buckets(gs, shapes, shard, pbytes, bucket_bytes):
+        completes.setdefault(min(group_of[x] for x in b), []).append(
+            sum(padded_numel(shapes[x], shard) for x in b) * pbytes)
+    since = lead
     for i in reversed(range(len(gs))):
-        since += back[i] or 0.0
-        for shp in gs[i].params.values():
-            size = _padded(shp, n) * pbytes
-            if acc and acc + size > cap:
-                out[i] += collective_time(kind, acc, n, link, after=since or None)
-                acc, cap, since = 0.0, bucket_bytes, 0.0
-            acc += size
-    if acc:
-        out[0] += collective_time(kind, acc, n, link, after=since or None)
+        since += backward[i]
+        for nbytes in completes.get(i, ()):
+            out[i] += collective_time(kind, nbytes, n, link, after=since or None)
+            since = 0.0
     return out
-
-
-def _padded_sum(params: dict, n: int) -> int:
-    return sum(_padded(shp, n) for shp in params.values())
 
 
 def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False):
@@ -471,33 +502,19 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
-    pad = sum(_padded(sh, n) for sh in shapes.values())
+    pad = padded_sum(shapes, n)
     zero = mode != "ddp"
-    params = pb * (pad / n if mode == "zero3" else psi)
-    optim = ob * (pad / n if zero else psi)
-    base = params + optim + (gb * pad if mode == "zero1" else 0.0)
-    states = float(model_state_bytes(mode, dt).subs({PSI: psi, SYM_N: n})) if mode != "zero1" else \
-        params + optim + gb * pad
-    saved = [_saved(g, recompute) * flight for g in gs]
+    base = persistent_bytes(mode, psi, n, dt, pad)
+    states = state_bytes(mode, psi, n, dt, padded_psi=pad)
+    saved = [saved_bytes(g, recompute) * flight for g in gs]
     final = sum(g.final_bytes for g in gs) * flight
     act = sum(saved) + final * 2                       # outputs, and the loss's copy of them
-    units = [pb * _padded_sum(g.params, n) for g in gs if g.name not in ("pre", "post")]
-    root = pb * sum(_padded(sh, n) for g in gs if g.name in ("pre", "post") for sh in g.params.values())
+    units = [pb * padded_sum(g.params, n) for g in gs if g.name not in ("pre", "post")]
+    root = pb * sum(padded_sum(g.params, n) for g in gs if g.name in ("pre", "post"))
     top = max(units, default=0.0)
     gathered = (root + 3 * top) if mode == "zero3" else 0.0
     peak = base + act + gathered
-    # gradient buckets, in the order gradients become ready (reverse first use)
-    order = [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
-    buckets, cur, cur_b, cap = [], [], 0.0, min(1 << 20, bucket_bytes)
-    for x in reversed(order):
-        size = _padded(shapes[x], n) * gb
-        if cur and cur_b + size > cap:
-            buckets.append(cur)
-            cur, cur_b, cap = [], 0.0, bucket_bytes
-        cur.append(x)
-        cur_b += size
-    if cur:
-        buckets.append(cur)
+    buckets = _grad_buckets(gs, shapes, n if zero else 1, gb, bucket_bytes)
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
     accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
@@ -513,7 +530,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         done |= set(g.params)
         while buckets and all(x in done for x in buckets[0]):
             b = buckets.pop(0)
-            flat = gb * sum(_padded(shapes[x], n) if zero else math.prod(shapes[x]) for x in b)
+            flat = gb * padded_sum({x: shapes[x] for x in b}, n if zero else 1)
             launch = flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0)
             peak = max(peak, base + rem + pending + flats + outs + grads + launch + sum(unit_bwd))
             pending -= gb * sum(math.prod(shapes[x]) for x in b)
@@ -530,7 +547,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
     opt_tmp = 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)
     if mode in ("zero1", "zero2"):
-        opt_tmp += pb * max((_padded_sum({x: shapes[x] for x in b}, n) for b in [order]), default=0)
+        opt_tmp += pb * pad
     peak = max(peak, base + grads + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
 
@@ -542,16 +559,6 @@ def _first_layer(groups):
 def _holds_tied(prof: Profile, gs) -> bool:
     names = set().union(*(g.reads for g in gs))
     return any(x in names for x in prof.tied)
-
-
-def _saved(g: GroupCost, recompute: str) -> float:
-    if g.name in ("pre", "post"):
-        return g.saved
-    if recompute == "full":
-        return g.out_bytes         # only the layer's input (the previous layer's output) is kept
-    if recompute == "selective":
-        return g.saved - g.saved_quadratic
-    return g.saved
 
 
 def _oversubscription(c, axes) -> float:

@@ -31,7 +31,7 @@ def dp_comm_elements(mode: str) -> sp.Expr:
     return sum(ring_bytes(kind, PSI, N) for kind in kinds[mode])
 
 
-def tp_layer_comm_elements(sp_: bool = False) -> sp.Expr:
+def tp_layer_comm_elements() -> sp.Expr:
     """Elements each rank sends per transformer layer per training step on the tp axis.
 
     Megatron tensor parallelism (Shoeybi et al., "Megatron-LM", 2019, section 3: f and g):

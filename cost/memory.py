@@ -34,10 +34,10 @@ from autopar.sizes import state_bytes
 
 from .formulas import N, PSI
 
-__all__ = ["S", "B", "H", "A", "T", "L", "model_state_bytes", "activation_bytes_per_layer", "MIXED_PRECISION",
-           "FP32"]
+__all__ = ["S", "B", "H", "A", "T", "model_state_bytes", "persistent_bytes", "activation_bytes_per_layer",
+           "MIXED_PRECISION", "FP32"]
 
-S, B, H, A, T, L = sp.symbols("s b h a t L", positive=True)
+S, B, H, A, T = sp.symbols("s b h a t", positive=True)
 
 # bytes per parameter of (parameter, gradient, optimizer state)
 MIXED_PRECISION = (2, 2, 12)   # bf16/fp16 parameters and gradients, fp32 master + Adam m, v
@@ -48,6 +48,15 @@ def model_state_bytes(mode: str, dtypes: tuple[int, int, int] = FP32) -> sp.Expr
     """Per-rank bytes of parameters + gradients + optimizer state (formula in the module
     docstring; ``autopar.sizes.state_bytes``) as a sympy expression in Ψ and N."""
     return state_bytes(mode, PSI, N, dtypes)
+
+
+def persistent_bytes(mode: str, psi, n, dtypes: tuple[int, int, int] = FP32, padded_psi=None):
+    """Bytes one rank holds between steps (gradients set to None): ``state_bytes`` without the
+    gradients (parameters, ZeRO-3's as padded shards; optimizer state, sharded from ZeRO-1 on)
+    plus ZeRO-1's persistent full-gradient buffer (padded)."""
+    p, g, k = dtypes
+    pad = psi if padded_psi is None else padded_psi
+    return state_bytes(mode, psi, n, (p, 0, k), padded_psi=pad) + (g * pad if mode == "zero1" else 0)
 
 
 def activation_bytes_per_layer(*, tp: bool = False, sp_: bool = False, recompute: str = "none",

@@ -1,4 +1,4 @@
-"""``autopar.plan``: search the plans of a world size for the fastest one that fits in memory.
+"""The planner (``autopar.plan``): search the plans of a world size for the fastest one that fits in memory.
 
 The search space: every factorisation of the world into ``pp × dp × tp`` (tp dividing the
 attention heads), the data-parallel mode (ddp, ZeRO-1/2/3), sequence parallelism, the
@@ -8,10 +8,10 @@ parallel pass itself (Megatron's column/row choice found on the graph, autopar.p
 candidate's graph is the one compile would build.
 
 Each candidate is scored by a closed-form model over the *layer chain*: the profile of the
-compiled graph (``autopar.profile``) reduced to ``pre`` (embeddings), one layer and ``post``
+compiled graph (``cost.profile``) reduced to ``pre`` (embeddings), one layer and ``post``
 (head, loss), the layer standing for each of the L repeated blocks — a repeated transformer
 block is solved once, so a candidate costs the same for 24 or 192 layers. The closed forms are
-those the detailed estimate (``autopar.estimate``) replays in event time, and equal it for
+those the detailed estimate (``cost.estimate``) replays in event time, and equal it for
 uniform layers (tests check the ranking against it). Branch and bound: a candidate's busiest
 rank computes at least ``(forward + backward) / pp`` of the whole model, so a mesh whose bound
 exceeds the best time found skips its inner choices; ``exhaustive=True`` turns that off, and
@@ -27,14 +27,14 @@ from typing import Optional
 
 from autopar.mesh import Mesh
 from autopar.planspec import DP_MODES, Plan
-from autopar.sizes import inflight_microbatches
+from autopar.sizes import chunk, inflight_microbatches, state_bytes
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
-from .compute import compute_time, group_time
-from .estimate import (GATHER_OPS_PER_TENSOR, SYNC_OPS_PER_TENSOR, Estimate, Profiles, _oversubscription,
-                       _padded, _ring_factor, evaluate_plan)
-from .memory import FP32, MIXED_PRECISION
+from .compute import group_time
+from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
+                       optimizer_time, padded_sum, saved_bytes, sync_time)
+from .memory import FP32, MIXED_PRECISION, persistent_bytes
 from .profile import GroupCost, Profile
 from .replay import closed_form_pipeline
 
@@ -121,7 +121,6 @@ class _Chain:
         self.pre_names = set(pre.params) | set(pre.reads)
         self.post_names = set(post.params) | set(post.reads)
         self.pre, self.post = pre, post
-        self.pre_read, self.post_read = set(pre.read_by_backward), set(post.read_by_backward)
         self.tied = [x for x in prof.tied if x in self.pre_names and x in self.post_names]
         if not layers:
             self.layer, self.layer_names, self.layer_read = GroupCost("layer"), set(), set()
@@ -148,10 +147,6 @@ def _average(layers: list) -> GroupCost:
 
 # ---- the closed-form score ------------------------------------------------------------------------
 
-def _tp_time(items, k, t, link) -> float:
-    return sum(collective_time(kind, (b * k if sc else b) / _ring_factor(kind, t), t, link) for kind, b, sc in items)
-
-
 def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tuple[float, float]:
     """(step time, peak memory per rank) of one candidate by the closed forms."""
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
@@ -160,29 +155,13 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     dt = MIXED_PRECISION if c.mixed_precision else FP32
     pb, gbytes, ob = dt
     slow = _oversubscription(c, axes)
-    crowded = c.shared if (math.prod(axes.values()) > c.gpus_per_node and c.shared is not None) else None
-    ltp = crowded or (c.axis_link(axes, "tp") if "tp" in axes else c.intra)
-    ldp = crowded or (c.axis_link(axes, "dp") if "dp" in axes else c.intra)
-    lpp = crowded or (c.axis_link(axes, "pp") if "pp" in axes else c.intra)
-    ovh = c.device.op_overhead
-
-    def parts(g: GroupCost, is_layer: bool):
-        fc = group_time(g, c, k) * slow
-        tf, tb = _tp_time(g.tp_forward, k, t, ltp), _tp_time(g.tp_backward, k, t, ltp)
-        extra = 0.0
-        if is_layer and recompute == "full":
-            extra = fc + tf
-        elif is_layer and recompute == "selective":
-            extra = g.attention_flops * k / c.device.attention_rate * slow
-        w = compute_time(g.matmul_flops * k, 0.0, c) * slow
-        return fc + tf, 2 * fc + tb + extra, w, tf + tb
-
-    Fp, Bp, Wp, Tp = parts(ch.pre, False)
-    Fl, Bl, Wl, Tl = parts(ch.layer, True)
-    Fo, Bo, Wo, To = parts(ch.post, False)
+    ltp, ldp, lpp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
+    pre, layer, post = (g.scaled(k) for g in (ch.pre, ch.layer, ch.post))
+    Fp, Bp, Wp = group_passes(pre, c, t, ltp, recompute, slow)[:3]
+    Fl, Bl, Wl = group_passes(layer, c, t, ltp, recompute, slow)[:3]
+    Fo, Bo, Wo = group_passes(post, c, t, ltp, recompute, slow)[:3]
     S = p * v
-    per_stage = ch.L / S
-    busiest_layers = math.ceil(per_stage) * v   # layers on the busiest rank
+    mid = v * chunk(ch.L, S)         # layers on the busiest rank
     # parameters of the busiest rank (the first or the last: they add pre / post)
     shapes = ch.shapes
 
@@ -190,7 +169,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         return sum(math.prod(shapes[x]) for x in names)
 
     def pad_of(names):
-        return sum(_padded(shapes[x], n) for x in names)
+        return padded_sum({x: shapes[x] for x in names}, n)
 
     lay_psi, lay_pad = psi_of(ch.layer_names), pad_of(ch.layer_names)
     pre_psi, pre_pad = psi_of(ch.pre_names), pad_of(ch.pre_names)
@@ -201,7 +180,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         nl = ch.L
     else:
         ends = [(pre_psi, pre_pad), (post_psi, post_pad)]
-        nl = busiest_layers
+        nl = mid
     psi = max(nl * lay_psi + e[0] for e in ends)
     pad = max(nl * lay_pad + e[1] for e in ends)
     mode = plan.dp
@@ -210,10 +189,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     unit_gb = collective_time("all_gather", pad_of(ch.layer_read) * pb, n, ldp)
     red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
-    states = _states(mode, psi, pad, n, dt)
-    opt = (compute_time(0.0, 3 * states, c) + n_tensors * (c.device.step_overhead
-           + GATHER_OPS_PER_TENSOR.get(mode, 0) * ovh)) * slow
-    opt += n_tensors * SYNC_OPS_PER_TENSOR[mode] * ovh * slow       # the runtime's per-tensor sync work
+    states = state_bytes(mode, psi, n, dt, padded_psi=pad)
+    opt = (optimizer_time(mode, states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
     tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
     if S == 1:
         if mode == "zero3":
@@ -229,13 +206,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
             red = collective_time(red_kind, (pre_pad if mode != "ddp" else pre_psi) * gbytes, n, ldp)
         step = fwd + bwd + red + opt + tail + c.device.pass_overhead * slow
     else:
-        Fr = v * math.ceil(per_stage) * Fl + max(Fp, Fo)
-        Br = v * math.ceil(per_stage) * Bl + max(Bp, Bo)
-        if mode == "zero3":
-            Fr = max(Fr, v * math.ceil(per_stage) * unit_g)
-            Br = max(Br, v * math.ceil(per_stage) * unit_gb)
-        hop = pipeline_hop_time(ch.layer.out_bytes * k, lpp) + (getattr(lpp, "wake", 0.0) if slow > 1 else 0.0)
-        mid = v * math.ceil(per_stage)
+        hop = pipeline_hop_time(layer.out_bytes, lpp) + (getattr(lpp, "wake", 0.0) if slow > 1 else 0.0)
         fb = [mid * (Fl + Bl) + Fp + Bp] + [mid * (Fl + Bl)] * (p - 2) + [mid * (Fl + Bl) + Fo + Bo]
         # each stage pass's own cost, and its receive and send forward and backward
         fb = [x + v * (c.device.pass_overhead + 4 * c.device.message_overhead) * slow for x in fb]
@@ -250,27 +221,18 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
         tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
         step = pipe + red + opt + tail + (2 * collective_time("p2p", tied, 2, lpp) if tied else 0.0)
-        step += collective_time("p2p", 4, 2, lpp) * math.ceil(math.log2(p))     # the loss broadcast
+        step += loss_broadcast_time(p, lpp)
     # ---- memory (the busiest rank)
     flight = inflight_microbatches(plan.pp_schedule if p > 1 else None, p, m, v, 0)
 
-    def saved(g, is_layer):
-        if is_layer and recompute == "full":
-            return g.out_bytes
-        if is_layer and recompute == "selective":
-            return g.saved - g.saved_quadratic
-        return g.saved
-
-    act_layers = nl * saved(ch.layer, True) * k
-    ends_act = max(saved(ch.pre, False), saved(ch.post, False) + 2 * ch.post.final_bytes) * k if p > 1 else \
-        (saved(ch.pre, False) + saved(ch.post, False) + 2 * ch.post.final_bytes) * k
+    act_layers = nl * saved_bytes(layer, recompute)
+    ends_act = max(saved_bytes(pre, recompute), saved_bytes(post, recompute) + 2 * post.final_bytes) if p > 1 else \
+        saved_bytes(pre, recompute) + saved_bytes(post, recompute) + 2 * post.final_bytes
     act = (act_layers + ends_act) * flight
     if recompute == "full":
-        act += ch.layer.saved * k
-    work = 2 * max(ch.layer.max_value, ch.post.max_value, ch.pre.max_value) * k
-    params = pb * (pad / n if mode == "zero3" else psi)
-    optim = ob * (pad / n if mode != "ddp" else psi)
-    base = params + optim + (gbytes * pad if mode == "zero1" else 0.0)
+        act += layer.saved
+    work = 2 * max(layer.max_value, post.max_value, pre.max_value)
+    base = persistent_bytes(mode, psi, n, dt, pad)
     extra = 0.0
     if mode == "zero3":
         extra += 3 * lay_pad * pb + (pre_pad + post_pad) * pb
@@ -286,17 +248,6 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     else:
         peak = max(peak, base + gbytes * pad * (1 + 1 / n) + last * (2 if staging else 1))
     return step, peak
-
-
-def _states(mode, psi, pad, n, dt) -> float:
-    pb, gb, ob = dt
-    if mode == "ddp":
-        return (pb + gb + ob) * psi
-    if mode == "zero1":
-        return (pb + gb) * psi + ob * pad / n
-    if mode == "zero2":
-        return pb * psi + (gb + ob) * pad / n
-    return (pb + gb + ob) * pad / n
 
 
 # ---- the search space ------------------------------------------------------------------------------
@@ -316,7 +267,7 @@ def _divisors(x: int) -> list[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
 
 
-def candidates(profiles: Profiles, world: int, c, gb: int, *, heads: int = 0, layers: int = 0,
+def candidates(world: int, gb: int, *, heads: int = 0, layers: int = 0,
                mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 512):
     """Yield (axes, plan, recompute) of the search space (see the module docstring)."""
     for pp, dp, tp in _factorisations(world):
@@ -383,7 +334,7 @@ def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cl
     smallest = math.inf
     bound_cache: dict = {}
     refused: list = []
-    for axes, pl, rc in candidates(profiles, world_size, c, gb, heads=heads, layers=layers, mesh_axes=mesh_axes,
+    for axes, pl, rc in candidates(world_size, gb, heads=heads, layers=layers, mesh_axes=mesh_axes,
                                    recompute=recompute):
         key = (axes["tp"], pl.sp)
         if key not in chains:

@@ -7,7 +7,7 @@ a numbered layer (``blocks.3``: the first numbered module on its path), or ``pre
 for what runs before the first and after the last layer. Per group it records, for this
 rank's slice:
 
-- forward FLOPs (``cost.compute.node_flops``, divided along the axes the node's work is split
+- forward FLOPs (``autopar.ops.node_flops``, divided along the axes the node's work is split
   over) and the bytes its non-view ops read and write (the roofline's memory term);
 - activation bytes autograd keeps for backward, by the saved-tensor table below, each tensor
   counted once (views resolve to the tensor they view);
@@ -30,33 +30,23 @@ from __future__ import annotations
 import copy
 import math
 import operator
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
 from autopar import meta, passes
-from autopar.context import CompileContext
+from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
 from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
 from autopar.passes.analysis import batch_dependent
 from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
 
-__all__ = ["GroupCost", "Profile", "profile", "layer_key"]
-
-_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
+__all__ = ["GroupCost", "Profile", "profile"]
 
 def _op(node: fx.Node) -> str:
     return op_name(node.target)
-
-
-def layer_key(path: str) -> str | None:
-    """``blocks.3.attn.qkv`` -> ``blocks.3``; None when no module on the path is numbered."""
-    m = _NUMBERED.match(path)
-    return m.group(1) if m else None
 
 
 @dataclass
@@ -100,18 +90,14 @@ class GroupCost:
 @dataclass
 class Profile:
     """A model's per-group costs for one rank of a tensor-parallel group of size ``tp``
-    (sequence parallel if ``sp``), captured at ``rows`` batch rows (``seq`` tokens each)."""
+    (sequence parallel if ``sp``), captured at ``rows`` batch rows."""
     tp: int
     sp: bool
     rows: int
     groups: list[GroupCost]
-    dtype_bytes: int
-    param_numel: int                   # whole model (canonical parameters, tied counted once)
     tied: list = field(default_factory=list)   # parameters read by more than one group
     shapes: dict = field(default_factory=dict)  # parameter -> local shape (after tp)
-    seq: int = 0
-    hidden: int = 0
-    heads: int = 0
+    heads: int = 0                              # attention heads (the planner's tp must divide them)
 
     @property
     def layers(self) -> list[GroupCost]:
@@ -363,11 +349,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         if a in where and a in batch:
             groups[where[a]].final_bytes += _nbytes(a, mesh)
     tied = [n for n, r in readers.items() if len(r) > 1 and n in ctx.params and not ctx.params[n].is_buffer]
-    hidden, heads, seq = _dims(gm)
-    dt = _activation_dtype_bytes(gm)
-    return Profile(tp=tp, sp=plan.sp, rows=rows, groups=[groups[g] for g in order], dtype_bytes=dt, shapes=shapes,
-                   param_numel=sum(i.numel for i in ctx.params.values() if not i.is_buffer and i.requires_grad),
-                   tied=tied, seq=seq, hidden=hidden, heads=heads)
+    return Profile(tp=tp, sp=plan.sp, rows=rows, groups=[groups[g] for g in order], shapes=shapes, tied=tied,
+                   heads=_heads(gm))
 
 
 def _mark_flash(gm: fx.GraphModule, flash: bool) -> None:
@@ -386,19 +369,12 @@ def _rows(gm: fx.GraphModule) -> int:
     return 1
 
 
-def _dims(gm: fx.GraphModule) -> tuple[int, int, int]:
+def _heads(gm: fx.GraphModule) -> int:
+    """The heads of the graph's first attention (its query is batch x heads x seq x head dim)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and _op(n) in ATTENTION:
-            q = n.args[0].meta[meta.VAL]
-            return int(q.shape[1] * q.shape[-1]), int(q.shape[1]), int(q.shape[-2])
-    return 0, 0, 0
-
-
-def _activation_dtype_bytes(gm: fx.GraphModule) -> int:
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in MATMULS:
-            return n.meta[meta.VAL].element_size()
-    return 4
+            return int(n.args[0].meta[meta.VAL].shape[1])
+    return 0
 
 
 def _params_read(node: fx.Node, depth: int = 0) -> list:

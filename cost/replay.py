@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.schedule import (COMPUTE, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
+from autopar.schedule import (COMPUTE, SCHEDULES, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
                               deadlock_message, lower, matching_send)
 from autopar.schedule import simulate as simulate_schedule
 
@@ -121,9 +121,9 @@ def pipeline_placement(p: int, world: int, cores: int, slow: float) -> tuple:
     stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
     dealt out by stage: with p >= cores, consecutive stages share a core (a stage's bubble frees
     its core for its neighbours, not for the other stages); with fewer stages, each has
-    cores / p of them. Measured here: 1F1B on pp=2 x dp=2 runs as if each stage's two replicas
-    shared a core (its bubbles save nothing), zero-bubble on pp=4 as if two stages did. The
-    speed is the measured slowdown over the fair share (the switching and shared caches)."""
+    cores / p of them (the placement that reproduces BENCHMARKS.md's measured pipeline steps on
+    the local preset). The speed is the measured slowdown over the fair share (the switching
+    and shared caches)."""
     replicas = world / p
     speed = max(1.0, world / cores) / slow
     if p >= cores:
@@ -152,7 +152,7 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
     ``pipeline_placement`` of ranks sharing cores (stage times are then each on a core of its
     own); the replay shares the cores as placed (a rank its message wakes while its cores are
     taken waiting ``wake`` for one), the closed form slows every stage by ``slow``."""
-    split = plan.pp_schedule == "zero_bubble"
+    split = plan.split_backward
     if shared is not None and (not simulate or m * p * v > 20000):
         k = max(1.0, slow)
         Fs, Bs, Ws, shared = [f * k for f in Fs], [b * k for b in Bs], [w * k for w in Ws], None
@@ -165,7 +165,7 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
         total = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws) + (p - 1) * max(hop) * 2
         busy = m * max(fb)
         return total, 1 - m * sum(fb) / len(fb) / total if total else 0.0, busy
-    if plan.pp_schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+    if plan.pp_schedule in SCHEDULES:
         schedule = build_schedule(plan.pp_schedule, p, m, v)
     else:
         schedule = Schedule.parse(plan.pp_schedule)

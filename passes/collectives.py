@@ -6,10 +6,11 @@ For the data-parallel axis every consumer needs its parameters whole (``dp:R``):
                (``dp_gather``) and released after its last forward use (``dp_release``);
                backward gathers again what it reads and reduce-scatters the gradient
     zero1/2    forward reads the full replicas; one ``dp_bucket_sync`` node per gradient
-               bucket reduce-scatters their gradients into the rank's shards (ZeRO-2: as
-               soon as the bucket is ready (the overlap pass and the runtime decide when
-               collectives start and are waited on)
+               bucket reduce-scatters their gradients into the rank's shards
     ddp        one ``dp_bucket_sync`` node per bucket all-reduces its gradients
+
+(when each collective starts and is waited on is the overlap pass's and the runtime's
+business: a bucket goes out as soon as its gradients are ready)
 
 A replicated activation that a node's strategy wants sharded (a mask built for the whole
 batch, meeting this rank's slice) is sliced locally (``dp_local_chunk``, no communication).
@@ -27,13 +28,13 @@ import torch
 from torch import fx
 
 from autopar import meta
-from autopar.context import CompileContext
+from autopar.context import CompileContext, layer_key
 from autopar.meta import COMM_TP, REPLICAS, SYNC, CommInfo
 from autopar.placement import Layout, Partial, Replicate, Shard
 from autopar.runtime.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
 from autopar.runtime.tpcomm import (tp_all_reduce, tp_copy, tp_gather, tp_param_sync, tp_reduce_scatter, tp_split,
                                     tp_vocab_cross_entropy, tp_vocab_embedding)
-from autopar.sizes import FIRST_BUCKET_BYTES, chunk_range, local_size, ring_bytes
+from autopar.sizes import FIRST_BUCKET_BYTES, chunk_range, cut_buckets, local_size, ring_bytes
 
 from .analysis import input_nodes
 from .tensor_parallel import varying as _varying
@@ -41,28 +42,20 @@ from .tensor_parallel import varying as _varying
 
 def _size_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
     """Gradient buckets for ddp and ZeRO-1/2: reverse order of first use (the order gradients
-    become ready), one dtype each, the first cut at 1 MiB so that communication starts early
-    in backward, the others at ``plan.bucket_bytes``."""
-    buckets, cur, cur_bytes, cap = [], [], 0, min(FIRST_BUCKET_BYTES, ctx.plan.bucket_bytes)
-    for name in reversed(order):
-        info = ctx.params[name]
-        size = specs[name].padded_numel * info.dtype.itemsize
-        if cur and (cur_bytes + size > cap or info.dtype != ctx.params[cur[0]].dtype):
-            buckets.append(cur)
-            cur, cur_bytes, cap = [], 0, ctx.plan.bucket_bytes
-        cur.append(name)
-        cur_bytes += size
-    return buckets + [cur] if cur else buckets
+    become ready), one dtype each, cut by ``sizes.cut_buckets`` (the first at 1 MiB, so that
+    communication starts early in backward, the others at ``plan.bucket_bytes``)."""
+    names = list(reversed(order))
+    return _cut(names, ctx, specs, first_bytes=FIRST_BUCKET_BYTES)
 
 
-def _unit_key(name: str) -> str:
-    """``blocks.3.attn.qkv.weight`` -> ``blocks.3``: the numbered layer a parameter sits in
-    ("" for parameters outside any numbered layer: the root unit)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
+def _cut(names: list[str], ctx: CompileContext, specs, first_bytes: int) -> list[list[str]]:
+    """``names`` cut into buckets of at most ``plan.bucket_bytes`` (the first at most
+    ``first_bytes``) of padded bytes, one dtype each."""
+    dtypes = [ctx.params[x].dtype for x in names]
+    breaks = {i for i in range(1, len(names)) if dtypes[i] != dtypes[i - 1]}
+    cuts = cut_buckets([specs[x].padded_numel * ctx.params[x].dtype.itemsize for x in names],
+                       ctx.plan.bucket_bytes, first_bytes, breaks)
+    return [[names[i] for i in bucket] for bucket in cuts]
 
 
 def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
@@ -72,19 +65,9 @@ def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str
     one in backward if backward reads any of it, and its gradients one reduce-scatter."""
     by_key: dict[str, list[str]] = {}
     for name in order:
-        by_key.setdefault(_unit_key(name), []).append(name)
-    units = []
-    for members in by_key.values():
-        cur, cur_bytes = [], 0
-        for name in members:
-            info = ctx.params[name]
-            size = specs[name].padded_numel * info.dtype.itemsize
-            if cur and (cur_bytes + size > ctx.plan.bucket_bytes or info.dtype != ctx.params[cur[0]].dtype):
-                units.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(name)
-            cur_bytes += size
-        units.append(cur)
+        by_key.setdefault(layer_key(name) or "", []).append(name)
+    units = [unit for members in by_key.values()
+             for unit in _cut(members, ctx, specs, first_bytes=ctx.plan.bucket_bytes)]
     position = {name: i for i, name in enumerate(order)}
     return sorted(units, key=lambda u: position[u[0]])   # prefetch follows first use
 
@@ -341,7 +324,7 @@ def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileCo
     position = {n: i for i, n in enumerate(g.nodes)}
     groups: dict = {}
     for src, users in shared.items():
-        groups.setdefault(_unit_key(src.meta[meta.PARAM]), []).append(src)
+        groups.setdefault(layer_key(src.meta[meta.PARAM]), []).append(src)
     t = ctx.mesh.axis_size("tp")
     for k, params in enumerate(groups.values()):
         params.sort(key=lambda p: min(position[u] for u in shared[p]))

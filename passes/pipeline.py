@@ -82,7 +82,7 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _check_crossing(spec, sg, ctx)
         ctx.stages.append(spec)
         stage_graphs.append(sg)
-    return _top_module(gm, stage_graphs, ctx.stages, placeholders)
+    return _top_module(stage_graphs, ctx.stages, placeholders)
 
 
 # ---- analysis ----------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def _check_crossing(spec: StageSpec, sg: fx.GraphModule, ctx: CompileContext) ->
                 "reads it, or choose other cuts with fewer stages")
 
 
-def _top_module(gm, stage_graphs, specs, placeholders) -> fx.GraphModule:
+def _top_module(stage_graphs, specs, placeholders) -> fx.GraphModule:
     """A GraphModule calling the stages in order (what a single process would run)."""
     g = fx.Graph()
     root = torch.nn.Module()

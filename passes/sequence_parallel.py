@@ -5,7 +5,7 @@ blocks (norms, bias and residual adds, dropout) on sequence shards, and the coll
 bounds each region by a reduce-scatter (entering) and an all-gather (leaving). This pass
 makes each contiguous region one ``call_module`` node (``sp_region_<k>``, a GraphModule of
 the region's ops): the dump shows one step per region, and a later pass or backend can
-compile the region as a unit. It runs last (after localize), on the rank's final graph.
+compile the region as a unit. It runs after localize, on the rank's localized graph.
 
 A region is a connected set of such ops (edges are data dependencies between members) that
 can be one node: the residual stream connects every region, so it is cut where fusing would

@@ -46,7 +46,7 @@ from torch import fx
 from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Partial, Replicate, Shard, TPParam, parse_placement
-from autopar.sizes import chunk
+from autopar.sizes import chunk, ring_bytes
 
 from .analysis import input_nodes, is_value
 from .rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
@@ -258,17 +258,17 @@ class _Walk:
                 if want != have:
                     return INF
                 if is_varying and want == R and self.ctx.params[name].requires_grad:
-                    total += 2 * _nbytes(m)          # the weight-gradient all-reduce (f)
+                    total += 2 * _nbytes(m)    # the weight-gradient all-reduce (f), at its 2·bytes bound
                 continue
             total += self.convert_cost(have, want, _nbytes(m), m.dtype.is_floating_point)
-        if total < INF and self.sp and self._sp_preferred(node, s, ins, cur, info):
+        if total < INF and self.sp and self._sp_preferred(node, s, cur, info):
             total -= SP_BONUS
         return total
 
     def convert_cost(self, have, want, nbytes: float, grad: bool) -> float:
         if have == want:
             return 0.0
-        f = nbytes * (self.t - 1) / self.t
+        f = ring_bytes("all_gather", nbytes, self.t)
         if isinstance(want, Partial) or (isinstance(have, Partial) and have != Partial("sum")):
             return INF
         if have == R:
@@ -281,7 +281,7 @@ class _Walk:
             return 2 * f if self.sp else INF           # reduce-scatter: sequence parallelism only
         return 3 * f                                   # shard -> other shard: gather and slice
 
-    def _sp_preferred(self, node, s, ins, cur, info) -> bool:
+    def _sp_preferred(self, node, s, cur, info) -> bool:
         out = info.out[0] if isinstance(info.out, tuple) else info.out
         if not sp_op(node.target) or not out.dtype.is_floating_point or out.ndim < 2:
             return False
@@ -300,7 +300,7 @@ class _Walk:
 
     # -- vocabulary parallelism ------------------------------------------------------------
     def _vocab_parallel(self, node, info, cur) -> Optional[Strategy]:
-        """The two ops vocabulary parallelism lowers (autopar.tpcomm): the lookup in a table
+        """The two ops vocabulary parallelism lowers (autopar.runtime.tpcomm): the lookup in a table
         split along the vocabulary (-> P(sum)), and the cross-entropy of logits split along
         the classes (-> R, never gathering the logits)."""
         if node.target == aten.embedding.default and (len(node.args) <= 2 or node.args[2] == -1):

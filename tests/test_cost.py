@@ -22,7 +22,7 @@ from autopar.cost.formulas import N, PSI, evaluate
 from autopar.cost.memory import MIXED_PRECISION, activation_bytes_per_layer, model_state_bytes
 from autopar.sizes import inflight_microbatches
 from autopar.cost.compute import group_time
-from autopar.cost.estimate import Profiles, evaluate_plan
+from autopar.cost.estimate import Profiles, evaluate_plan, saved_bytes
 from autopar.cost.replay import closed_form_pipeline
 from autopar.models import NAMED, GPTConfig, TinyGPT, gpt_batch, named
 from autopar.schedule import build_schedule, simulate
@@ -130,13 +130,12 @@ def test_activations_of_the_compiled_graph_match_korthikanti_table_2(gpt3_one_la
     the bytes autopar's profile finds saved for backward in the captured graph of one layer
     (by the saved-tensor table of autograd's formulas, after the tp / sp passes) are the
     published formula, within 5%."""
-    from autopar.cost.estimate import _saved
     math_attention, _ = gpt3_one_layer
     prof = math_attention.get(tp, sp_)
     layer = prof.layers[0]
     b = prof.rows
     expected = formula(2048, b, 12288, 96, tp)
-    assert _saved(layer, recompute) == pytest.approx(expected, rel=0.05)
+    assert saved_bytes(layer, recompute) == pytest.approx(expected, rel=0.05)
 
 
 def test_flash_attention_removes_the_quadratic_term(gpt3_one_layer):

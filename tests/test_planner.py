@@ -46,7 +46,7 @@ def test_planner_choice_equals_exhaustive_enumeration(small_gpt, world, cluster)
 def _all_scores(profiles, world, c, gb):
     from autopar.cost.planner import candidates
     base = profiles.base
-    for axes, plan, rc in candidates(profiles, world, c, gb, heads=base.heads, layers=len(base.layers)):
+    for axes, plan, rc in candidates(world, gb, heads=base.heads, layers=len(base.layers)):
         ch = _Chain(profiles.get(axes["tp"], plan.sp))
         t, mem = _score(ch, {k: v for k, v in axes.items() if v > 1} or {"dp": 1}, plan, rc, c, gb)
         if mem <= c.device.memory_bytes:

@@ -11,8 +11,8 @@
     pipeline_module   PipelineModule: a rank's stages and the schedule that drives them
     emit              the rewritten graph -> this rank's DistributedModule
 
-The runtime imports the IR (autopar.meta, placement, sizes, context, schedule) and nothing
-of the passes or the cost model.
+The runtime imports the IR (autopar.meta, placement, sizes, context, schedule, trace) and
+nothing of the passes or the cost model.
 """
 from .emit import emit
 from .module import DistributedModule, slice_batch

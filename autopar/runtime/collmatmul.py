@@ -14,7 +14,7 @@ it already has. The total volume is that of the ring collective; only the order 
 Both are autograd functions whose backward is the mirror decomposition (a ring
 reduce-scatter for the gradient of a gathered input, a ring all-gather for the gradient
 of a scattered output). Bytes are recorded once per collective on ``comm.stats``, the
-same per-rank ring volume ``autopar.comm.all_gather`` / ``reduce_scatter`` record, so the
+same per-rank ring volume ``autopar.runtime.comm.all_gather`` / ``reduce_scatter`` record, so the
 counters do not depend on whether a linear was decomposed.
 """
 from __future__ import annotations
@@ -147,7 +147,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         ctx.comm, ctx.dim, ctx.has_bias = comm, dim, bias is not None
         xt = x.movedim(dim, 0).contiguous()
         s, p = xt.shape[0], comm.size
-        comm.stats.record(comm.axis, "all_gather", "forward", f"all_gather_matmul dim {dim}",
+        comm.stats.record(comm.axis, "all_gather", "forward",
                           ring_bytes("all_gather", p * xt.numel() * xt.element_size(), p))
         out = xt.new_empty((p * s,) + tuple(xt.shape[1:-1]) + (weight.shape[0],))
 
@@ -169,7 +169,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             nbytes = gathered.numel() * gathered.element_size()
-            comm.stats.record(comm.axis, "reduce_scatter", "backward", f"grad of all_gather_matmul dim {dim}",
+            comm.stats.record(comm.axis, "reduce_scatter", "backward",
                               ring_bytes("reduce_scatter", nbytes, p))
             gx = _ring_reduce_scatter(lambda j: gt[j * s:(j + 1) * s] @ weight, comm,
                                       f"matmul + reduce_scatter[{comm.axis}] (ring, grad)")
@@ -187,7 +187,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         p = comm.size
         s = xt.shape[0] // p
         full = xt.numel() // xt.shape[-1] * weight.shape[0] * xt.element_size()
-        comm.stats.record(comm.axis, "reduce_scatter", "forward", f"matmul_reduce_scatter dim {dim}",
+        comm.stats.record(comm.axis, "reduce_scatter", "forward",
                           ring_bytes("reduce_scatter", full, p))
         out = _ring_reduce_scatter(lambda j: xt[j * s:(j + 1) * s] @ weight.t(), comm,
                                    f"matmul + reduce_scatter[{comm.axis}] (ring)")
@@ -204,7 +204,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
             return None, None, _bias_grad(g, ctx), None, None
         p, gt = comm.size, g.movedim(dim, 0).contiguous()
         s = gt.shape[0]
-        comm.stats.record(comm.axis, "all_gather", "backward", f"grad of matmul_reduce_scatter dim {dim}",
+        comm.stats.record(comm.axis, "all_gather", "backward",
                           ring_bytes("all_gather", p * gt.numel() * gt.element_size(), p))
         xt = x.movedim(dim, 0)
         gxt = None

@@ -21,7 +21,7 @@ them is differentiable and backward communication comes from autograd:
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ __all__ = ["AxisComm", "CommStats", "TracedWork", "all_gather", "reduce_scatter"
 
 
 class CommStats:
-    """Bytes and calls per (axis, kind, phase); ``log`` keeps each call for explain().
+    """Bytes and calls per (axis, kind, phase).
 
     While ``trace`` is a list (``DistributedModule.record_timeline``), every collective adds
     ``("comm", label, start, end)`` (issue to completion) and every wait that blocked the
@@ -46,12 +46,10 @@ class CommStats:
     def reset(self):
         self.bytes = defaultdict(float)
         self.calls = defaultdict(int)
-        self.log: deque = deque(maxlen=4096)   # the latest calls: (axis, kind, phase, label, bytes)
 
-    def record(self, axis: str, kind: str, phase: str, label: str, nbytes: float):
+    def record(self, axis: str, kind: str, phase: str, nbytes: float):
         self.bytes[(axis, kind, phase)] += nbytes
         self.calls[(axis, kind, phase)] += 1
-        self.log.append((axis, kind, phase, label, nbytes))
 
     def total(self, axis: str | None = None, kind: str | None = None, phase: str | None = None) -> float:
         return sum(b for (a, k, p), b in self.bytes.items()
@@ -100,7 +98,7 @@ class AxisComm(nn.Module):
     def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
         self._check()
-        self.stats.record(self.axis, "all_gather", phase or self._phase(), label,
+        self.stats.record(self.axis, "all_gather", phase or self._phase(),
                           ring_bytes("all_gather", out.numel() * out.element_size(), self.size))
         if self.size == 1:
             out.copy_(inp.reshape(-1))
@@ -112,7 +110,7 @@ class AxisComm(nn.Module):
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
         self._check()
-        self.stats.record(self.axis, "reduce_scatter", phase or self._phase(), label,
+        self.stats.record(self.axis, "reduce_scatter", phase or self._phase(),
                           ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size))
         if self.size == 1:
             out.copy_(inp.reshape(-1))
@@ -125,7 +123,7 @@ class AxisComm(nn.Module):
                     op=dist.ReduceOp.SUM):
         """In-place reduction (a sum unless ``op`` says otherwise) over the axis."""
         self._check()
-        self.stats.record(self.axis, "all_reduce", phase or self._phase(), label,
+        self.stats.record(self.axis, "all_reduce", phase or self._phase(),
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
         if self.size == 1:
             return None
@@ -149,9 +147,6 @@ class TracedWork:
 
     def _on_done(self, _fut) -> None:
         self._done_at = time.perf_counter()
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
 
     def wait(self, *args) -> bool:
         t0 = time.perf_counter()

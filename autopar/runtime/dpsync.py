@@ -345,7 +345,7 @@ class DataParallelSync(nn.Module):
 
     def _begin_backward(self, queue: bool = True):
         self._in_backward = True
-        self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests and explain
+        self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests
         self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names)}
                        for b in self.buckets]
         self._next = 0

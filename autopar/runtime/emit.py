@@ -59,10 +59,10 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
                 root[node.target] = attr_path(gm, node.target)
             elif node.op == "call_module":     # fused regions (sequence parallelism)
                 root[node.target] = gm.get_submodule(node.target)
-    # with overlap, gradient reductions run on a second dp group, so that a bucket's reduction in
-    # flight does not hold up the next unit's gather (measured on gloo: a gather issued behind a
-    # reduce-scatter on one group waited for it). Every rank creates it (new_group is collective):
-    # the condition depends on the plan and mesh only
+    # with overlap, gradient reductions run on a second dp group: a backend runs one group's
+    # collectives in issue order (gloo does), so a bucket's reduction in flight would hold up the
+    # next unit's gather on the same group. Every rank creates it (new_group is collective): the
+    # condition depends on the plan and mesh only
     reduce_comm = None
     if ctx.plan.overlap and comm.size > 1 and not ctx.mesh.virtual:
         reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)

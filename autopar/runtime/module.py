@@ -192,44 +192,40 @@ class DistributedModule(nn.Module):
     def _buffer(self, name: str) -> torch.Tensor:
         return attr_path(self.module, name)
 
-    def _grad_sq_sum(self, skip=lambda name: False) -> torch.Tensor:
-        """Sum of squared gradient elements over this module's dp and tp shards (each element
-        once), for clipping across pipeline stages; ``skip(name)`` leaves a parameter out."""
+    def _norm_groups(self) -> list:
+        """The groups a global gradient norm reduces over: dp where gradients are sharded, tp."""
+        groups = []
+        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
+            groups.append(self._sync.comm.group)
+        if self._tp is not None and self._tp.size > 1:
+            groups.append(self._tp.group)
+        return groups
+
+    def _grad_pow_sum(self, norm_type: float = 2.0, skip=lambda name: False) -> torch.Tensor:
+        """Sum of |g|^norm_type over every gradient element of this module's dp and tp shards,
+        each element once (a tensor replicated along tp counted on the axis's first rank);
+        ``skip(name)`` leaves a parameter out (a pipeline's second copy of a tied weight)."""
         first = self._tp is None or self._tp.index == 0
         total = torch.zeros(())
         for name, p in self.module.named_parameters():
             if p.grad is None or skip(name):
                 continue
             if first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded:
-                total += p.grad.float().pow(2).sum()
-        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
-            dist.all_reduce(total, group=self._sync.comm.group)
-        if self._tp is not None and self._tp.size > 1:
-            dist.all_reduce(total, group=self._tp.group)
+                total += p.grad.float().pow(norm_type).sum()
+        for group in self._norm_groups():
+            dist.all_reduce(total, group=group)
         return total
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by the true global norm over all shards; returns that norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        groups = []
-        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
-            groups.append(self._sync.comm.group)
-        if self._tp is not None and self._tp.size > 1:
-            groups.append(self._tp.group)
         if norm_type == math.inf:
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0))
             total = local.clone().float()
-            for group in groups:
+            for group in self._norm_groups():
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:
-            # a tensor replicated along tp is counted once: on the axis's first rank
-            first = self._tp is None or self._tp.index == 0
-            counted = [p.grad for name, p in self.module.named_parameters() if p.grad is not None
-                       and (first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded)]
-            total = sum((g.float().pow(norm_type).sum() for g in counted), torch.tensor(0.0))
-            for group in groups:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-            total = total.pow(1.0 / norm_type)
+            total = self._grad_pow_sum(norm_type).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
@@ -249,8 +245,8 @@ class DistributedModule(nn.Module):
         return self._inspect("explain").explain(self, cluster)
 
     def predict(self, cluster="local", global_batch=None, recompute: str = "none"):
-        """The cost model's prediction of one training step of this plan (``autopar.estimate``
-        on the graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
+        """The cost model's prediction of one training step of this plan (the estimate of the
+        graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
         ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's."""
         return self._inspect("predict").predict(self, cluster, global_batch, recompute)
 

@@ -161,7 +161,7 @@ class PipelineModule(DistributedModule):
             if a.kind == "F":
                 self._forward(a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn)
             elif a.kind == "B":
-                self._backward(a, st, spec, s, got)
+                self._backward(a, st, s, got)
             else:
                 getattr(st.module, STASH).run(a.mb)
             self.timeline.append((str(a), t0, time.time()))
@@ -182,7 +182,6 @@ class PipelineModule(DistributedModule):
         dst = self._rank_of_stage(peer_stage)
         tensors = [t.contiguous() for t in tensors]
         self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
-                               "activations" if kind == 0 else "gradients",
                                sum(t.numel() * t.element_size() for t in tensors))
         return self._traced([dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
                              for j, t in enumerate(tensors)],
@@ -217,7 +216,7 @@ class PipelineModule(DistributedModule):
         else:
             s.outputs[(a.stage, a.mb)] = outs
 
-    def _backward(self, a, st, spec, s, got):
+    def _backward(self, a, st, s, got):
         outs = s.outputs.pop((a.stage, a.mb))
         if a.stage == self.schedule.n_stages - 1:
             grads = [None]
@@ -260,9 +259,9 @@ class PipelineModule(DistributedModule):
             for r in ranks:
                 if r == self.pp_index:
                     continue
-                peer = self.mesh.rank + (r - self.pp_index) * self._pp_stride
+                peer = self._rank_of_stage(r)
                 works.append(dist.isend(local.contiguous(), dst=peer, tag=9_000_000 + r))
-                self.comm_stats.record("pp", "send", "tied", name, local.numel() * local.element_size())
+                self.comm_stats.record("pp", "send", "tied", local.numel() * local.element_size())
                 buf = torch.empty_like(local)
                 works.append(dist.irecv(buf, src=peer, tag=9_000_000 + self.pp_index))
                 bufs.append(buf)
@@ -350,7 +349,7 @@ class PipelineModule(DistributedModule):
         total = torch.zeros(())
         for k, st in self.stages.items():
             first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
-            total += st._grad_sq_sum(skip=lambda n: not first.get(n, True))
+            total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True))
         if self._pp_group is not None and self.p > 1:
             dist.all_reduce(total, group=self._pp_group)
         norm = total.sqrt()

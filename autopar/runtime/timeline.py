@@ -53,11 +53,6 @@ class MeasuredTimeline:
         """Seconds the rank's thread was blocked waiting on communication."""
         return sum(b - a for a, b in _union((a, b) for k, _, a, b in self.events if k == "wait"))
 
-    @property
-    def comm_s(self) -> float:
-        """Seconds at least one collective was in flight."""
-        return sum(b - a for a, b in _union((a, b) for k, _, a, b in self.events if k == "comm"))
-
     def lanes(self) -> list[tuple[str, str, float, float]]:
         """(lane, name, start, end): compute spans between the blocked waits, then each
         collective on the communication lane."""

@@ -36,10 +36,9 @@ Two ops are lowered rather than run on their local pieces (vocabulary parallelis
 Shards follow the project's convention (``ceil(size/t)`` per rank, the last ranks hold
 fewer): collectives pad to equal chunks and cut the padding off.
 
-``TPParam`` says how one parameter is stored along ``tp``: whole, or split along a dim;
-a fused projection whose output is split into ``groups`` equal parts (``q, k, v``) is
-stored interleaved, each rank holding its slice of every part, so that the split of the
-local product gives each part's local shard.
+How a parameter is stored along ``tp`` is an ``autopar.placement.TPParam`` (whole, split
+along a dim, or a fused projection stored interleaved); ``gather_tp_param`` assembles the
+whole parameter from the ranks' pieces.
 """
 from __future__ import annotations
 
@@ -51,12 +50,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..placement import TPParam
-from ..sizes import chunk, chunk_range
+from ..sizes import chunk, chunk_range, local_size
 from .comm import AxisComm, all_reduce, copy_to_axis
 
 __all__ = ["Pending", "tp_start", "tp_wait", "tp_copy_linear", "tp_all_reduce", "tp_copy", "tp_gather",
            "tp_reduce_scatter", "tp_split", "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy",
            "SavedRegather", "gather_tp_param"]
+
+
+def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
+    """``y`` with zero rows appended along dim 0 up to ``rows``, contiguous (a collective's
+    equal chunk)."""
+    if y.shape[0] < rows:
+        y = torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
+    return y.contiguous()
 
 
 def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, label: str,
@@ -65,11 +72,7 @@ def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, labe
     ``dim`` (``size``: the whole dim), padded to equal chunks: (handle, receive buffer, send
     buffer), the dim moved first."""
     n, c = comm.size, chunk(size, comm.size)
-    y = x.movedim(dim, 0)
-    rows = c if kind == "all_gather" else n * c
-    if y.shape[0] < rows:
-        y = torch.cat([y, y.new_zeros((rows - y.shape[0],) + tuple(y.shape[1:]))])
-    y = y.contiguous()
+    y = _pad_rows(x.movedim(dim, 0), c if kind == "all_gather" else n * c)
     if kind == "all_gather":
         out = y.new_empty((n * c,) + tuple(y.shape[1:]))
         work = comm.all_gather_flat(out.view(-1), y.view(-1), label=label, async_op=async_op, phase=phase)
@@ -82,11 +85,7 @@ def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, labe
 def _finish(kind: str, out: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tensor:
     """The result of an ``_issue`` once complete: padding cut, the dim back in place, dense
     (views downstream need it)."""
-    if kind == "all_gather":
-        rows = size
-    else:
-        lo, hi = chunk_range(size, comm.size, comm.index)
-        rows = hi - lo
+    rows = size if kind == "all_gather" else local_size(size, comm.size, comm.index)
     return out[:rows].movedim(0, dim).contiguous()
 
 
@@ -424,10 +423,7 @@ def gather_tp_param(param: TPParam, local: torch.Tensor, comm: AxisComm, shape: 
     n, d = comm.size, param.placement.dim
     rows = [param.local_shape(shape, n, r)[d] for r in range(n)]
     c = max(rows)
-    x = local.movedim(d, 0)
-    if x.shape[0] < c:
-        x = torch.cat([x, x.new_zeros((c - x.shape[0],) + tuple(x.shape[1:]))])
-    x = x.contiguous()
+    x = _pad_rows(local.movedim(d, 0), c)
     out = x.new_empty((n * c,) + tuple(x.shape[1:]))
     comm.all_gather_flat(out.view(-1), x.view(-1), label="full parameter", phase="state")
     return param.full_from([out[r * c: r * c + rows[r]].movedim(0, d) for r in range(n)])

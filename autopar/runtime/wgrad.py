@@ -32,9 +32,6 @@ class WeightGradStash(nn.Module):
     def push(self, item) -> None:
         self._work[self.mb].append(item)
 
-    def pending(self) -> int:
-        return sum(len(v) for v in self._work.values())
-
     def run(self, mb: int) -> None:
         """W of micro-batch ``mb``: every deferred weight gradient, into its autograd path."""
         items = self._work.pop(mb, [])

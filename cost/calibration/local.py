@@ -92,8 +92,7 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     follows compute, and the time is the call's excess over that compute (timed the same way,
     every rank computing at once, so ranks sharing cores slow it as they do): a rank entering
     the collective waits for peers still in their time slice and for gloo's threads to be
-    scheduled, which back-to-back calls never see (measured here: 1.5-3x the lined-up time for
-    small messages)."""
+    scheduled, which back-to-back calls never see."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     g = group_size or world
@@ -523,8 +522,8 @@ def _measure_contention(cores: int) -> tuple:
     """((processes, slowdown), ...) for as many processes as cores and twice as many (at most 8):
     the small GPT's forward + backward per iteration with that many processes looping at once,
     the ranks' mean, over the same loop alone. Processes on a core of their own still share caches
-    and memory (1.05-1.15 here); twice as many time-share the cores, plus the switching (2.4
-    here against the 2 of a fair share)."""
+    and memory; twice as many time-share the cores, and pay for the switching on top of the fair
+    share."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -13,6 +13,7 @@ import torch
 from .registry import (OpInfo, Strategy, arg, local_size, register, register_localize,
                        replicated, shardable_dims, with_arg)
 from autopar.placement import Shard
+from autopar.sizes import chunk_range
 
 aten = torch.ops.aten
 _SIZE_POS = {aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0,
@@ -46,8 +47,6 @@ def localize_arange(info: OpInfo, strategy: Strategy, n: int, index: int):
     if not isinstance(strategy.output, Shard):
         return info.args, dict(info.kwargs)
     start, step = info.args[0], arg(info, 2, "step", 1)
-    chunk = -(-info.out.shape[0] // n)
-    lo = min(index * chunk, info.out.shape[0])
-    hi = lo + local_size(info.out.shape[0], n, index)
+    lo, hi = chunk_range(info.out.shape[0], n, index)
     args, kwargs = with_arg(info, 0, "start", start + lo * step)
     return with_arg(OpInfo(info.target, args, kwargs, info.out), 1, "end", start + hi * step)

@@ -7,7 +7,7 @@ are written for ONE mesh axis of ``info.n`` ranks; the caller expands them over 
 Every rule includes the all-Replicate strategy, so an op with a rule always has a way to run.
 
 Some rules (view/reshape, mean, amax) are only correct for some axis sizes under the
-project's uneven-shard convention (``autopar.comm.ShardSpec``: ``ceil(size/n)`` per rank,
+project's uneven-shard convention (``autopar.sizes``: ``ceil(size/n)`` per rank,
 the last ranks hold fewer, possibly none); they read ``info.n`` and, when it is ``None``,
 offer only what is correct for every axis size.
 
@@ -31,6 +31,7 @@ from torch import fx
 
 from autopar import meta
 from autopar.placement import Partial, Placement, Replicate, Shard
+from autopar.sizes import local_size
 
 __all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "register",
            "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs",
@@ -252,13 +253,6 @@ def localize(info: OpInfo, strategy: Strategy, n: int, index: int):
 
 
 # --- small helpers shared by the rule files -------------------------------------------------
-
-def local_size(size: int, n: int, index: int) -> int:
-    """Rank ``index``'s share of a dim of ``size`` split over ``n`` ranks (ceil chunks)."""
-    chunk = -(-size // n)
-    lo = min(index * chunk, size)
-    return min(lo + chunk, size) - lo
-
 
 def even(size: int, n: Optional[int]) -> bool:
     """Every rank holds the same share (needed where ranks' results are averaged)."""

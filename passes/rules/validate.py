@@ -2,7 +2,7 @@
 
 For every sample call ``(op, args, kwargs)`` with small concrete tensors, and every strategy
 its rule lists for an axis of ``n`` ranks, each rank gets its piece of every input:
-  Shard(d)   this rank's ceil-chunk along d (``autopar.comm.ShardSpec``'s convention);
+  Shard(d)   this rank's ceil-chunk along d (``autopar.sizes``' convention);
   Replicate  the whole tensor;
   P(sum)     random addends summing to the tensor;   P(avg)  addends averaging to it;
   P(max)     the tensor on one rank, values <= it elsewhere (P(min): >=).
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.placement import Replicate, Shard
+from autopar.sizes import chunk_range
 
 from .registry import (RULES, OpInfo, Strategy, TensorMeta, format_placement, local_shape,
-                       local_size, localize, strategies_for, tensor_inputs)
+                       localize, strategies_for, tensor_inputs)
 from . import samples as _samples
 
 __all__ = ["Failure", "Report", "validate", "check_strategy", "main"]
@@ -78,8 +79,7 @@ def _pieces(full, placement, n: int, g: torch.Generator) -> list:
         return [full.clone() for _ in range(n)]
     if isinstance(placement, Shard):
         d, size = placement.dim, full.shape[placement.dim]
-        starts = [sum(local_size(size, n, j) for j in range(i)) for i in range(n)]
-        return [full.narrow(d, starts[i], local_size(size, n, i)).clone() for i in range(n)]
+        return [full.narrow(d, lo, hi - lo).clone() for lo, hi in (chunk_range(size, n, i) for i in range(n))]
     if not full.is_floating_point():
         raise TypeError(f"{placement} on a {full.dtype} tensor")
     noise = [torch.randn(full.shape, generator=g, dtype=full.dtype) for _ in range(n)]

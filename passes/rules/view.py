@@ -22,6 +22,7 @@ from .registry import (PARTIALS, R, OpInfo, Strategy, TensorMeta, arg, like_out,
                        norm_dim, prod, register, register_localize, replicated,
                        shardable_dims, tensor_inputs, with_arg)
 from autopar.placement import Shard
+from autopar.sizes import chunk_range
 
 aten = torch.ops.aten
 
@@ -133,7 +134,7 @@ def localize_triangle(info, strategy, n, index):
     x, diagonal = info.args[0], arg(info, 1, "diagonal", 0)
     if isinstance(strategy.output, Shard) and strategy.output.dim >= x.ndim - 2:
         d = strategy.output.dim
-        first = sum(local_size(x.shape[d], n, i) for i in range(index))
+        first = chunk_range(x.shape[d], n, index)[0]
         diagonal += first if d == x.ndim - 2 else -first
     return with_arg(info, 1, "diagonal", diagonal)
 
