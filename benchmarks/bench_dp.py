@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.sizes import ring_bytes
 
 IMPLS = ("autopar ddp", "torch DDP", "autopar zero3", "torch FSDP2")
 PAIRS = (("autopar ddp", "torch DDP"), ("autopar zero3", "torch FSDP2"))
@@ -87,7 +88,6 @@ _KIND = {
     "all_reduce_coalesced": ("all_reduce", "tensors"),
     "all_to_all_single": ("all_to_all", "output"),
 }
-_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
 
 
 def _nbytes(x) -> int:
@@ -99,12 +99,11 @@ def _nbytes(x) -> int:
 
 
 def ring_volume(kind: str, nbytes: float, n: int) -> float:
-    """Per-rank bytes of a ring collective (autopar's convention, autopar/comm.py)."""
+    """Per-rank bytes of a collective by autopar's ring convention (``autopar.sizes.ring_bytes``;
+    a broadcast sends its bytes)."""
     if n <= 1:
         return 0.0
-    if kind == "broadcast":
-        return float(nbytes)
-    return _FACTOR[kind] * (n - 1) * nbytes / n
+    return float(nbytes) if kind == "broadcast" else ring_bytes(kind, nbytes, n)
 
 
 class Counter:

@@ -21,7 +21,7 @@ forward, cross-entropy, backward, optimizer.step.
   losses  each implementation runs 3 warm-up steps right after it is built; the per-rank losses of
           those 3 identical steps must agree with FSDP2's to 1e-5.
   memory  measured right after the warm-up steps, before the next implementation is built
-          (the method of tests/jobs.measured_plan): "state" = a census of every live tensor
+          (the method of tests/jobs/predict.py's measured_memory): "state" = a census of every live tensor
           storage in the process after zero_grad + gc (min of 3 samples) minus the same census
           taken before the implementation was built; "peak" = state + the profiler's allocator
           peak (allocated - freed, [memory] events) during one step body (forward, backward,
@@ -52,10 +52,9 @@ import torch.distributed as dist
 
 import autopar
 import autopar.testing
-from autopar.models import GPTConfig, TinyGPT, gpt_batch
+from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.testing import profiled_peak_bytes, steady_live_bytes
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-from jobs import _census_sample, _lm, profiled_peak_bytes  # noqa: E402
 from bench_dp import _quiet_stderr  # noqa: E402  (benchmarks/ is the script's folder)
 
 LR = 1e-3
@@ -117,7 +116,7 @@ class Impl:
         self.losses: list[float] = []
 
     def body(self):
-        loss = _lm(self.module(*self.lx), self.lt)
+        loss = lm_loss(self.module(*self.lx), self.lt)
         loss.backward()
         self.opt.step()
         self.losses.append(float(loss.detach()))
@@ -151,7 +150,7 @@ def rank_main(cfg_kw: dict, batch: int, rounds: int, warmup: int) -> dict:
     for name, extra in specs:
         dist.barrier()
         gc.collect()
-        before = min(_census_sample(i) for i in range(3))
+        before = steady_live_bytes(3)
         t0 = time.perf_counter()
         try:
             impl = Impl(name, extra, cfg, state, x, t)
@@ -167,7 +166,7 @@ def rank_main(cfg_kw: dict, batch: int, rounds: int, warmup: int) -> dict:
         # memory: what lives between steps, plus the most one step allocates on top
         impl.opt.zero_grad(set_to_none=True)
         gc.collect()
-        held = min(_census_sample(i) for i in range(3)) - before
+        held = steady_live_bytes(3) - before
         extra_peaks = []
         for _ in range(3):
             impl.opt.zero_grad(set_to_none=True)

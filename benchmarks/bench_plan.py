@@ -5,7 +5,7 @@
 1. Planner speed: GPT-3 175B-shaped models of 24, 48, 96 and 192 layers on 1,024 virtual
    A100s (dgx-a100-80gb preset, global batch 1,536): capture + profiles, search, total.
 2. Predictions against measurements on this machine (``local`` preset): the small GPT of
-   tests/jobs.py at world 4 under every plan of the earlier issues, measured on real gloo
+   tests/jobs/predict.py at world 4 under every plan of PREDICT_PLANS, measured on real gloo
    processes (bytes per step, peak memory, median step time), with the ratio to the prediction;
    and the plan the planner picks, measured in the same run.
 3. Predictions against published runs: Narayanan et al. (SC'21) table 1 on DGX A100 80GB.
@@ -50,7 +50,7 @@ def planner_speed():
 
 def local_predictions(runs: int, steps: int = 21):
     import autopar
-    import jobs
+    from jobs import predict as jobs
     from autopar.cost.calibration import calibrate_local
     from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import TinyGPT, gpt_batch

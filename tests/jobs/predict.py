@@ -13,12 +13,10 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import profiled_peak_bytes, steady_live_bytes
 
 PREDICT_CONFIG = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)
-
-
 PREDICT_BATCH = 16
 
 
-# (name, mesh axes, plan keyword arguments): the plans of the earlier issues at world 4
+# (name, mesh axes, plan keyword arguments): one plan of each parallelism at world 4
 PREDICT_PLANS = (
     ("ddp", {"dp": 4}, {"dp": "ddp"}),
     ("zero1", {"dp": 4}, {"dp": "zero1"}),
@@ -34,18 +32,34 @@ PREDICT_PLANS = (
 
 
 def measured_plans(names=None, steps=7, extra=()):
-    """Bytes per step, peak memory and step time of each plan in PREDICT_PLANS (and ``extra``
-    (name, axes, plan kwargs) ones) on this rank."""
+    """Bytes per step, peak memory and step times of each plan in PREDICT_PLANS (and ``extra``
+    (name, axes, plan kwargs) ones) on this rank. Bytes and memory are measured with each plan
+    alone in the process (the census counts every live tensor); the step times with every plan
+    compiled again and timed round-robin, one step each per round, so that a disturbance of the
+    machine falls on all plans alike instead of on the one measured at the time."""
     torch.set_num_threads(1)
-    out = {}
-    for name, axes, kw in tuple(PREDICT_PLANS) + tuple(extra):
-        if names is not None and name not in names:
-            continue
-        out[name] = measured_plan(axes, kw, steps)
+    plans = [(name, axes, kw) for name, axes, kw in tuple(PREDICT_PLANS) + tuple(extra)
+             if names is None or name in names]
+    out = {name: measured_memory(axes, kw) for name, axes, kw in plans}
+    runners = {name: _prepared(axes, kw) for name, axes, kw in plans}
+    for _, (_, step) in runners.items():
+        for _ in range(2):
+            step()
+    for name in runners:
+        out[name]["times"] = []
+    for _ in range(steps):
+        for name, (_, step) in runners.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            out[name]["times"].append(time.perf_counter() - t0)
+    dist.barrier()
     return out
 
 
-def measured_plan(axes, kw, steps):
+def _prepared(axes, kw):
+    """(body: forward, backward and optimizer step; step: zero_grad, then body) of the small GPT
+    compiled under ``kw`` on a mesh of ``axes``."""
     c = PREDICT_CONFIG
     torch.manual_seed(0)
     model = TinyGPT(c)
@@ -69,6 +83,14 @@ def measured_plan(axes, kw, steps):
         opt.zero_grad(set_to_none=True)
         body()
 
+    body.dm, body.opt = dm, opt
+    return body, step
+
+
+def measured_memory(axes, kw):
+    """Bytes per step (the counters, after two warm-up steps) and peak memory of one plan."""
+    body, step = _prepared(axes, kw)
+    dm, opt = body.dm, body.opt
     for _ in range(2):
         step()
     dm.comm_stats.reset()
@@ -82,12 +104,5 @@ def measured_plan(axes, kw, steps):
     gc.collect()
     base = steady_live_bytes(3)
     peaks = [base + profiled_peak_bytes(body) for _ in range(3)]   # the steady state: the median of three
-    peak = sorted(peaks)[1]
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
     dist.barrier()
-    return {"bytes": nbytes, "by_axis": by_axis, "peak": peak, "peaks": peaks, "base": base, "times": times}
+    return {"bytes": nbytes, "by_axis": by_axis, "peak": sorted(peaks)[1], "peaks": peaks, "base": base}
