@@ -268,3 +268,26 @@ def test_dump_writes_schedule_picture_and_stages(tmp_path, schedule, v):
     assert "pipeline: " in explain and "simulated bubble" in explain
     if schedule == "zero_bubble":
         assert "matmuls compute their weight gradient in W" in explain
+
+
+def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
+    """Every public method of DistributedModule either has a pipeline version, or works as
+    inherited (shard_batch, and the inspection the front end provides), or refuses: none
+    fails on an attribute only a single stage has."""
+    from autopar.runtime import DistributedModule, PipelineModule
+    own = {k for k, v in vars(DistributedModule).items() if callable(v) and not k.startswith("_")}
+    overridden = {k for k in own if k in vars(PipelineModule)}
+    assert own - overridden == {"shard_batch", "explain", "predict", "dump", "record_timeline"}
+    c = GPTConfig(layers=2)
+    with torch.device("meta"):
+        model = TinyGPT(c)
+    tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
+    pm = autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    assert isinstance(pm, PipelineModule)
+    assert pm.shard_batch(torch.arange(8)).tolist() == list(range(8))       # no dp axis: the whole batch
+    assert pm.to_empty(device="cpu") is pm
+    assert all(p.device.type == "cpu" for p in pm.parameters())
+    with pytest.raises(RuntimeError, match="train_step"):
+        pm(tok)
+    assert "pipeline: " in pm.explain()
