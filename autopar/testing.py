@@ -275,11 +275,11 @@ def profiled_peak_bytes(fn) -> int:
 def saved_activation_bytes(fn, exclude=()) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``fn`` runs, leaving
     out the storages whose data pointers are in ``exclude`` (parameters: saved by reference,
-    not activations)."""
+    not activations); a DTensor counts its local tensor."""
     seen, total, held = set(exclude), [0], []
 
     def pack(t):
-        st = t.untyped_storage()
+        st = getattr(t, "_local_tensor", t).untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             held.append(st)    # alive until the count is done, so no address is reused meanwhile

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.testing import saved_activation_bytes
 
 CONFIG = dict(vocab=512, seq=64, dim=128, heads=8, layers=4)
 GLOBAL_BATCH = 8
@@ -92,23 +93,13 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def saved_bytes(fn, params) -> int:
-    """Bytes of the distinct storages autograd saves in ``fn`` (parameters left out; a DTensor
-    counts its local tensor)."""
+def saved_bytes(fn, params) -> tuple[int, object]:
+    """(bytes autograd saves in ``fn``, parameters left out: ``autopar.testing.saved_activation_bytes``;
+    ``fn``'s result)."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    seen, total, held = {p.untyped_storage().data_ptr() for p in local}, [0], []
-
-    def pack(t):
-        st = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            held.append(st)    # alive until the count is done, so no address is reused meanwhile
-            total[0] += st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total[0], out
+    box = []
+    nbytes = saved_activation_bytes(lambda: box.append(fn()), {p.untyped_storage().data_ptr() for p in local})
+    return nbytes, box[0]
 
 
 class Impl:
