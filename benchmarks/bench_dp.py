@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.ops import value_bytes
 from autopar.sizes import ring_bytes
 
 IMPLS = ("autopar ddp", "torch DDP", "autopar zero3", "torch FSDP2")
@@ -88,14 +89,6 @@ _KIND = {
     "all_reduce_coalesced": ("all_reduce", "tensors"),
     "all_to_all_single": ("all_to_all", "output"),
 }
-
-
-def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0
 
 
 def ring_volume(kind: str, nbytes: float, n: int) -> float:
@@ -140,7 +133,7 @@ def wrap_collectives(counter: Counter):
             bound = __sig.bind(*args, **kwargs)
             group = bound.arguments.get("group")
             n = dist.get_world_size(group)
-            counter.add(__kind, ring_volume(__kind, _nbytes(bound.arguments[__arg]), n))
+            counter.add(__kind, ring_volume(__kind, value_bytes(bound.arguments[__arg]), n))
             return __orig(*args, **kwargs)
 
         saved[name] = orig
@@ -238,7 +231,7 @@ class Impl:
 
                 def hook(state, bucket, _c=ddp_hook_counter):
                     buf = bucket.buffer()
-                    _c.add("all_reduce", ring_volume("all_reduce", _nbytes(buf), dist.get_world_size()))
+                    _c.add("all_reduce", ring_volume("all_reduce", value_bytes(buf), dist.get_world_size()))
                     return allreduce_hook(state, bucket)
                 self.module.register_comm_hook(None, hook)
             self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
