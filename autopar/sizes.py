@@ -77,7 +77,7 @@ def ring_bytes(kind: str, nbytes, n):
         factor = RING_FACTOR[kind]
     except KeyError:
         raise ValueError(f"unknown collective {kind!r}; expected p2p or one of {sorted(RING_FACTOR)}") from None
-    return factor * (n - 1) * nbytes / n
+    return factor * nbytes * (n - 1) / n     # in this order sympy keeps 2·Ψ·(N−1)/N whole
 
 
 def gather_unit_bytes(padded_elements: int, n: int, element_size: int) -> int:
