@@ -412,7 +412,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         mine = [s for s in range(S) if s % p == r]
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
-        flight = inflight_microbatches(plan.pp_schedule if p > 1 else None, p, m, v, stage=r)
+        flight = inflight_microbatches(plan.pp_schedule, p, m, v, stage=r)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt, plan.bucket_bytes, recompute, flight, S > 1,
                                 staging=c.name == "local"))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])

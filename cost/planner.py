@@ -223,7 +223,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         step = pipe + red + opt + tail + (2 * collective_time("p2p", tied, 2, lpp) if tied else 0.0)
         step += loss_broadcast_time(p, lpp)
     # ---- memory (the busiest rank)
-    flight = inflight_microbatches(plan.pp_schedule if p > 1 else None, p, m, v, 0)
+    flight = inflight_microbatches(plan.pp_schedule, p, m, v, 0)
 
     act_layers = nl * saved_bytes(layer, recompute)
     ends_act = max(saved_bytes(pre, recompute), saved_bytes(post, recompute) + 2 * post.final_bytes) if p > 1 else \
