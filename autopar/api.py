@@ -55,7 +55,8 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan.pp_schedule is not None:
         return _compile_pipeline(model, ctx, args, kwargs)
-    gm = capture(model, args, kwargs, ctx)         # the logical graph, at global shapes
+    gm = capture(model, args, kwargs, ctx, check_modes=True)   # the logical graph, at global shapes
+    passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
     ctx.snapshots.append(("capture", graph_text(gm)))
@@ -71,9 +72,12 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
 
 
 def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
-    """The plan's passes over ``gm``, each snapshotted as ``<prefix><pass name>``."""
+    """The plan's passes over ``gm``, each snapshotted as ``<prefix><pass name>`` (rng only
+    where the graph has random sites: on a model without dropout it changes nothing)."""
     for p in passes.for_plan(ctx.plan):
         gm = p(gm, ctx)
+        if p is passes.rng and not ctx.rng_local:
+            continue
         ctx.snapshots.append((prefix + p.__name__, graph_text(gm)))
     return gm
 
@@ -100,7 +104,8 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
                          f"batch that is a multiple of {m * n}")
     ctx.microbatch_rows = next(iter(rows)) // m
     mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
-    gm = capture(model, mb_args, mb_kwargs, ctx)              # the logical graph of one micro-batch
+    gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=True)   # the logical graph of one micro-batch
+    passes.find_sites(gm, ctx, microbatches=m)
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
@@ -118,7 +123,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
     passes.check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)   # before any communication
     stages, stats = {}, CommStats()      # the stages share one byte counter
     for spec, sctx, sgm in laid:
-        dm = emit(sgm, model, sctx, stats)
+        dm = emit(sgm, model, sctx, stats, sites=ctx.rng_sites)
         dm.inspector = Inspector()
         ctx.snapshots += sctx.snapshots + [(f"stage{spec.index}_emit", dm.module.code)]
         stages[spec.index] = dm            # dm.ctx is the stage's context
@@ -136,6 +141,7 @@ def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
         plan = dataclasses.replace(plan, tp_layout=plan.tp_layout + tied)
     sctx = CompileContext(mesh=ctx.mesh, plan=plan)
     sctx.params = {name: ctx.params[name] for name in spec.params}
+    sctx.captured_training, sctx.mode_difference = ctx.captured_training, ctx.mode_difference
     n = ctx.mesh.axis_size("dp")
     vals = [x.meta.get(meta.VAL) for x in sgm.graph.nodes if x.op == "placeholder"]
     sctx.in_spec = pytree.tree_flatten((tuple(vals), {}))[1]

@@ -17,7 +17,7 @@ from torch import fx, nn
 from . import meta
 from .context import CompileContext, ParamInfo
 
-__all__ = ["capture", "CaptureError"]
+__all__ = ["capture", "CaptureError", "mode_difference"]
 
 
 class CaptureError(ValueError):
@@ -108,13 +108,112 @@ def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileConte
             ctx.notes.append(f"parameter {name} is not used by forward")
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext) -> fx.GraphModule:
-    """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule."""
+_MUTATES_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),      # training flag, running stats
+                  torch.ops.aten.instance_norm.default: (5, (3, 4))}
+
+
+def _check_buffer_updates(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse a forward that writes buffers (BatchNorm's running statistics in training mode):
+    each rank would update them from its own slice of the batch."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        written = []
+        if node.target in _MUTATES_STATS:
+            flag, stats = _MUTATES_STATS[node.target]
+            if len(node.args) > flag and node.args[flag]:
+                written = [node.args[i] for i in stats if len(node.args) > i and node.args[i] is not None]
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            written += [a for a, s in zip(node.args, schema.arguments)
+                        if s.alias_info is not None and s.alias_info.is_write]
+        names = [a.target for a in written if isinstance(a, fx.Node) and a.op == "get_attr"]
+        if names:
+            raise ValueError(
+                f"{type(model).__name__}'s forward updates the buffers {', '.join(sorted(set(names)))} (node "
+                f"{node.name}, {node.target}): running statistics, as BatchNorm keeps in training mode. Under "
+                "data parallelism or micro-batches each rank would update them from its own slice of the batch, "
+                "so they would drift from the single-device model's. Put those layers in eval mode before "
+                "compiling (bn.eval() freezes their statistics), or use LayerNorm / GroupNorm instead")
+
+
+def _signature(gm: fx.GraphModule) -> list:
+    """The graph's ops with their constant arguments, dropout removed (a dropout node stands
+    for its input) and attention's dropout probability left out: what must agree between the
+    train and eval graphs for autopar to switch modes at run time."""
+    index: dict = {}
+    out = []
+
+    def norm(a):
+        if isinstance(a, fx.Node):
+            return ("%", index.get(a, a.name))
+        if isinstance(a, (list, tuple)):
+            return tuple(norm(x) for x in a)
+        return repr(a)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.dropout.default:
+            index[node] = index.get(node.args[0], node.args[0].name)
+            continue
+        args = list(node.args)
+        if node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            args = args[:4] + ["p"] + args[5:]
+        index[node] = len(out)
+        out.append((node.op, str(node.target), norm(tuple(args)),
+                    norm(tuple((k, v) for k, v in node.kwargs.items() if k != "dropout_p"))))
+    return out
+
+
+def _has_random(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and node.args[2] \
+                and node.args[1] > 0:
+            return True
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default and \
+                float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) > 0:
+            return True
+    return False
+
+
+def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule) -> str:
+    """How the model's graph in the other train/eval mode differs from ``gm`` (captured in
+    ``model.training``'s mode) beyond dropout; "" when dropout is the only difference, which
+    the runtime switches (``autopar.runtime.rng``). Costs one more export."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(not model.training)
+        other = _export(model, tuple(args), dict(kwargs)).module()
+    except CaptureError as exc:
+        return f"it does not capture ({str(exc).splitlines()[1].strip()})"
+    finally:
+        for m, t in modes.items():
+            m.training = t
+    _drop_guards(other)
+    if not model.training and _has_random(other):
+        return "its training graph draws dropout masks that the eval-mode capture has no sites for"
+    a, b = _signature(gm), _signature(other)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"op {i} of the graph is {x[1]}{x[2]} in one mode and {y[1]}{y[2]} in the other"
+    if len(a) != len(b):
+        return f"the graphs have {len(a)} and {len(b)} ops"
+    return ""
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
+            check_modes: bool = False) -> fx.GraphModule:
+    """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule.
+    ``check_modes``: also capture the other train/eval mode and record in the context how it
+    differs (``ctx.mode_difference``), for a module that switches modes at run time."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
     ep = _export(model, tuple(args), dict(kwargs))
     gm = ep.module()
     _drop_guards(gm)
+    _check_buffer_updates(gm, model)
+    ctx.captured_training = model.training
+    if check_modes:
+        ctx.mode_difference = mode_difference(model, args, kwargs, gm)
     _canonicalise_params(gm, model, ctx)
     ctx.in_spec = gm._in_spec
     ctx.out_spec = gm._out_spec

@@ -65,6 +65,10 @@ class CompileContext:
     grad_buckets: list = field(default_factory=list)  # collectives: parameter names per gradient bucket
     gather_units: list = field(default_factory=list)  # collectives (ZeRO-3): parameter names per gather unit
     stages: list = field(default_factory=list)        # pipeline: a passes.pipeline.StageSpec per stage
+    rng_sites: tuple = ()           # rng.find_sites: every random site of the model (runtime.rng.MaskSite)
+    rng_local: dict = field(default_factory=dict)     # rng: site -> runtime.rng.LocalSite this graph keeps
+    captured_training: bool = True  # the model's mode when compile captured it
+    mode_difference: str = ""       # compile: how the other train/eval mode's graph differs ("" = dropout only)
     # ---- for the user -------------------------------------------------------------------------
     snapshots: list = field(default_factory=list)     # (pass name, readable graph text), for dm.dump()
     notes: list = field(default_factory=list)         # lines for explain()

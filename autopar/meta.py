@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
-           "SYNC", "COMM_TP", "REPLICAS", "STASH"]
+           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG"]
 
 # ---- node.meta keys ------------------------------------------------------------------------------
 VAL = "val"                 # torch.export's FakeTensor (shape, dtype) of the node's output
@@ -19,12 +19,14 @@ COMM = "autopar_comm"       # CommInfo of a collective node (kind, axis, bytes)
 SOURCE = "stack_trace"      # torch.export's source location of the node
 STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pass chose for a node
 LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocabulary parallelism)
+RNG_SITE = "autopar_rng_site"  # index of a random site (dropout) in the single-device forward's draw order
 FLASH = "autopar_flash"     # cost model: an attention node runs as a fused kernel (no a·s² scores kept)
 
 # ---- attributes of the emitted module that graph nodes read (get_attr) ---------------------------
 SYNC = "sync_dp"            # the runtime's DataParallelSync of the dp axis
 COMM_TP = "comm_tp"         # the runtime's AxisComm of the tp axis
 REPLICAS = "replicas"       # ZeRO-1/2: submodule holding the full parameter replicas
+RNG = "rng_masks"           # the runtime's RandomMasks: this graph's slices of the dropout masks
 STASH = "wgrad_stash"       # zero-bubble: the WeightGradStash of the deferred weight gradients
 
 

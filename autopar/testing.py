@@ -326,7 +326,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
     otherwise, with ``optimizer_kwargs``) on the global batch on one device and
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
-    (gathered) and parameters after every step.
+    (gathered) and parameters after every step. Both forwards of a step start from the same
+    ``torch.manual_seed``, so a model with dropout draws the same masks.
 
     Tolerances are scaled errors |x - x_ref| / (atol + rtol |x_ref|), fp32. Adam divides by
     sqrt(v): a gradient that is mathematically zero (an attention key bias) is float noise
@@ -347,10 +348,12 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     local_in, local_t = dm.shard_batch(inputs), dm.shard_batch(target)
     for step in range(steps):
         opt_ref.zero_grad()
+        torch.manual_seed(1000 + step)     # dropout: one device and every rank draw from one seed
         out_ref = ref(*inputs)
         loss_ref = loss_fn(out_ref, target)
         loss_ref.backward()
         opt.zero_grad()
+        torch.manual_seed(1000 + step)
         if plan.pp_schedule is not None:   # a pipeline runs whole steps; it returns the slice's loss
             loss = dm.train_step(local_in, local_t, loss_fn)
         else:

@@ -7,6 +7,7 @@ rewrites nothing, are called by the compile driver apart from it):
     shard               layouts: one placement per mesh axis on every node
     collectives         the communication the layouts need (dp gathers / buckets, tp redistributions)
     localize            global sizes in ops rewritten to this rank's
+    rng                 random sites (dropout) draw the single-device mask and keep this rank's slice
     sequence_parallel   (sp) each sequence-sharded pointwise region fused into one node
     overlap             collectives as start / wait, placed to overlap compute
     weight_split        (a schedule that splits backward) weight gradients deferred to W
@@ -14,13 +15,14 @@ rewrites nothing, are called by the compile driver apart from it):
 from .shard import shard
 from .collectives import collectives
 from .localize import localize
+from .rng import rng, find_sites
 from .sequence_parallel import sequence_parallel
 from .pipeline import pipeline
 from .overlap import overlap
 from .weight_split import weight_split
 from .order_check import check_collective_order
 
-__all__ = ["for_plan", "shard", "collectives", "localize", "sequence_parallel", "pipeline", "overlap",
+__all__ = ["for_plan", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "overlap",
            "weight_split", "check_collective_order"]
 
 
@@ -30,7 +32,7 @@ def for_plan(plan) -> list:
     graph, then the sequence-parallel regions become one node each (they hold localized ops),
     overlap on the final order of the nodes, and the weight-gradient split last (it rewrites
     the matmuls overlap left in place)."""
-    out = [shard, collectives, localize]
+    out = [shard, collectives, localize, rng]
     if plan.sp:
         out.append(sequence_parallel)
     out.append(overlap)

@@ -46,6 +46,7 @@ from torch import fx
 from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Partial, Replicate, Shard, TPParam, parse_placement
+from autopar.runtime.rng import rng_dropout
 from autopar.sizes import chunk, ring_bytes
 
 from .analysis import input_nodes, is_value
@@ -69,7 +70,7 @@ _ROW_NORMS = {aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_
 def sp_op(target) -> bool:
     """Ops of the pointwise regions sequence parallelism shards along the sequence."""
     rule = RULES.get(target)
-    return target in _ROW_NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
+    return target is rng_dropout or target in _ROW_NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
 
 
 @dataclass(frozen=True)

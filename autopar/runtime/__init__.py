@@ -6,6 +6,7 @@
     tpcomm            the tp axis: Megatron's f/g, gathers, reduce-scatters, vocabulary parallelism
     collmatmul        all-gather + matmul and matmul + reduce-scatter as ring steps
     wgrad             the zero-bubble weight-gradient stash
+    rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)
     timeline          measured timelines of a step
     module            DistributedModule
     pipeline_module   PipelineModule: a rank's stages and the schedule that drives them

@@ -254,8 +254,8 @@ class DataParallelSync(nn.Module):
             self._fwd.clear()
             self._fwd_done.clear()
             self._drop_inflight()
-        if not self.defer:          # backward's first units go out now, while the loss computes
-            self._prefetch_backward(None)
+        if not self.defer and torch.is_grad_enabled():   # backward's first units go out now,
+            self._prefetch_backward(None)                   # while the loss computes
 
     def _drop_inflight(self) -> None:
         """Finish and forget gathers nobody will use (every rank issued them alike)."""

@@ -14,18 +14,21 @@ import torch
 from torch import fx, nn
 
 from ..context import CompileContext
-from ..meta import COMM_TP, REPLICAS, SYNC
+from ..meta import COMM_TP, REPLICAS, RNG, SYNC
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
 from .module import DistributedModule, attr_path
+from .rng import RandomMasks
 from .tpcomm import SavedRegather
 
 __all__ = ["emit"]
 
 
 def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
-         stats: CommStats | None = None) -> "DistributedModule":
-    """This rank's module from the rewritten graph ``gm`` and the original ``model``'s tensors."""
+         stats: CommStats | None = None, sites: tuple = ()) -> "DistributedModule":
+    """This rank's module from the rewritten graph ``gm`` and the original ``model``'s tensors.
+    ``sites``: every random site of the whole model, when ``gm`` is one pipeline stage of it
+    (the pipeline draws the masks for its stages); without, ``ctx.rng_sites``."""
     mode = ctx.plan.dp
     specs = ctx.shard_specs()
     stats = stats if stats is not None else CommStats()   # pipeline stages share one counter
@@ -54,7 +57,7 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
                 root[f"{REPLICAS}.{name}"] = replicas[name]
             shards[name] = root[name] = shard
         for node in gm.graph.nodes:    # lifted constants of the captured graph
-            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC, COMM_TP) \
+            if node.op == "get_attr" and node.target not in root and node.target not in (SYNC, COMM_TP, RNG) \
                     and not node.target.startswith(REPLICAS + "."):
                 root[node.target] = attr_path(gm, node.target)
             elif node.op == "call_module":     # fused regions (sequence parallelism)
@@ -72,9 +75,11 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
     root[SYNC] = sync
     if tp_comm is not None:
         root[COMM_TP] = tp_comm
+    if ctx.rng_local:
+        root[RNG] = RandomMasks(sites or ctx.rng_sites, ctx.rng_local, external=bool(sites))
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
     for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest
-        if name not in (SYNC, COMM_TP) and not _hasattr_path(out, name):
+        if name not in (SYNC, COMM_TP, RNG) and not _hasattr_path(out, name):
             _setattr_path(out, name, value)
     if REPLICAS in dict(out.named_children()):
         for mod in out.get_submodule(REPLICAS).modules():

@@ -20,8 +20,9 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ..context import CompileContext
-from ..meta import REPLICAS
+from ..meta import REPLICAS, RNG
 from ..placement import ShardSpec
+from . import flight
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
 from .timeline import record
@@ -68,11 +69,26 @@ class DistributedModule(nn.Module):
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_inputs(args, kwargs)
+        self._check_mode()
+        masks = getattr(self.module, RNG, None)
+        if masks is not None:
+            masks.before_forward()
         with self._sync.forward_scope():
             if self._tp is None or getattr(self._tp, "regather", None) is None:
                 return self.module(*args, **kwargs)
             with self._tp.regather.scope():
                 return self.module(*args, **kwargs)
+
+    def _check_mode(self):
+        """The graph was captured in one train/eval mode; the other runs it too when the two
+        differ only in dropout (compile compared them), and is refused otherwise."""
+        if self.training != self.ctx.captured_training and self.ctx.mode_difference:
+            have, want = ("training", "eval") if self.ctx.captured_training else ("eval", "training")
+            raise RuntimeError(
+                f"this module was compiled from the model in {have} mode, and the model's forward in {want} "
+                f"mode is a different program: {self.ctx.mode_difference}. autopar switches modes only where "
+                f"they differ in dropout; compile a second module from model.{want.replace('training', 'train')}() "
+                f"for {want}, sharing the weights with dm.load_full_state_dict(...)")
 
     def _check_inputs(self, args, kwargs):
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -213,7 +229,7 @@ class DistributedModule(nn.Module):
             if first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded:
                 total += p.grad.float().pow(norm_type).sum()
         for group in self._norm_groups():
-            dist.all_reduce(total, group=group)
+            flight.launch(group, "all_reduce", "grad norm", 4, dist.all_reduce, total, dist.ReduceOp.SUM, group)
         return total
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -223,7 +239,7 @@ class DistributedModule(nn.Module):
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0))
             total = local.clone().float()
             for group in self._norm_groups():
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+                flight.launch(group, "all_reduce", "grad norm (max)", 4, dist.all_reduce, total, dist.ReduceOp.MAX, group)
         else:
             total = self._grad_pow_sum(norm_type).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

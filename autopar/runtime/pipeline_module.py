@@ -24,11 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..meta import STASH
+from ..meta import RNG, STASH
 from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
+from . import flight
 from .comm import CommStats, TracedWork
 from .module import DistributedModule, slice_batch
+from .rng import draw_masks
 
 __all__ = ["PipelineModule"]
 
@@ -90,6 +92,8 @@ class PipelineModule(DistributedModule):
         flat_in, _ = self._split((inputs, {}), m)
         flat_t, t_spec = self._split(targets, m)
         self._check_microbatch(flat_in[0])
+        if self.training and self.ctx.rng_sites:   # every site's mask, in the single-device order
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m)
         state = _StepState()
         for st in self.stages.values():
             st._sync.defer = True
@@ -122,7 +126,8 @@ class PipelineModule(DistributedModule):
         loss = torch.stack(state.losses).sum() if state.losses else torch.zeros(())
         last_rank = self._rank_of_stage(self.schedule.n_stages - 1)
         if self._pp_group is not None and self.p > 1:
-            dist.broadcast(loss, src=last_rank, group=self._pp_group)
+            flight.launch(self._pp_group, "broadcast", "the step's loss", loss.numel() * loss.element_size(),
+                          dist.broadcast, loss, last_rank, self._pp_group)
         return loss
 
     def _check_microbatch(self, first):
@@ -175,17 +180,20 @@ class PipelineModule(DistributedModule):
     def _irecv(self, kind, a, shapes, dtypes, peer_stage):
         bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
-        works = [dist.irecv(b, src=src, tag=self._tag(kind, a.stage, a.mb, j)) for j, b in enumerate(bufs)]
-        return bufs, self._traced(works, f"recv[pp] {'activations' if kind == 0 else 'gradients'} {a}")
+        what = f"{'activations' if kind == 0 else 'gradients'} {a}"
+        works = [flight.irecv(b, src, self._pp_group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
+                 for j, b in enumerate(bufs)]
+        return bufs, self._traced(works, f"recv[pp] {what}")
 
     def _isend(self, kind, target: Action, tensors, peer_stage):
         dst = self._rank_of_stage(peer_stage)
         tensors = [t.contiguous() for t in tensors]
         self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
                                sum(t.numel() * t.element_size() for t in tensors))
-        return self._traced([dist.isend(t, dst=dst, tag=self._tag(kind, target.stage, target.mb, j))
-                             for j, t in enumerate(tensors)],
-                            f"send[pp] {'activations' if kind == 0 else 'gradients'} for {target}")
+        what = f"{'activations' if kind == 0 else 'gradients'} for {target}"
+        return self._traced([flight.isend(t, dst, self._pp_group, f"{what} [{j}]",
+                                          self._tag(kind, target.stage, target.mb, j))
+                             for j, t in enumerate(tensors)], f"send[pp] {what}")
 
     def _traced(self, works, name):
         """Under ``record_timeline``, the transfers' handles record completion and blocking waits."""
@@ -201,8 +209,14 @@ class PipelineModule(DistributedModule):
             w.wait()
         return bufs
 
+    def _mask_holders(self) -> list:
+        return [getattr(st.module, RNG) for st in self.stages.values() if hasattr(st.module, RNG)]
+
     def _forward(self, a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn):
         args = [flat_in[a.mb][i] for i in spec.graph_inputs]
+        masks = getattr(st.module, RNG, None)
+        if masks is not None:
+            masks.microbatch = a.mb
         received = [t.requires_grad_(True) if t.is_floating_point() else t for t in (got or [])]
         out = st(*args, *received)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -260,10 +274,12 @@ class PipelineModule(DistributedModule):
                 if r == self.pp_index:
                     continue
                 peer = self._rank_of_stage(r)
-                works.append(dist.isend(local.contiguous(), dst=peer, tag=9_000_000 + r))
+                works.append(flight.isend(local.contiguous(), peer, self._pp_group, f"tied gradient {name}",
+                                          9_000_000 + r))
                 self.comm_stats.record("pp", "send", "tied", local.numel() * local.element_size())
                 buf = torch.empty_like(local)
-                works.append(dist.irecv(buf, src=peer, tag=9_000_000 + self.pp_index))
+                works.append(flight.irecv(buf, peer, self._pp_group, f"tied gradient {name}",
+                                          9_000_000 + self.pp_index))
                 bufs.append(buf)
             for w in works:
                 w.wait()
@@ -298,11 +314,12 @@ class PipelineModule(DistributedModule):
             return value
         src = self._rank_of_stage(owner)
         flag = torch.tensor([int(value is not None)])      # a parameter may have no gradient
-        dist.broadcast(flag, src=src, group=self._pp_group)
+        flight.launch(self._pp_group, "broadcast", f"{name}: present?", 8, dist.broadcast, flag, src, self._pp_group)
         if not int(flag):
             return None
         buf = value if value is not None else torch.empty(info.shape, dtype=info.dtype)
-        dist.broadcast(buf, src=src, group=self._pp_group)
+        flight.launch(self._pp_group, "broadcast", name, buf.numel() * buf.element_size(),
+                      dist.broadcast, buf, src, self._pp_group)
         return buf
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -351,7 +368,8 @@ class PipelineModule(DistributedModule):
             first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
             total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True))
         if self._pp_group is not None and self.p > 1:
-            dist.all_reduce(total, group=self._pp_group)
+            flight.launch(self._pp_group, "all_reduce", "grad norm", 4, dist.all_reduce, total,
+                          dist.ReduceOp.SUM, self._pp_group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self.parameters():

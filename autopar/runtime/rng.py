@@ -1,0 +1,128 @@
+"""Random masks with single-device parity: dropout under any layout draws what one device would.
+
+A dropout mask on one device is ``empty(shape).bernoulli_(1 - p)`` from the default generator,
+drawn at the whole batch's shape, one draw per dropout site in the order forward reaches
+them. autopar reproduces exactly that stream on every rank, then keeps its own slice:
+
+    before a forward (a pipeline: before a step), every rank draws the mask of every random
+    site of the model, in the logical graph's order, at the single-device shape; a site this
+    rank runs keeps the slice its layout holds (dp rows, tp / sp shards; a pipeline: one slice
+    per micro-batch), the others are drawn and dropped.
+
+So ``torch.manual_seed(s)`` on every rank is all a user does: masks are bitwise the slices of
+the single-device model's, and the generator leaves the step in the state one device leaves
+it in. The price is that every rank draws the whole model's masks (the draw, not the memory:
+each full mask is freed once sliced); ``BENCHMARKS.md`` measures it. The alternative, a
+counter-based generator keyed by the global element index, draws only the local slice but
+cannot reproduce the CPU generator's stream, so parity would be with autopar's own dropout
+rather than with the user's model.
+
+Sites: ``aten.dropout`` (the graph node becomes ``rng_dropout``) and dropout inside
+``scaled_dot_product_attention`` (``rng_sdpa``: the probabilities from the math kernel, the
+mask applied to them, then the product with v, the order the kernel itself runs). In eval
+mode (``dm.eval()``) both are the identity / attention without dropout, as on one device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["MaskSite", "LocalSite", "RandomMasks", "draw_masks", "rng_dropout", "rng_sdpa"]
+
+
+@dataclass(frozen=True)
+class MaskSite:
+    """One random draw of the single-device forward: site ``index`` in forward order."""
+    index: int
+    kind: str              # "dropout" | "sdpa"
+    p: float               # drop probability
+    numel: int             # elements of the single-device mask (the whole batch)
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class LocalSite:
+    """What this rank keeps of a site it runs: the single-device mask's shape, and per
+    micro-batch the ``(dim, start, stop)`` ranges of its slice (one entry without a pipeline)."""
+    shape: tuple[int, ...]
+    slices: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    def take(self, full: torch.Tensor, mb: int) -> torch.Tensor:
+        out = full
+        for dim, lo, hi in self.slices[mb]:
+            out = out.narrow(dim, lo, hi - lo)
+        return out if out.data_ptr() == full.data_ptr() and out.shape == full.shape else out.clone()
+
+
+class RandomMasks(nn.Module):
+    """The masks of one compiled graph (a submodule of the emitted module, so ``dm.train()`` /
+    ``dm.eval()`` switch it). ``sites`` lists every random site of the whole model in draw
+    order; ``local`` those this graph runs. ``external``: a pipeline draws for all its stages
+    at the start of a step and sets ``microbatch`` before each stage forward."""
+
+    def __init__(self, sites: tuple[MaskSite, ...], local: dict[int, LocalSite], external: bool = False):
+        super().__init__()
+        self.sites, self.local, self.external = tuple(sites), dict(local), external
+        self.masks: dict[tuple[int, int], torch.Tensor] = {}
+        self.microbatch = 0
+
+    def extra_repr(self) -> str:
+        return f"sites={len(self.sites)}, local={sorted(self.local)}"
+
+    def mask(self, site: int) -> torch.Tensor:
+        try:
+            return self.masks[(site, self.microbatch)]
+        except KeyError:
+            raise RuntimeError(
+                f"random site {site} has no mask for micro-batch {self.microbatch}: masks are drawn "
+                "by DistributedModule.forward (or a pipeline's train_step) in training mode; a "
+                "compiled graph called directly skips the draw") from None
+
+    def before_forward(self) -> None:
+        """Without a pipeline: draw this forward's masks (training mode only)."""
+        if self.training and not self.external and self.sites:
+            draw_masks(self.sites, [self], microbatches=1)
+
+
+def draw_masks(sites, holders: list[RandomMasks], microbatches: int) -> None:
+    """Draw every site's single-device mask in order; each holder that runs a site keeps its
+    slices (per micro-batch), scaled by 1 / (1 - p) as the single-device kernel scales them."""
+    for h in holders:
+        h.masks = {}
+    for site in sites:
+        users = [h for h in holders if site.index in h.local]
+        if not users:   # another rank's site: drawn only to advance the generator alike
+            torch.empty(site.numel, dtype=site.dtype).bernoulli_(1 - site.p)
+            continue
+        shape = users[0].local[site.index].shape
+        full = torch.empty(shape, dtype=site.dtype).bernoulli_(1 - site.p)
+        full.div_(1 - site.p)
+        for h in users:
+            local = h.local[site.index]
+            for mb in range(len(local.slices)):
+                h.masks[(site.index, mb)] = local.take(full, mb)
+
+
+def rng_dropout(x: torch.Tensor, masks: RandomMasks, site: int) -> torch.Tensor:
+    """``aten.dropout(x, p, train=True)`` with this rank's slice of the single-device mask; the
+    identity in eval mode."""
+    if not masks.training:
+        return x
+    return x * masks.mask(site)
+
+
+def rng_sdpa(q, k, v, attn_mask, masks: RandomMasks, site: int, p: float, is_causal: bool = False,
+             scale=None, enable_gqa: bool = False):
+    """``scaled_dot_product_attention`` with attention dropout ``p`` (training) as the math
+    kernel computes it: softmax probabilities, times the mask, times v. Eval mode: no dropout."""
+    if not masks.training:
+        return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    # the probabilities alone: an empty value dim makes the kernel's own product free
+    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, v[..., :0], attn_mask, 0.0, is_causal,
+                                                                 scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and v.shape[-3] != q.shape[-3]:
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    return torch.matmul(probs * masks.mask(site), v)
