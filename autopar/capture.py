@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 import traceback
 import torch
 from torch import fx, nn
@@ -25,6 +26,9 @@ class CaptureError(ValueError):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# torch.export keeps tracing state in globals: two threads exporting (and unlifting) at once
+# corrupt each other's, as ranks simulated by threads do (autopar.verify), each compiling
+_EXPORT_LOCK = threading.Lock()
 _OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "api.py")}
 
 
@@ -115,6 +119,7 @@ _MUTATES_STATS = {torch.ops.aten.batch_norm.default: (5, (3, 4)),      # trainin
 def _check_buffer_updates(gm: fx.GraphModule, model: nn.Module) -> None:
     """Refuse a forward that writes buffers (BatchNorm's running statistics in training mode):
     each rank would update them from its own slice of the batch."""
+    found: dict[str, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -127,10 +132,13 @@ def _check_buffer_updates(gm: fx.GraphModule, model: nn.Module) -> None:
         if schema is not None:
             written += [a for a, s in zip(node.args, schema.arguments)
                         if s.alias_info is not None and s.alias_info.is_write]
-        names = [a.target for a in written if isinstance(a, fx.Node) and a.op == "get_attr"]
-        if names:
-            raise ValueError(
-                f"{type(model).__name__}'s forward updates the buffers {', '.join(sorted(set(names)))} (node "
+        for a in written:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                found.setdefault(a.target, node)
+    if found:
+        node = next(iter(found.values()))
+        raise ValueError(
+                f"{type(model).__name__}'s forward updates the buffers {', '.join(sorted(found))} (first: node "
                 f"{node.name}, {node.target}): running statistics, as BatchNorm keeps in training mode. Under "
                 "data parallelism or micro-batches each rank would update them from its own slice of the batch, "
                 "so they would drift from the single-device model's. Put those layers in eval mode before "
@@ -182,7 +190,8 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
-        other = _export(model, tuple(args), dict(kwargs)).module()
+        with _EXPORT_LOCK:
+            other = _export(model, tuple(args), dict(kwargs)).module()
     except CaptureError as exc:
         return f"it does not capture ({str(exc).splitlines()[1].strip()})"
     finally:
@@ -207,8 +216,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
     differs (``ctx.mode_difference``), for a module that switches modes at run time."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
-    ep = _export(model, tuple(args), dict(kwargs))
-    gm = ep.module()
+    with _EXPORT_LOCK:
+        ep = _export(model, tuple(args), dict(kwargs))
+        gm = ep.module()
     _drop_guards(gm)
     _check_buffer_updates(gm, model)
     ctx.captured_training = model.training

@@ -86,8 +86,9 @@ class DataParallelSync(nn.Module):
         self._bwd: dict[int, dict[str, torch.Tensor]] = {}   # re-gathered for backward
         self.saved_in_backward: set[str] = set()  # params backward read (re-gathered), last step
         self._versions: list[int] = []
-        # pipeline: gradients of several micro-batches accumulate locally (as DDP's no_sync)
-        # and are reduced once, by flush_deferred, at the end of the step
+        # gradient accumulation (a pipeline's micro-batches, dm.no_sync()): while defer is on,
+        # gradients accumulate locally, unsharded, and are reduced once, by flush_deferred (the
+        # pipeline) or by the next backward without defer (joined in _fill)
         self.defer = False
         self._acc: dict[str, torch.Tensor] = {}
         self._acc_owned: set[str] = set()
@@ -329,6 +330,9 @@ class DataParallelSync(nn.Module):
     def _fill(self, bi: int, grads: list) -> None:
         """Add the bucket's gradients to its flat buffer: rank-major padded chunks when sharded."""
         b, st, n = self.buckets[bi], self._state[bi], self.comm.size
+        if self._acc:        # micro-steps under no_sync: their local sums join this reduction
+            grads = [_plus(g, self._acc.pop(m, None)) for m, g in zip(b.names, grads)]
+            self._acc_owned.difference_update(b.names)
         full = [g if g is not None else torch.zeros(self.specs[m].shape, dtype=self._params[m].dtype)
                 for m, g in zip(b.names, grads)]
         if self.sharded:
@@ -438,6 +442,10 @@ class DataParallelSync(nn.Module):
         for name, off in zip(b.names, b.offsets):
             p = self._params[name]
             p.grad = own[off:off + p.numel()].view(p.shape)
+
+
+def _plus(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 class _Done:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -25,6 +26,7 @@ from ..placement import ShardSpec
 from . import flight
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
+from .optim import ELEMENTWISE, PerTensorState, is_elementwise
 from .timeline import record
 from .tpcomm import gather_tp_param
 
@@ -113,14 +115,69 @@ class DistributedModule(nn.Module):
         n, i = self.mesh.axis_size("dp"), self.mesh.coordinate("dp")
         return pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, batch)
 
-    def optimizer(self, cls, **kwargs) -> torch.optim.Optimizer:
+    def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
         """An optimizer of class ``cls`` over this rank's shards. For ZeRO-1/2 its state is
-        sharded with the parameters and each step ends with the parameter all-gather."""
-        opt = cls(self.parameters(), **kwargs)
+        sharded with the parameters and each step ends with the parameter all-gather.
+
+        ``cls`` must update elementwise (``autopar.runtime.optim.ELEMENTWISE``: SGD, Adam,
+        AdamW, ...) where parameters are sharded (ZeRO over dp > 1, tensor parallelism); any
+        other optimizer (LAMB, Adafactor, Muon, L-BFGS, ...) there is refused, unless
+        ``per_tensor=True``, which steps full copies of the parameters on every rank (see
+        ``autopar.runtime.optim``). The result is an instance of ``cls``: learning-rate
+        schedulers of ``torch.optim.lr_scheduler`` work on it."""
+        sharded = self._sharded_by()
+        if sharded and not per_tensor and not is_elementwise(cls):
+            raise ValueError(
+                f"{getattr(cls, '__name__', cls)} is not an elementwise optimizer (autopar knows "
+                f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be), and this plan shards the parameters "
+                f"({sharded}): an update that reads a whole tensor's statistic (a norm, row/column moments) "
+                "would see only this rank's shard. Use a plan that keeps parameters whole (Plan(dp='ddp') "
+                "without tp), or dm.optimizer(cls, per_tensor=True, ...), which steps full copies of the "
+                "parameters on every rank (full parameter, gradient and state memory per rank); a class "
+                "that is elementwise can say so with the attribute autopar_elementwise = True")
+        if per_tensor:
+            state = PerTensorState(dict(zip(self._names, (self.module.get_parameter(n) for n in self._names))),
+                                   self._full, self._local_piece)
+            opt = cls(list(state.copies.values()), **kwargs)
+            opt.register_step_pre_hook(lambda *_: state.before_step())
+            opt.register_step_post_hook(lambda *_: state.after_step())
+            self._per_tensor = state
+        else:
+            opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
         self._optimizer = weakref.ref(opt)   # explain() reports its state
         return opt
+
+    def _sharded_by(self) -> str:
+        """What splits this module's parameters ("" when every rank holds them whole)."""
+        why = []
+        if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
+            why.append(f"{self.plan.dp} over dp={self.mesh.axis_size('dp')}")
+        tp = [n for n, t in self.ctx.tp_params.items() if t.sharded]
+        if tp and self._tp is not None and self._tp.size > 1:
+            why.append(f"tensor parallelism over tp={self._tp.size}: {len(tp)} parameters split")
+        return "; ".join(why)
+
+    def _local_piece(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor ``full`` of parameter ``name`` (tp, then dp)."""
+        if name in self.ctx.tp_params and self._tp is not None:
+            full = self.ctx.tp_params[name].local_of(full, self._tp.size, self._tp.index)
+        spec = self._sync.specs[name]
+        return spec.local_of(full) if spec.n > 1 else full
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as DDP's ``no_sync``: backward inside the block accumulates
+        this rank's gradients locally, unsharded (every ZeRO stage: the full gradients are kept
+        until the reduction, as FSDP's no_sync keeps them, trading memory for one reduction),
+        and the first backward after the block reduces their sum with its own, once."""
+        prev = self._sync.defer
+        self._sync.defer = True
+        try:
+            yield
+        finally:
+            self._sync.defer = prev
 
     def gather_params(self) -> None:
         """ZeRO-1/2: refresh the full replicas from the shards (dm.optimizer does this)."""

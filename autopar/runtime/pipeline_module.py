@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
 from .module import DistributedModule, slice_batch
+from .optim import ELEMENTWISE, is_elementwise
 from .rng import draw_masks
 
 __all__ = ["PipelineModule"]
@@ -58,6 +60,7 @@ class PipelineModule(DistributedModule):
         self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
         self.timelines: list = []   # per rank, from the last record_timeline()
         self.inspector = None       # set by autopar.compile (explain, predict, dump)
+        self._no_sync = False
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -120,15 +123,82 @@ class PipelineModule(DistributedModule):
             for st in self.stages.values():
                 st._sync.defer = False
         self.step_time = time.time() - start
+        if self._no_sync:      # gradient accumulation: the step after the block reduces the sum
+            return self._step_loss(state)
         for k in sorted(self.stages, key=int):          # dp reduction, every stage in one order
             self.stages[k]._sync.flush_deferred()
         self._sum_tied_grads()
+        return self._step_loss(state)
+
+    def _step_loss(self, state):
         loss = torch.stack(state.losses).sum() if state.losses else torch.zeros(())
         last_rank = self._rank_of_stage(self.schedule.n_stages - 1)
         if self._pp_group is not None and self.p > 1:
             flight.launch(self._pp_group, "broadcast", "the step's loss", loss.numel() * loss.element_size(),
                           dist.broadcast, loss, last_rank, self._pp_group)
         return loss
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation over several ``train_step`` calls: inside the block the
+        stages' gradients accumulate locally (unsharded), and the first step after it reduces
+        their sum over dp once and sums tied copies."""
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def eval_step(self, inputs, targets=None, loss_fn=None):
+        """Forward only, without autograd (``torch.no_grad``), over this rank's data-parallel
+        slice in micro-batches through the stages (point-to-point, as GPipe's forward). Returns
+        the mean loss over the slice on every rank of the pipeline when ``loss_fn`` is given;
+        otherwise the last stage's outputs concatenated over the micro-batches (None on the
+        ranks without the last stage). Dropout follows the module's mode (``dm.eval()``)."""
+        if not isinstance(inputs, tuple):
+            inputs = (inputs,)
+        m, last = self.schedule.m, self.schedule.n_stages - 1
+        flat_in, _ = self._split((inputs, {}), m)
+        flat_t, t_spec = self._split(targets, m) if targets is not None else (None, None)
+        self._check_microbatch(flat_in[0])
+        if self.training and self.ctx.rng_sites:
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m)
+        losses, results, sends = [], [], []
+        with torch.no_grad():
+            for mb in range(m):
+                for k in sorted(int(x) for x in self.stages):
+                    st, spec = self.stages[str(k)], self.ctx.stages[k]
+                    received = []
+                    if k > 0:
+                        shapes = st.ctx.input_shapes[len(spec.graph_inputs):]
+                        dtypes = st.ctx.input_dtypes[len(spec.graph_inputs):]
+                        received = self._take_now(self._irecv(0, Action(k, "F", mb), shapes, dtypes, k - 1))
+                    masks = getattr(st.module, RNG, None)
+                    if masks is not None:
+                        masks.microbatch = mb
+                    out = st(*[flat_in[mb][i] for i in spec.graph_inputs], *received)
+                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                    if k < last:
+                        sends += self._isend(0, Action(k + 1, "F", mb), outs, k + 1)
+                    elif loss_fn is not None:
+                        result = pytree.tree_unflatten(outs, self.ctx.out_spec)
+                        losses.append(loss_fn(result, pytree.tree_unflatten(flat_t[mb], t_spec)) / m)
+                    else:
+                        results.append(pytree.tree_unflatten(outs, self.ctx.out_spec))
+            for w in sends:
+                w.wait()
+        if loss_fn is None:
+            if not results:
+                return None
+            return pytree.tree_map(lambda *xs: torch.cat(xs), *results) if len(results) > 1 else results[0]
+        return self._step_loss(_StepState(losses=losses))
+
+    @staticmethod
+    def _take_now(posted):
+        bufs, works = posted
+        for w in works:
+            w.wait()
+        return bufs
 
     def _check_microbatch(self, first):
         shapes = self.ctx.input_shapes
@@ -180,10 +250,10 @@ class PipelineModule(DistributedModule):
     def _irecv(self, kind, a, shapes, dtypes, peer_stage):
         bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
-        what = f"{'activations' if kind == 0 else 'gradients'} {a}"
+        what = f"{'activations' if kind == 0 else 'gradients'} for {Action(a.stage, 'FB'[kind], a.mb)}"
         works = [flight.irecv(b, src, self._pp_group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
                  for j, b in enumerate(bufs)]
-        return bufs, self._traced(works, f"recv[pp] {what}")
+        return bufs, self._traced(works, f"recv[pp] {'activations' if kind == 0 else 'gradients'} {a}")
 
     def _isend(self, kind, target: Action, tensors, peer_stage):
         dst = self._rank_of_stage(peer_stage)
@@ -293,7 +363,20 @@ class PipelineModule(DistributedModule):
         return info is not None and info.requires_grad and not info.is_buffer
 
     # ---- optimizer and full views ----------------------------------------------------------
-    def optimizer(self, cls, **kwargs) -> torch.optim.Optimizer:
+    def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
+        """As ``DistributedModule.optimizer``, over every stage this rank runs (elementwise
+        optimizers only where the stages' parameters are sharded)."""
+        sharded = "; ".join(sorted({st._sharded_by() for st in self.stages.values()} - {""}))
+        if per_tensor:
+            raise NotImplementedError("per_tensor=True is not built for pipelines: the full copies would "
+                                      "be gathered across stages. Use an elementwise optimizer, or a plan "
+                                      "without pp")
+        if sharded and not is_elementwise(cls):
+            raise ValueError(
+                f"{getattr(cls, '__name__', cls)} is not an elementwise optimizer (autopar knows "
+                f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be), and this plan shards the "
+                f"parameters ({sharded}): a statistic of a whole tensor would see one shard. Use "
+                "Plan(dp='ddp') without tp, or an elementwise optimizer")
         opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self.gather_params())
@@ -399,11 +482,11 @@ class PipelineModule(DistributedModule):
 
 
 class _StepState:
-    def __init__(self):
+    def __init__(self, losses=None):
         self.recv: dict = {}
         self.posted: set = set()
         self.sends: list = []
         self.inputs: dict = {}
         self.outputs: dict = {}
         self.input_grads: dict = {}
-        self.losses: list = []
+        self.losses: list = losses if losses is not None else []

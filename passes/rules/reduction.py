@@ -90,3 +90,20 @@ def norm(info: OpInfo) -> list:
     for d in shardable_dims(x.shape[:x.ndim - k]):
         found.append(Strategy((Shard(d),) + rest, like_out(info, Shard(d))))
     return found
+
+
+@register(aten.batch_norm.default)
+def batch_norm(info: OpInfo) -> list:
+    """x[N, C, ...] with frozen statistics (``training=False``: eval mode, running mean and
+    variance as constants) is a per-channel affine map: any dim but the channels shards, the
+    per-channel tensors stay replicated. In training mode the statistics are taken over the
+    batch: no sharded strategy (capture refuses the running-statistics update anyway)."""
+    x = info.args[0]
+    found = [replicated(info)]
+    if arg(info, 5, "training"):
+        return found
+    rest = tuple(replicated(info).inputs[1:])
+    for d in shardable_dims(x.shape):
+        if d != 1:
+            found.append(Strategy((Shard(d),) + rest, like_out(info, Shard(d))))
+    return found

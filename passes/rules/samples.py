@@ -125,6 +125,9 @@ def default_samples(seed: int = 0) -> list:
         (aten.layer_norm.default, (x, [6, 8]), {}),
         (aten.native_layer_norm.default, (x, [8], t(8), t(8), 1e-5), {}),
         (aten.rms_norm.default, (x, [8], t(8), 1e-6), {}), (aten.rms_norm.default, (x3, [5]), {}),
+        (aten.batch_norm.default, (x, t(6), t(6), t(6), pos(6), False, 0.1, 1e-5, False), {}),
+        (aten.batch_norm.default, (t(6, 4), None, None, t(4), pos(4), False, 0.1, 1e-5, False), {}),
+        (aten.batch_norm.default, (x, t(6), t(6), None, None, True, 0.1, 1e-5, False), {}),
         # embedding, attention, losses
         (aten.embedding.default, (t(10, 8), idx(10, 4, 6)), {}),
         (aten.embedding.default, (t(7, 3), idx(7, 5)), {}),

@@ -2,14 +2,17 @@
 accumulation, optimizers."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch, lm_loss
 from autopar.testing import parity
+
+from .common import mlp_batch, mse
 
 DROPOUT_PLANS = (   # (name, mesh axes, plan, layers)
     ("ddp", {"dp": 2}, autopar.Plan(dp="ddp"), 2),
@@ -92,3 +95,162 @@ def dropout_masks(name):
             want = _expected_slice(rec.masks[site].div(0.9), kind, axes, plan, mb, m)
             checked.append((site, mb, kind, tuple(local.shape), bool(torch.equal(local, want))))
     return {"checked": checked, "sites": len(rec.masks), "generator_state_equal": bool(torch.equal(after_ref, after_dm))}
+
+
+def _err(a, b):
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+def eval_mode(name):
+    """Train a step, switch to eval: outputs (no_grad) equal the single-device model's in eval
+    mode with no backward machinery run; back to train, the next step still matches."""
+    _, axes, plan, layers = next(p for p in DROPOUT_PLANS if p[0] == name)
+    c = GPTConfig(layers=layers, dropout=0.1)
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    ref = TinyGPT(c)
+    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(tok,), plan=plan)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), dm.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = dm.shard_batch((tok,)), dm.shard_batch(tgt)
+    pipelined = plan.pp_schedule is not None
+    res = {"train_loss_err": [], "train_losses": []}
+
+    def train_step(seed):
+        torch.manual_seed(seed)
+        loss_ref = lm_loss(ref(tok), tgt)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        torch.manual_seed(seed)
+        if pipelined:
+            loss = dm.train_step(x, y, lm_loss)
+        else:
+            loss = lm_loss(dm(*x), y)
+            loss.backward()
+            if "dp" in axes:
+                loss = loss.detach().clone()
+                torch.distributed.all_reduce(loss)
+                loss /= axes["dp"]
+        opt.step()
+        opt.zero_grad()
+        res["train_loss_err"].append(_err(loss.detach(), loss_ref.detach()))
+        res["train_losses"].append((float(loss.detach()), float(loss_ref.detach())))
+
+    train_step(1)
+    ref.eval()
+    dm.eval()
+    dm.comm_stats.reset()
+    with torch.no_grad():
+        out_ref = ref(tok)
+        if pipelined:
+            res["eval_loss_err"] = _err(dm.eval_step(x, y, lm_loss), lm_loss(out_ref, tgt))
+        else:
+            out = dm(*x)
+            res["eval_out_err"] = _err(out, dm.shard_batch(out_ref))
+            res["eval_out_grad_fn"] = out.grad_fn is not None
+            # a second eval forward draws nothing and gives the same output: dropout is off
+            res["eval_repeatable"] = bool(torch.equal(out, dm(*x)))
+    res["eval_backward_bytes"] = dm.comm_stats.total(phase="backward")
+    sync = dm._sync if not pipelined else None
+    if sync is not None:
+        res["zero3_state_left"] = len(sync._pending) + len(sync._bwd) + len(sync._inflight) + len(sync._gathered)
+    ref.train()
+    dm.train()
+    train_step(2)
+    return res
+
+
+class _TrainOnlyScale(torch.nn.Module):
+    """A forward that differs between modes beyond dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return x * 2.0 if self.training else x
+
+
+def accumulation(mode, world_axes=None):
+    """Four micro-steps, three under no_sync: gradients equal the single-device model's over
+    the four micro-batches, and the dp reduction runs once (its bytes by the formula)."""
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    axes = world_axes or {"dp": 2}
+    plan = autopar.Plan(dp=mode) if mode != "1f1b" else autopar.Plan(pp_schedule="1f1b", microbatches=2)
+    xs = [mlp_batch(8, seed=s) for s in range(4)]
+    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(xs[0][0],), plan=plan)
+    for x, y in xs:
+        mse(ref(x), y).backward()
+    dm.comm_stats.reset()
+    for i, (x, y) in enumerate(xs):
+        ctx = dm.no_sync() if i < 3 else contextlib.nullcontext()
+        with ctx:
+            if mode == "1f1b":
+                dm.train_step(dm.shard_batch((x,)), dm.shard_batch(y), mse)
+            else:
+                mse(dm(*dm.shard_batch((x,))), dm.shard_batch(y)).backward()
+    grads = dm.full_grads()
+    n = axes.get("dp", 1)
+    psi = sum(p.numel() for p in ref.parameters())
+    # ZeRO pads each tensor's rows to n equal chunks
+    psi_padded = sum(-(-p.shape[0] // n) * n * p[0].numel() for p in ref.parameters())
+    return {"grad_err": max(_err(grads[k], p.grad) for k, p in ref.named_parameters()),
+            "reduce_bytes": dm.comm_stats.total(axis="dp", kind="all_reduce" if mode in ("ddp", "1f1b") else
+                                               "reduce_scatter", phase="backward"),
+            "calls": sum(v for (a, k, p), v in dm.comm_stats.calls.items()
+                         if a == "dp" and k in ("all_reduce", "reduce_scatter") and p == "backward"),
+            "psi": psi, "psi_padded": psi_padded, "n": n,
+            "psi_here": sum(p.numel() for p in dm.parameters())}   # a pipeline rank: its stage's
+
+
+def _train(model, opt, sched, x, y, steps, shard=None):
+    losses = []
+    for _ in range(steps):
+        xi, yi = (x, y) if shard is None else (shard((x,))[0], shard(y))
+        loss = mse(model(xi), yi)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class _ForcedAdafactor(torch.optim.Adafactor):
+    """Adafactor declared elementwise (it is not): the negative control of the refusal."""
+    autopar_elementwise = True
+
+
+def optimizers(name):
+    """Non-elementwise optimizers with per_tensor=True, and LR schedulers, against one device."""
+    plan, axes, cls, kwargs, sched = {
+        "adafactor zero3 per_tensor": (autopar.Plan(dp="zero3"), {"dp": 2}, torch.optim.Adafactor, {"lr": 0.01}, None),
+        "adafactor zero2 per_tensor": (autopar.Plan(dp="zero2"), {"dp": 2}, torch.optim.Adafactor, {"lr": 0.01}, None),
+        "adafactor tp per_tensor": (autopar.Plan(tp=True), {"tp": 2}, torch.optim.Adafactor, {"lr": 0.01}, None),
+        "adamw zero2 + lambda lr": (autopar.Plan(dp="zero2"), {"dp": 2}, torch.optim.AdamW, {"lr": 0.01},
+                                    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))),
+        "adafactor zero3 forced elementwise": (autopar.Plan(dp="zero3"), {"dp": 2}, _ForcedAdafactor, {"lr": 0.01},
+                                               None),
+        "sgd zero3 + onecycle": (autopar.Plan(dp="zero3"), {"dp": 2}, torch.optim.SGD, {"lr": 0.01, "momentum": 0.9},
+                                 lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)),
+    }[name]
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    x, y = mlp_batch(8)
+    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    opt_ref = cls(ref.parameters(), **kwargs)
+    opt = dm.optimizer(cls, per_tensor="per_tensor" in name, **kwargs)
+    ref_losses = _train(ref, opt_ref, sched(opt_ref) if sched else None, x, y, 4)
+    n = axes.get("dp", 1)
+    losses = _train(dm, opt, sched(opt) if sched else None, x, y, 4, shard=dm.shard_batch)
+    if n > 1:   # this rank's loss is its slice's: the step's loss is their mean
+        t = torch.tensor(losses)
+        torch.distributed.all_reduce(t)
+        losses = (t / n).tolist()
+    full = dm.full_state_dict()
+    return {"param_err": max(_err(full[k], p.detach()) for k, p in ref.named_parameters()),
+            "losses": losses, "ref_losses": ref_losses, "is_instance": isinstance(opt, cls),
+            "lr": [g["lr"] for g in opt.param_groups], "ref_lr": [g["lr"] for g in opt_ref.param_groups]}
