@@ -3,23 +3,32 @@
 ``Mesh(dp=2, tp=2)`` lays the world's ranks out as an array of shape (2, 2), outermost axis
 first, so rank = dp_index * 2 + tp_index and the inner axes (tp) are the ranks that sit
 closest together (inside a node). A real mesh binds to the initialised default process
-group and builds the per-axis groups with ``torch.distributed.device_mesh``; a virtual mesh
-(``virtual=True``) has no processes and serves planning and graph inspection.
+group and builds one process group per slice of each axis; a virtual mesh (``virtual=True``)
+has no processes and serves planning and graph inspection.
+
+Every group the mesh builds carries its ``timeout``: a collective that cannot complete in that
+time (a rank stalled, died, or issued another collective) fails instead of hanging, and the
+runtime's flight recorder (``autopar.runtime.flight``) turns the failure into an error that
+says what every rank was last doing.
 """
 from __future__ import annotations
 
+import datetime
 import math
-from typing import Optional
+from typing import Optional, Union
 
 AXIS_ROLES = ("pp", "dp", "cp", "tp")
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)   # how long a collective may wait for its peers
 
-__all__ = ["Mesh", "AXIS_ROLES"]
+__all__ = ["Mesh", "AXIS_ROLES", "DEFAULT_TIMEOUT"]
 
 
 class Mesh:
-    """Axis name -> size, outermost first. Names are roles: ``dp``, ``tp``, ``pp``, ``cp``."""
+    """Axis name -> size, outermost first. Names are roles: ``dp``, ``tp``, ``pp``, ``cp``.
+    ``timeout`` (seconds or a ``timedelta``) bounds every collective on the mesh's groups."""
 
-    def __init__(self, *, virtual: bool = False, rank: Optional[int] = None, **axes: int):
+    def __init__(self, *, virtual: bool = False, rank: Optional[int] = None,
+                 timeout: Union[float, datetime.timedelta] = DEFAULT_TIMEOUT, **axes: int):
         if not axes:
             raise ValueError("Mesh needs at least one axis, e.g. Mesh(dp=4)")
         for name, size in axes.items():
@@ -29,8 +38,15 @@ class Mesh:
                 raise ValueError(f"mesh axis {name}={size!r}: sizes must be positive integers")
         self.axes: dict[str, int] = dict(axes)
         self.virtual = virtual
+        if not isinstance(timeout, datetime.timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"Mesh timeout={timeout!r}: expected seconds or a datetime.timedelta")
+            timeout = datetime.timedelta(seconds=timeout)
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"Mesh timeout={timeout}: a collective's timeout must be positive")
+        self.timeout = timeout
         self._device_mesh = None
-        self._channels: dict = {}
+        self._groups: dict = {}     # (axis, channel) -> this rank's group
         if virtual:
             self.rank = 0 if rank is None else rank
             if not 0 <= self.rank < self.size:
@@ -50,9 +66,8 @@ class Mesh:
         if rank is not None and rank != dist.get_rank():
             raise ValueError(f"rank={rank} given for a real mesh, but this process is rank {dist.get_rank()}")
         self.rank = dist.get_rank()
-        from torch.distributed.device_mesh import init_device_mesh
-        self._device_mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu",
-                                             tuple(self.axes.values()), mesh_dim_names=tuple(self.axes))
+        for axis in self.axes:
+            self._groups[(axis, "")] = self._new_groups(axis, "")
 
     # ---- shape -------------------------------------------------------------------------
     @property
@@ -82,29 +97,43 @@ class Mesh:
         gradient reductions use one, as FSDP puts them on a stream of their own."""
         if axis not in self.axes:
             raise ValueError(f"mesh {self} has no axis {axis!r}")
-        if self._device_mesh is None:
+        if self.virtual:
             return None
-        if not channel:
-            return self._device_mesh.get_group(axis)
         key = (axis, channel)
-        if key not in self._channels:
-            import torch.distributed as dist
-            ranks = self._device_mesh.mesh.movedim(list(self.axes).index(axis), -1).reshape(-1, self.axes[axis])
-            mine = None
-            for row in ranks.tolist():          # every rank creates every group, in one order
-                g = dist.new_group(row)
-                if self.rank in row:
-                    mine = g
-            self._channels[key] = mine
-        return self._channels[key]
+        if key not in self._groups:
+            self._groups[key] = self._new_groups(axis, channel)
+        return self._groups[key]
+
+    def _ranks(self):
+        import torch
+        return torch.arange(self.size).reshape(tuple(self.axes.values()))
+
+    def _new_groups(self, axis: str, channel: str):
+        """Every slice's group along ``axis`` (every rank creates every group, in one order:
+        ``new_group`` is collective), described as ``axis`` or ``axis:channel``; this rank's."""
+        import torch.distributed as dist
+        rows = self._ranks().movedim(list(self.axes).index(axis), -1).reshape(-1, self.axes[axis])
+        mine = None
+        for row in rows.tolist():
+            g = dist.new_group(row, timeout=self.timeout, group_desc=f"{axis}:{channel}" if channel else axis)
+            if self.rank in row:
+                mine = g
+        return mine
 
     @property
     def device_mesh(self):
-        """The ``torch.distributed.device_mesh.DeviceMesh`` this mesh built (None if virtual)."""
+        """A ``torch.distributed.device_mesh.DeviceMesh`` over the mesh's groups (None if virtual)."""
+        if self._device_mesh is None and not self.virtual:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import DeviceMesh
+            self._device_mesh = DeviceMesh.from_group(
+                [self._groups[(a, "")] for a in self.axes], "cuda" if dist.get_backend() == "nccl" else "cpu",
+                mesh=self._ranks(), mesh_dim_names=tuple(self.axes))
         return self._device_mesh
 
     def _axes_str(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.axes.items())
 
     def __repr__(self) -> str:
-        return f"Mesh({self._axes_str()}{', virtual=True' if self.virtual else ''})"
+        timeout = "" if self.timeout == DEFAULT_TIMEOUT else f", timeout={self.timeout.total_seconds():g}"
+        return f"Mesh({self._axes_str()}{', virtual=True' if self.virtual else ''}{timeout})"

@@ -5,6 +5,8 @@
     dpsync            the dp axis: ZeRO-3 gathers, bucketed gradient reduction (ddp, ZeRO-1/2/3)
     tpcomm            the tp axis: Megatron's f/g, gathers, reduce-scatters, vocabulary parallelism
     collmatmul        all-gather + matmul and matmul + reduce-scatter as ring steps
+    flight            the flight recorder: every collective noted; one that fails (timeout, dead
+                      peer, mismatch) raises CollectiveError with what every rank was last doing
     wgrad             the zero-bubble weight-gradient stash
     rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)
     timeline          measured timelines of a step

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..sizes import ring_bytes
+from . import flight
 from .comm import AxisComm
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
@@ -71,8 +72,8 @@ def _ring_gather(local: torch.Tensor, comm: AxisComm, compute, label: str = "") 
         recv = None
         if i < p - 1:
             k = (j - 1) % p
-            recv = dist.irecv(buf[k * s:(k + 1) * s], src=prv, group=comm.group)
-            sends.append(dist.isend(block, dst=nxt, group=comm.group))
+            recv = flight.irecv(buf[k * s:(k + 1) * s], prv, comm.group, f"{label or 'ring'} block {k}")
+            sends.append(flight.isend(block, nxt, comm.group, f"{label or 'ring'} block {j}"))
         compute(j, block)
         if recv is not None:
             _waited(recv, comm, label)
@@ -93,13 +94,13 @@ def _ring_reduce_scatter(partial, comm: AxisComm, label: str = "") -> torch.Tens
     sends, inbox, acc = [], None, None
     for i in range(p):
         j = (r - 1 - i) % p
-        recv = dist.irecv(inbox, src=prv, group=comm.group) if i > 0 else None
+        recv = flight.irecv(inbox, prv, comm.group, f"{label or 'ring'} block {j}") if i > 0 else None
         acc = partial(j).contiguous()        # computed while the running sum travels
         if recv is not None:
             _waited(recv, comm, label)
             acc.add_(inbox)
         if i < p - 1:
-            sends.append(dist.isend(acc, dst=nxt, group=comm.group))
+            sends.append(flight.isend(acc, nxt, comm.group, f"{label or 'ring'} block {j}"))
             if inbox is None:
                 inbox = torch.empty_like(acc)
     for w in sends:

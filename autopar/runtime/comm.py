@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..sizes import ring_bytes
+from . import flight
 
 __all__ = ["AxisComm", "CommStats", "TracedWork", "all_gather", "reduce_scatter", "all_reduce", "copy_to_axis"]
 
@@ -80,14 +81,15 @@ class AxisComm(nn.Module):
     def _phase(self) -> str:
         return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
-    def _run(self, kind: str, label: str, launch, async_op: bool):
-        """Issue a collective; under tracing, time it (and wrap an asynchronous handle)."""
+    def _run(self, kind: str, label: str, nbytes: int, launch, async_op: bool):
+        """Issue a collective of ``nbytes`` (noted by the flight recorder, whose handle raises
+        ``CollectiveError`` if it fails); under tracing, time it (and wrap an asynchronous handle)."""
         trace = self.stats.trace
         if trace is None:
-            return launch(async_op)
+            return flight.launch(self.group, kind, label, nbytes, launch, async_op)
         name = f"{kind}[{self.axis}] {label}".strip()
         t0 = time.perf_counter()
-        work = launch(async_op)
+        work = flight.launch(self.group, kind, label, nbytes, launch, async_op)
         if not async_op:
             t1 = time.perf_counter()
             trace.append(("comm", name, t0, t1))
@@ -104,8 +106,8 @@ class AxisComm(nn.Module):
             out.copy_(inp.reshape(-1))
             return None
         inp = inp.contiguous()
-        return self._run("all_gather", label, lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a),
-                         async_op)
+        return self._run("all_gather", label, out.numel() * out.element_size(),
+                         lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a), async_op)
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
         """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
@@ -116,7 +118,7 @@ class AxisComm(nn.Module):
             out.copy_(inp.reshape(-1))
             return None
         inp = inp.contiguous()
-        return self._run("reduce_scatter", label, lambda a: dist.reduce_scatter_single(
+        return self._run("reduce_scatter", label, inp.numel() * inp.element_size(), lambda a: dist.reduce_scatter_single(
             out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a), async_op)
 
     def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None,
@@ -127,8 +129,8 @@ class AxisComm(nn.Module):
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
         if self.size == 1:
             return None
-        return self._run("all_reduce", label, lambda a: dist.all_reduce(t, op=op, group=self.group, async_op=a),
-                         async_op)
+        return self._run("all_reduce", label, t.numel() * t.element_size(),
+                         lambda a: dist.all_reduce(t, op=op, group=self.group, async_op=a), async_op)
 
 
 class TracedWork:

@@ -1,0 +1,121 @@
+"""Run-time hangs on real processes: a rank that dies, stalls or issues another collective makes
+the others raise ``CollectiveError`` within the mesh's timeout, never hang.
+
+A job that expects the error catches it and returns what it says (``_failed``), so that the
+test reads every rank's message; a rank that dies takes its result with it, and the test reads
+the survivor's error from ``autopar.testing.run``'s report instead.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import TinyMLP
+from autopar.runtime.flight import CollectiveError
+
+from .common import mlp_batch, mse, step
+
+PUBLISHED = 1.5     # seconds a rank waits before dying or stalling: its ring has been published
+
+
+def _ddp(timeout: float, plan: str = "ddp"):
+    torch.set_num_threads(1)
+    x, y = mlp_batch()
+    dm = autopar.compile(TinyMLP(), autopar.Mesh(dp=2, timeout=timeout), example_inputs=(x,),
+                         plan=autopar.Plan(dp=plan))
+    opt = torch.optim.SGD(dm.parameters(), lr=0.1)
+    step(dm, opt, (x,), y, mse)
+    dist.barrier()          # the ranks start the measured part together (compile times differ)
+    return dm, opt, x, y
+
+
+def _failed(exc: CollectiveError, start: float) -> dict:
+    return {"message": str(exc), "after": time.monotonic() - start, "path": exc.path}
+
+
+def killed_rank(timeout: float):
+    """Rank 1 dies after its forward, before the backward's gradient all-reduce."""
+    dm, opt, x, y = _ddp(timeout)
+    opt.zero_grad()
+    out = dm(*dm.shard_batch((x,)))
+    if dist.get_rank() == 1:
+        time.sleep(PUBLISHED)
+        os._exit(1)
+    mse(out, dm.shard_batch(y)).backward()      # rank 0 raises here
+    return "finished"
+
+
+def stalled_rank(timeout: float, stall: float, linger: float):
+    """Rank 1 stalls ``stall`` seconds (longer than the timeout) before its next step; rank 0
+    then stays up ``linger`` seconds (the store lives in its process) so that rank 1's own
+    error can read rank 0's report."""
+    dm, opt, x, y = _ddp(timeout)
+    if dist.get_rank() == 1:
+        time.sleep(stall)
+    start = time.monotonic()
+    try:
+        opt.zero_grad()
+        step(dm, opt, (x,), y, mse)
+    except CollectiveError as exc:
+        out = _failed(exc, start)
+        if dist.get_rank() == 0:
+            time.sleep(linger)
+        return out
+    return None
+
+
+def mismatched_calls(timeout: float):
+    """After a ZeRO-3 step, rank 0 gathers the full state dict while rank 1 clips gradients:
+    an all-gather and an all-reduce meet on the dp group."""
+    dm, opt, x, y = _ddp(timeout, "zero3")
+    start = time.monotonic()
+    try:
+        if dist.get_rank() == 0:
+            dm.full_state_dict()
+        else:
+            dm.clip_grad_norm_(1.0)
+    except CollectiveError as exc:
+        return _failed(exc, start)
+    return None
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, d=16, layers=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def pipeline_killed_rank(timeout: float):
+    """1F1B over two stages: rank 1 (the last stage) dies in its forward of micro-batch 1 of
+    the second step; rank 0 waits for a gradient that never comes."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = mlp_batch()
+    dm = autopar.compile(_Stack(), autopar.Mesh(pp=2, timeout=timeout), example_inputs=(x,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    opt = torch.optim.SGD(dm.parameters(), lr=0.1)
+    dm.train_step((x,), y, mse)
+    opt.step()
+    opt.zero_grad()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        calls = []
+
+        def die(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(PUBLISHED)
+                os._exit(1)
+        for stage in dm.stages.values():
+            stage.register_forward_pre_hook(die)
+    dm.train_step((x,), y, mse)      # rank 0 raises here
+    return "finished"
