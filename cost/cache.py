@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["cache_path", "load_local", "store_local"]
+__all__ = ["cache_path", "load_local", "store_local", "problem"]
 
 FORMAT_VERSION = 22
 
@@ -46,6 +46,30 @@ def _read(path: str) -> dict:
         return {}
     entries = data.get("entries")
     return entries if isinstance(entries, dict) else {}
+
+
+def problem(path: str | None = None) -> Optional[str]:
+    """Why the cache at ``path`` gives no entry for this machine although the file exists
+    (corrupt JSON, another format, a malformed entry); None when it is missing or fine."""
+    path = path or cache_path()
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    except ValueError as exc:
+        return f"{path} is not valid JSON ({exc})"
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        return f"{path} has format version {found!r}, this autopar reads {FORMAT_VERSION!r}"
+    entry = (data.get("entries") or {}).get(_key()) if isinstance(data.get("entries"), dict) else None
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        return f"{path}: the entry for this machine ({_key()}) is a {type(entry).__name__}, not a cluster"
+    return f"{path}: the entry for this machine ({_key()}) is not a complete cluster description"
 
 
 def load_local(path: str | None = None) -> Optional[dict]:

@@ -95,14 +95,19 @@ class DistributedModule(nn.Module):
     def _check_inputs(self, args, kwargs):
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.ctx.in_spec:
-            raise TypeError(f"the compiled module was captured with inputs structured as "
-                            f"{self.ctx.in_spec}, but was called with {spec}; call it as the "
-                            "example inputs were given (same positional args and keyword names)")
+            raise TypeError(f"the compiled module was captured with {_describe(self.ctx.in_spec)}, but was "
+                            f"called with {_describe(spec)}; call it as the example inputs were given (same "
+                            "positional args and keyword names)")
         for i, (x, shape) in enumerate(zip(flat, self.ctx.input_shapes)):
             if shape is None:
                 if x != self.ctx.constant_inputs.get(i):
                     raise ValueError(f"input {i} is the constant {self.ctx.constant_inputs.get(i)!r} in the "
                                      f"captured graph, got {x!r}; compile again to change it")
+            elif isinstance(x, torch.Tensor) and i < len(self.ctx.input_dtypes) and \
+                    self.ctx.input_dtypes[i] is not None and x.dtype != self.ctx.input_dtypes[i]:
+                raise ValueError(f"input {i}: expected dtype {self.ctx.input_dtypes[i]} (as the example inputs "
+                                 f"were), got {x.dtype}; convert it (x.to({self.ctx.input_dtypes[i]})), or compile "
+                                 "again with example inputs of that dtype")
             elif not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(
@@ -335,6 +340,15 @@ class DistributedModule(nn.Module):
         timeline.json: the measured step of every rank beside the predicted one (``cluster``:
         default the calibrated local preset, if on disk)."""
         return self._inspect("dump").dump(self, path, cluster)
+
+
+def _describe(spec) -> str:
+    """``(args, kwargs)``'s structure in words: "2 positional inputs and keywords ['mask']"."""
+    try:
+        args, kwargs = pytree.tree_unflatten([0] * spec.num_leaves, spec)
+        return f"{len(args)} positional input{'s' if len(args) != 1 else ''} and keywords {sorted(kwargs)}"
+    except Exception:     # an exotic structure: its spec as torch prints it
+        return str(spec)
 
 
 def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:

@@ -203,6 +203,10 @@ class PipelineModule(DistributedModule):
     def _check_microbatch(self, first):
         shapes = self.ctx.input_shapes
         for i, (x, shape) in enumerate(zip(first, shapes)):
+            want = self.ctx.input_dtypes[i] if i < len(self.ctx.input_dtypes) else None
+            if isinstance(x, torch.Tensor) and want is not None and x.dtype != want:
+                raise ValueError(f"input {i}: expected dtype {want} (as the example inputs were), got {x.dtype}; "
+                                 f"convert it (x.to({want})), or compile again with example inputs of that dtype")
             if isinstance(x, torch.Tensor) and shape is not None and tuple(x.shape) != shape:
                 raise ValueError(
                     f"input {i}: a micro-batch of this rank's slice has shape {tuple(x.shape)}, expected "
