@@ -143,6 +143,7 @@ def test_message_says_how_each_rank_stands():
     send = dict(_entry(4, kind="send", peer=1, state="failed"), ended=105.0)
     reports = {1: {"time": 104.0, "entries": [_entry(4, kind="recv", peer=0, state="issued")]},
                2: {"time": 104.0, "entries": []}}
-    msg = flight.message(0, send, RuntimeError("x"), reports, None, None)
+    msg = flight.message(0, send, RuntimeError("x"), reports, "DistNetworkError: Connection refused", None)
     assert "rank 1 (last heard 1.0 s ago): issued recv #4 from rank 0 too, not complete" in msg
     assert "rank 2 (last heard 1.0 s ago)\n" in msg
+    assert "reports could not be read from the store (DistNetworkError: Connection refused)" in msg

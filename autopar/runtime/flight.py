@@ -42,6 +42,7 @@ SHOWN = 4            # newest entries per rank the error message prints
 PUBLISH_EVERY = 1.0  # seconds between two publications of a ring that changed
 HEARTBEAT_EVERY = 2.0  # seconds between two heartbeats of a rank whose ring did not change
 READ_ALL_UP_TO = 64  # a failure reads every rank's report up to this world size, else its group's
+READ_WITHIN = 10.0   # seconds a failure waits for the store to answer
 KEY = "autopar/flight/{}"
 ALIVE = "autopar/flight/{}/alive"
 
@@ -178,9 +179,20 @@ class Recorder:
         return None
 
     def _read_reports(self, e: Entry) -> tuple[dict, str | None]:
-        """The other ranks' last reports (None: never published). The store lives in one rank's
-        process, which may be gone: then no report is read, and the reason is returned."""
-        out = {}
+        """The other ranks' last reports (None: never published), and why some could not be
+        read: the store lives in one rank's process, which may be gone or unreachable (a store
+        operation then waits for the store's own timeout, so the reads run on a thread that
+        this one leaves behind after ``READ_WITHIN`` seconds)."""
+        out: dict = {}
+        why: list = []
+        reader = threading.Thread(target=self._read_into, args=(e, out, why), daemon=True)
+        reader.start()
+        reader.join(READ_WITHIN)
+        if reader.is_alive():
+            return dict(out), f"no answer from the store within {READ_WITHIN:g} s"
+        return out, why[0] if why else None
+
+    def _read_into(self, e: Entry, out: dict, why: list) -> None:
         try:
             store = dist.distributed_c10d._get_default_store()
             self.publish(store)                # the final word of this rank
@@ -189,12 +201,12 @@ class Recorder:
             for r in ranks:
                 if r != me:
                     key, alive = KEY.format(r), ALIVE.format(r)
-                    out[r] = json.loads(store.get(key)) if store.check([key]) else None
-                    if out[r] is not None and store.check([alive]):
-                        out[r]["time"] = max(out[r]["time"], float(store.get(alive)))
+                    rep = json.loads(store.get(key)) if store.check([key]) else None
+                    if rep is not None and store.check([alive]):
+                        rep["time"] = max(rep["time"], float(store.get(alive)))
+                    out[r] = rep
         except Exception as err:
-            return out, f"{type(err).__name__}: {_first_line(err)}"
-        return out, None
+            why.append(f"{type(err).__name__}: {_first_line(err)}")
 
 
 RECORDER = Recorder()
