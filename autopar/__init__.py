@@ -14,7 +14,8 @@ from .mesh import Mesh
 from .placement import Layout, Partial, Replicate, Shard
 from .planspec import Plan
 from .runtime import DistributedModule
+from .verification import Divergence, VerifyReport, verify
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
-           "InfeasiblePlan", "models"]
+           "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence"]

@@ -3,6 +3,7 @@
     python -m autopar demo [--world N] [--steps K] [--out DIR]
     python -m autopar plan --model gpt3-175b --cluster dgx-a100-80gb --world 1024 --batch 1536
     python -m autopar calibrate [--force]
+    python -m autopar verify --model tiny-gpt --mesh dp=2,tp=2 --plan "dp=zero3,tp,sp"
 """
 import argparse
 import sys
@@ -12,7 +13,9 @@ from .api import plan as find_plan
 from .cost.calibration import calibrate_local
 from .cost.planner import InfeasiblePlan
 from .demo import main as demo
-from .models import NAMED, named
+from .models import NAMED, SMALL, named, small
+from .planspec import Plan
+from .verification import verify
 
 
 def main(argv=None) -> int:
@@ -34,7 +37,16 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default=None, help="write the chosen plan's predicted step as a Chrome trace here")
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model's local preset (cached)")
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
+    v = sub.add_parser("verify", help="run a plan on simulated ranks and compare every node with one device")
+    v.add_argument("--model", default="tiny-gpt", choices=SMALL, help="a small model")
+    v.add_argument("--mesh", default="dp=2", help="axis=size pairs, outermost first, e.g. dp=2,tp=2")
+    v.add_argument("--plan", default="dp=ddp", help="Plan(...) as str(plan) prints it, or fields: dp=zero3,tp,sp")
+    v.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    v.add_argument("--tol", type=float, default=None, help="largest scaled error accepted (default 1e-4 in fp32)")
+    v.add_argument("--spawn", action="store_true", help="ranks as processes (default: threads of this process)")
     args = ap.parse_args(argv)
+    if args.cmd == "verify":
+        return _verify(args)
     if args.cmd == "calibrate":
         c = calibrate_local(force=args.force)
         print(c.source)
@@ -66,6 +78,28 @@ def _plan(args) -> int:
             report.estimate.write_chrome_trace(args.trace)
             print(f"\npredicted timeline: {args.trace} (open in Perfetto / chrome://tracing)")
     return 0
+
+
+def _verify(args) -> int:
+    t0 = time.perf_counter()
+    model, inputs, target, loss_fn = small(args.model, batch=args.batch)
+    try:
+        plan = Plan.parse(args.plan)
+    except (TypeError, ValueError, SyntaxError) as exc:
+        print(f"autopar verify: cannot read --plan {args.plan!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = verify(model, args.mesh, plan, example_inputs=inputs, target=target, loss_fn=loss_fn,
+                        tol=args.tol, spawn=True if args.spawn else None)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        print(f"autopar verify: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.model}, batch {args.batch}, {plan} on {report.mesh}: ranks as {report.ranks} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    for name, why in report.skipped.items():
+        print(f"  not compared: {name}: {why}")
+    print(report)
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

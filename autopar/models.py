@@ -211,3 +211,27 @@ def named(name: str, layers: int | None = None, device: str = "meta", dtype=torc
         model = (TinyGPT(c) if isinstance(c, GPTConfig) else Llama(c)).to(dtype)
         tokens = torch.zeros(8, c.seq, dtype=torch.long)
     return model, (tokens,)
+
+
+# ---- small runnable models (verify, examples) ----------------------------------------------------
+
+SMALL = ("tiny-gpt", "tiny-mlp", "tiny-llama")
+"""Models small enough to run on a CPU in a second, by name (``small``)."""
+
+
+def small(name: str, batch: int = 8, seed: int = 0):
+    """``(model, example_inputs, target, loss_fn)`` of a small model built in fp32 with weights
+    from ``torch.manual_seed(seed)``, on a random global batch of ``batch`` rows: ``tiny-gpt``
+    (``TinyGPT``, language-model loss), ``tiny-mlp`` (``TinyMLP``, mean squared error against a
+    random target), ``tiny-llama`` (``Llama``, language-model loss)."""
+    if name not in SMALL:
+        raise ValueError(f"unknown small model {name!r}; small models: {', '.join(SMALL)}")
+    torch.manual_seed(seed)
+    if name == "tiny-mlp":
+        model = TinyMLP()
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(batch, 16, generator=g), torch.randn(batch, 16, generator=g)
+        return model, (x,), y, F.mse_loss
+    model = TinyGPT() if name == "tiny-gpt" else Llama()
+    tokens, targets = gpt_batch(model.config, batch, seed)
+    return model, (tokens,), targets, lm_loss

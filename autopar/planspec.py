@@ -169,8 +169,28 @@ class Plan:
 
     @classmethod
     def parse(cls, text: str) -> "Plan":
-        """Inverse of ``str(plan)``."""
+        """Inverse of ``str(plan)``; also reads the fields alone, separated by commas, a bare
+        name meaning True: ``"dp=zero3,tp,sp"`` (the command line's short form)."""
+        if not text.strip().startswith("Plan("):
+            return cls(**_short_fields(text))
         tree = ast.parse(text.strip(), mode="eval").body
         if not (isinstance(tree, ast.Call) and getattr(tree.func, "id", None) == "Plan" and not tree.args):
             raise ValueError(f"cannot parse plan {text!r}: expected Plan(field=value, ...)")
         return cls(**{kw.arg: ast.literal_eval(kw.value) for kw in tree.keywords})
+
+
+def _short_fields(text: str) -> dict:
+    """``"dp=zero3,tp,sp"`` -> ``{"dp": "zero3", "tp": True, "sp": True}``: values as Python
+    literals where they read as one, else as text."""
+    names = {f.name for f in fields(Plan)}
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = (x.strip() for x in part.partition("="))
+        if name not in names:
+            raise ValueError(f"cannot parse plan {text!r}: {name!r} is not a Plan field; fields: "
+                             f"{', '.join(sorted(names))} (e.g. 'dp=zero3,tp,sp', or Plan(...) as str(plan) prints it)")
+        try:
+            out[name] = ast.literal_eval(value) if sep else True
+        except (ValueError, SyntaxError):
+            out[name] = value
+    return out

@@ -4,7 +4,8 @@ single-device model.
 
 ``run(fn, world_size, *args)`` spawns one process per rank, initialises the default process
 group (gloo, a free localhost port, ``timeout`` for every collective), calls ``fn(*args)`` on
-each rank and returns the per-rank results in rank order. A rank that raises is reported
+each rank and returns the per-rank results in rank order (``run_threads``: the ranks as
+threads of this process, on torch's threaded process group). A rank that raises is reported
 with its traceback; ranks still running after ``timeout`` seconds are killed and reported,
 so a hang becomes an error. ``RankPool`` keeps such processes alive between calls (a test
 suite pays the processes' start once); ``fake_rank`` makes this process one rank of a world
@@ -20,6 +21,7 @@ import gc
 import io
 import os
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,10 +31,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.autograd.profiler import profile
 from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
+from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalGroup, _install_threaded_pg,
+                                                                   _uninstall_threaded_pg)
 
 from .api import compile as autopar_compile
 
-__all__ = ["run", "RankPool", "fake_rank", "parity", "ParityReport", "live_tensor_bytes", "steady_live_bytes",
+__all__ = ["run", "run_threads", "RankPool", "fake_rank", "parity", "ParityReport", "live_tensor_bytes", "steady_live_bytes",
            "optimizer_state_bytes", "profiled_peak_bytes", "saved_activation_bytes"]
 
 LOCAL_WORLD_LIMIT = 8
@@ -152,6 +156,61 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
         raise
     _stop(procs, 5)
     return out
+
+
+def run_threads(fn, world_size: int, *args, timeout: float = 180.0):
+    """Run ``fn(*args)`` on ``world_size`` threads of this process, each a rank of torch's
+    threaded process group (collectives hand tensors between the threads); return the results
+    in rank order. One process: a patch made here reaches every rank and nothing is pickled.
+    The group has no point-to-point transfers (pipelines and collective matmuls need ``run``),
+    and the ranks share this process's random generator. A rank that raises is reported with
+    its traceback (the others, waiting in a collective, are woken); ranks still running after
+    ``timeout`` seconds are woken and reported."""
+    _check_world(world_size)
+    if dist.is_initialized():
+        raise RuntimeError("run_threads makes this process's threads the ranks, but it already has a default "
+                           "process group; call it outside torchrun, or use run(...)")
+    results, errors = [None] * world_size, {}
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    world = _install_threaded_pg()
+    store = dist.HashStore()
+
+    def rank_main(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+            results[rank] = fn(*args)
+        except BaseException as exc:      # reported below with the rank's traceback
+            errors[rank] = (exc, traceback.format_exc())
+            ProcessLocalGroup.exception_handle(exc)    # wakes the ranks waiting in a collective
+        finally:
+            if dist.distributed_c10d._world is world and dist.is_initialized():
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True, name=f"autopar-rank{r}")
+               for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        if stuck:
+            ProcessLocalGroup.exception_handle(TimeoutError())
+            for t in threads:
+                t.join(5)
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    failed = {r: e for r, e in errors.items() if not isinstance(e[0], SystemExit)}   # SystemExit: woken
+    if failed:
+        rank = min(failed)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failed[rank][1]}")
+    if stuck:
+        raise TimeoutError(f"ranks {stuck} of {world_size} did not finish within {timeout:.0f}s "
+                           "(a collective that some rank never reached?)")
+    return results
 
 
 class RankPool:
