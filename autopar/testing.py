@@ -88,7 +88,10 @@ def _pool_worker(rank, world, port, timeout, tasks, results):
             break
         seq, fn, args = job
         _call(rank, seq, fn, args, results)
+        # what survives a job (modules, caches) is set aside from later collections: the
+        # collection compile runs (for export's cycles) then scans only the new job's objects
         gc.collect()
+        gc.freeze()
     dist.destroy_process_group()
 
 

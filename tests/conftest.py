@@ -7,6 +7,7 @@ Fixtures: ``ranks(fn, world, *args)`` runs a job on a pool of ``world`` processe
 session; ``local_cluster`` is this machine's calibrated preset, measured once per session (or
 read from its cache).
 """
+import gc
 import os
 import sys
 import time
@@ -18,6 +19,13 @@ from autopar.testing import RankPool
 
 sys.path.insert(0, os.path.dirname(__file__))   # spawned ranks import the jobs package
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_finish(session):
+    """Everything imported for the tests is set aside from garbage collection: each compile's
+    gc.collect() (export leaves cycles) then scans only what the test made."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_addoption(parser):
@@ -42,9 +50,16 @@ def ranks():
             pools[world] = RankPool(world)
         return pools[world].run(fn, *args, timeout=timeout)
 
+    def close_all():
+        """Stop every pool (a timing measurement wants the machine to itself: idle ranks
+        still hold threads and connections); the next call starts a new one."""
+        for pool in pools.values():
+            pool.close()
+        pools.clear()
+
+    call.close_all = close_all
     yield call
-    for pool in pools.values():
-        pool.close()
+    close_all()
 
 
 @pytest.fixture(scope="session")

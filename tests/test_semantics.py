@@ -178,3 +178,12 @@ def test_the_refusal_guards_a_real_error(ranks):
     device: the per-shard statistics are not the tensor's."""
     for r in ranks(semantics.optimizers, 2, "adafactor zero3 forced elementwise", timeout=240):
         assert r["param_err"] > 1e-3, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dropout_on_an_uneven_sequence_split(ranks):
+    """A sequence that does not divide by tp under sp is split unevenly (8 and 7 positions),
+    dropout masks included: parity."""
+    for rep in ranks(semantics.uneven_sequence_dropout, 2, timeout=240):
+        assert rep.ok, (rep.output_err, rep.loss_err, rep.grad_err, rep.param_err)

@@ -45,7 +45,10 @@ def test_parity_tensor_parallel(ranks, world, tp, sp, kw):
 @pytest.mark.parametrize("kw", OVERLAP, ids=["", "overlap-off"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_parity_dp2_tp2_every_dp_mode(ranks, sp, kw):
-    _check(ranks(tensor_parallel.parity_tp, 4, 2, sp, MODES, ("mlp", "gpt"), kw, timeout=500),
+    # overlap off: ZeRO-3 only, whose gathers and buckets the overlap pass moves most (every
+    # dp mode runs without overlap in test_parity.py)
+    modes = MODES if not kw else ("zero3",)
+    _check(ranks(tensor_parallel.parity_tp, 4, 2, sp, modes, ("mlp", "gpt"), kw, timeout=500),
            f"dp=2 x tp=2 sp={sp} {kw}")
 
 

@@ -254,3 +254,10 @@ def optimizers(name):
     return {"param_err": max(_err(full[k], p.detach()) for k, p in ref.named_parameters()),
             "losses": losses, "ref_losses": ref_losses, "is_instance": isinstance(opt, cls),
             "lr": [g["lr"] for g in opt.param_groups], "ref_lr": [g["lr"] for g in opt_ref.param_groups]}
+
+
+def uneven_sequence_dropout():
+    """tp+sp on 15 positions over tp=2 (shards of 8 and 7), dropout 0.1: parity."""
+    c = GPTConfig(seq=15, dropout=0.1)
+    tok, tgt = gpt_batch(c, 8)
+    return parity(lambda: TinyGPT(c), autopar.Mesh(tp=2), autopar.Plan(tp=True, sp=True), (tok,), tgt, lm_loss)
