@@ -63,6 +63,13 @@ class Plan:
     """Tensor parallel with sp: run each all-gather + column-parallel matmul and each
     row-parallel matmul + reduce-scatter as ring steps, the matmul of one chunk overlapping the
     transfer of the next (``autopar.runtime.collmatmul``)."""
+    dropout_rng: str = "exact"
+    """How dropout draws its masks (``autopar.runtime.rng``): ``exact``, every rank draws the
+    single-device model's masks and keeps its slice (bitwise parity; each rank draws the whole
+    model's masks), or ``local``, each rank draws only its slice, from a generator keyed by one
+    number drawn from the default generator per step, the site and the slice (slices held by
+    several ranks get one mask; not the single-device masks, and the default generator ends
+    the step elsewhere than one device's would)."""
 
     def __post_init__(self):
         if self.dp not in DP_MODES:
@@ -114,6 +121,9 @@ class Plan:
         if self.prefetch_bytes is not None and self.dp != "zero3":
             raise ValueError(f"Plan(prefetch_bytes={self.prefetch_bytes}) sets how far ZeRO-3 gathers parameters "
                              f"ahead, but dp={self.dp!r} keeps them whole; use dp='zero3' or drop prefetch_bytes")
+        if self.dropout_rng not in ("exact", "local"):
+            raise ValueError(f"Plan(dropout_rng={self.dropout_rng!r}): expected 'exact' (the single-device "
+                             "masks) or 'local' (each rank draws only its slice)")
         if self.collective_matmul and not self.sp:
             raise ValueError("Plan(collective_matmul=True) needs tp=True and sp=True: it decomposes the "
                              "sequence-parallel all-gather / reduce-scatter around the tp matmuls")

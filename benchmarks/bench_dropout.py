@@ -8,9 +8,10 @@ model's; torch DDP runs the model on each rank's slice, which draws a mask of th
 shape (and, seeded alike, the same pattern on every rank). For every world size N it spawns
 N gloo processes and trains the same GPT (hidden and attention dropout 0.1, fp32, AdamW):
 
-    torch DDP        DistributedDataParallel, dropout 0.1 (local masks)
-    autopar ddp      Plan(dp="ddp"), dropout 0.1 (whole masks, sliced)
-    autopar ddp p=0  the same with dropout 0 (no masks at all)
+    torch DDP          DistributedDataParallel, dropout 0.1 (local masks)
+    autopar ddp        Plan(dp="ddp"), dropout 0.1 (whole masks, sliced: dropout_rng="exact")
+    autopar ddp local  Plan(dp="ddp", dropout_rng="local"): each rank draws its slice only
+    autopar ddp p=0    the same with dropout 0 (no masks at all)
 
 and reports per implementation the median step time (max over ranks of the per-rank
 median; one step of each in turn, round-robin, after a barrier) and the ratio to torch DDP;
@@ -52,6 +53,9 @@ def _job(steps: int, warmup: int):
                           tgt.chunk(world)[rank])
     dm = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=(tok,), plan=autopar.Plan(dp="ddp"))
     impls["autopar ddp"] = (dm, dm.optimizer(torch.optim.AdamW, lr=1e-4), dm.shard_batch(tok), dm.shard_batch(tgt))
+    dml = autopar.compile(copy.deepcopy(ref), mesh, example_inputs=(tok,), plan=autopar.Plan(dp="ddp", dropout_rng="local"))
+    impls["autopar ddp local"] = (dml, dml.optimizer(torch.optim.AdamW, lr=1e-4), dml.shard_batch(tok),
+                                  dml.shard_batch(tgt))
     c0 = GPTConfig(**{**CONFIG.__dict__, "dropout": 0.0})
     torch.manual_seed(0)
     dm0 = autopar.compile(TinyGPT(c0), mesh, example_inputs=(tok,), plan=autopar.Plan(dp="ddp"))
@@ -98,7 +102,7 @@ def main():
         agg = {k: max(r[k] for r in res) for k in res[0]}
         base = agg["torch DDP"]
         print(f"\nworld {world}: median step (max over ranks)")
-        for name in ("torch DDP", "autopar ddp", "autopar ddp p=0"):
+        for name in ("torch DDP", "autopar ddp", "autopar ddp local", "autopar ddp p=0"):
             print(f"  {name:18s} {agg[name] * 1e3:8.1f} ms   x{agg[name] / base:.2f} of torch DDP")
         print(f"  one step's mask draws: whole masks sliced {agg['draw whole masks'] * 1e3:.2f} ms, "
               f"local slices only {agg['draw local slices'] * 1e3:.2f} ms "

@@ -117,6 +117,7 @@ def test_invalid_numbers_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_calibrate_local_measures_plausible_numbers(local_cluster):
     c, seconds = local_cluster
     assert seconds < 120
@@ -147,6 +148,7 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_calibrate_local_reads_its_cache(local_cluster):
     first, _ = local_cluster
     start = time.perf_counter()

@@ -38,6 +38,7 @@ def test_dump_and_explain(ranks, tmp_path, mode):
     assert "bucket 0" in after and "blocks.0.qkv.weight" in after
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(180)
 def test_demo_command(local_cluster, tmp_path):
     """The README's main command, on the session's calibration (the demo itself calibrates a

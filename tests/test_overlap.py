@@ -160,6 +160,7 @@ def test_collective_order_mismatch_is_an_error_not_a_hang(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.timeout(300)
 def test_dump_writes_measured_and_predicted_timeline(ranks, local_cluster, tmp_path):
     """After record_timeline, dump writes timeline.json: a compute and a communication lane per

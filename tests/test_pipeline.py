@@ -96,6 +96,7 @@ def test_clip_full_grads_and_state_dict_across_stages(ranks):
 # ---- bubble ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.timeout(300)
 def test_measured_bubble_matches_formula(ranks):
     """Two stages of equal compute (one process each, one thread), m=4: GPipe and 1F1B idle

@@ -91,6 +91,7 @@ def gpt3():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_gpt3_175b_on_1024_virtual_gpus_plans_in_under_a_minute(gpt3):
     model, example = gpt3
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from autopar.testing import run
 
 from jobs import predict as jobs
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.timing]
 
 
 @pytest.fixture(scope="module")

@@ -187,3 +187,26 @@ def test_dropout_on_an_uneven_sequence_split(ranks):
     dropout masks included: parity."""
     for rep in ranks(semantics.uneven_sequence_dropout, 2, timeout=240):
         assert rep.ok, (rep.output_err, rep.loss_err, rep.grad_err, rep.param_err)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"tp": 2}], ids=["dp", "tp"])
+def test_local_dropout_masks_are_independent_where_split_and_shared_where_replicated(ranks, axes):
+    """Plan(dropout_rng='local'): each rank draws only its slice. Over dp every mask differs
+    between the ranks (other rows); over tp the attention masks (heads split) differ and the
+    residual dropouts (replicated after the row-parallel all-reduce) are the same on both
+    ranks; the same seed draws the same masks; the drop rate is p."""
+    res = ranks(semantics.local_masks, 2, axes, timeout=240)
+    for r in res:
+        assert r["repeatable"]
+        # 0.25 of the elements dropped, within 5 binomial standard deviations
+        sd = (0.25 * 0.75 / r["elements"]) ** 0.5
+        assert abs(r["drop_rate"] - 0.25) < 5 * sd, r["drop_rate"]
+        assert r["loss"] == r["loss"] and r["loss"] < 10
+    other = res[0]["same_as_rank"][1]
+    for site, same in other.items():
+        kind = res[0]["kinds"][site]
+        if "dp" in axes or kind == "sdpa":
+            assert not same, f"site {site} ({kind}): both ranks drew one mask for different slices"
+        else:
+            assert same, f"site {site} ({kind}): a replicated activation got different masks on the tp ranks"

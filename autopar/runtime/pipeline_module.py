@@ -96,7 +96,7 @@ class PipelineModule(DistributedModule):
         flat_t, t_spec = self._split(targets, m)
         self._check_microbatch(flat_in[0])
         if self.training and self.ctx.rng_sites:   # every site's mask, in the single-device order
-            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m)
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
         state = _StepState()
         for st in self.stages.values():
             st._sync.defer = True
@@ -162,7 +162,7 @@ class PipelineModule(DistributedModule):
         flat_t, t_spec = self._split(targets, m) if targets is not None else (None, None)
         self._check_microbatch(flat_in[0])
         if self.training and self.ctx.rng_sites:
-            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m)
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
         losses, results, sends = [], [], []
         with torch.no_grad():
             for mb in range(m):

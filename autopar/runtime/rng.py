@@ -12,10 +12,13 @@ them. autopar reproduces exactly that stream on every rank, then keeps its own s
 So ``torch.manual_seed(s)`` on every rank is all a user does: masks are bitwise the slices of
 the single-device model's, and the generator leaves the step in the state one device leaves
 it in. The price is that every rank draws the whole model's masks (the draw, not the memory:
-each full mask is freed once sliced); ``BENCHMARKS.md`` measures it. The alternative, a
-counter-based generator keyed by the global element index, draws only the local slice but
-cannot reproduce the CPU generator's stream, so parity would be with autopar's own dropout
-rather than with the user's model.
+each full mask is freed once sliced), a cost that grows with the number of ranks a site is
+split over; ``BENCHMARKS.md`` measures it. ``Plan(dropout_rng="local")`` is the scalable
+alternative: each rank draws only its slice, from a generator keyed by one number of the
+default generator per step, the site and the slice's ranges (ranks holding the same slice,
+as the tp ranks of a replicated activation do, draw the same mask; different slices draw
+independent ones). It cannot reproduce the single-device stream: training is statistically,
+not bitwise, the single-device model's.
 
 Sites: ``aten.dropout`` (the graph node becomes ``rng_dropout``) and dropout inside
 ``scaled_dot_product_attention`` (``rng_sdpa``: the probabilities from the math kernel, the
@@ -62,9 +65,10 @@ class RandomMasks(nn.Module):
     order; ``local`` those this graph runs. ``external``: a pipeline draws for all its stages
     at the start of a step and sets ``microbatch`` before each stage forward."""
 
-    def __init__(self, sites: tuple[MaskSite, ...], local: dict[int, LocalSite], external: bool = False):
+    def __init__(self, sites: tuple[MaskSite, ...], local: dict[int, LocalSite], external: bool = False,
+                 mode: str = "exact"):
         super().__init__()
-        self.sites, self.local, self.external = tuple(sites), dict(local), external
+        self.sites, self.local, self.external, self.mode = tuple(sites), dict(local), external, mode
         self.masks: dict[tuple[int, int], torch.Tensor] = {}
         self.microbatch = 0
 
@@ -83,14 +87,29 @@ class RandomMasks(nn.Module):
     def before_forward(self) -> None:
         """Without a pipeline: draw this forward's masks (training mode only)."""
         if self.training and not self.external and self.sites:
-            draw_masks(self.sites, [self], microbatches=1)
+            draw_masks(self.sites, [self], microbatches=1, mode=self.mode)
 
 
-def draw_masks(sites, holders: list[RandomMasks], microbatches: int) -> None:
-    """Draw every site's single-device mask in order; each holder that runs a site keeps its
-    slices (per micro-batch), scaled by 1 / (1 - p) as the single-device kernel scales them."""
+def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str = "exact") -> None:
+    """``exact``: draw every site's single-device mask in order; each holder that runs a site
+    keeps its slices (per micro-batch), scaled by 1 / (1 - p) as the single-device kernel
+    scales them. ``local``: one number from the default generator keys this step; each slice a
+    holder runs is drawn alone from a generator seeded by (that number, site, slice)."""
     for h in holders:
         h.masks = {}
+    if mode == "local":
+        step = int(torch.randint(0, 2 ** 62, (1,)))
+        for h in holders:
+            for index, local in h.local.items():
+                site = sites[index]
+                for mb, ranges in enumerate(local.slices):
+                    shape = list(local.shape)
+                    for dim, lo, hi in ranges:
+                        shape[dim] = hi - lo
+                    g = torch.Generator().manual_seed(hash((step, index, ranges)) & (2 ** 63 - 1))
+                    mask = torch.empty(shape, dtype=site.dtype).bernoulli_(1 - site.p, generator=g)
+                    h.masks[(index, mb)] = mask.div_(1 - site.p)
+        return
     for site in sites:
         users = [h for h in holders if site.index in h.local]
         if not users:   # another rank's site: drawn only to advance the generator alike

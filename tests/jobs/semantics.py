@@ -261,3 +261,26 @@ def uneven_sequence_dropout():
     c = GPTConfig(seq=15, dropout=0.1)
     tok, tgt = gpt_batch(c, 8)
     return parity(lambda: TinyGPT(c), autopar.Mesh(tp=2), autopar.Plan(tp=True, sp=True), (tok,), tgt, lm_loss)
+
+
+def local_masks(axes):
+    """Plan(dropout_rng="local"): each rank's masks, twice from one seed, and the drop rate."""
+    plan = autopar.Plan(dropout_rng="local", **({"tp": True} if "tp" in axes else {}))
+    c = GPTConfig(dropout=0.25)
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(**axes), example_inputs=(tok,), plan=plan)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        loss = lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt))
+        loss.backward()
+        runs.append({k[0]: v.clone() for k, v in dm.module.rng_masks.masks.items()})
+    zeros = torch.cat([(m == 0).float().reshape(-1) for m in runs[0].values()])
+    kinds = {s.index: s.kind for s in dm.ctx.rng_sites}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, {k: v for k, v in runs[0].items()})
+    return {"repeatable": all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0]),
+            "drop_rate": float(zeros.mean()), "elements": zeros.numel(), "loss": float(loss.detach()),
+            "kinds": kinds, "same_as_rank": {r: {k: bool(torch.equal(v, g[k])) for k, v in runs[0].items()}
+                                             for r, g in enumerate(gathered)}}
