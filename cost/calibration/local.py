@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import datetime
+import logging
 import os
 import platform
 import socket
@@ -32,6 +33,8 @@ from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank
 from ..estimate import Profiles, partition
 from ..replay import pipeline_placement, simulate_shared
+
+log = logging.getLogger("autopar")
 
 __all__ = ["calibrate_local"]
 
@@ -314,6 +317,12 @@ def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: floa
 
     lo, hi = 0.0, 0.05
     if replay(lo) >= measured:
+        return 0.0
+    if replay(hi) < measured:
+        # not even 50 ms per message replays that slowly: the probe was disturbed (another
+        # process took a core), not a property of the machine; no latency of this kind is fitted
+        log.warning("autopar calibration: the synthetic pipeline took %.1f ms, more than any %s up to "
+                    "50 ms explains; fitting 0 instead", measured * 1e3, "hop" if hop is None else "wake")
         return 0.0
     for _ in range(40):
         mid = (lo + hi) / 2

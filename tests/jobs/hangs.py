@@ -18,6 +18,7 @@ from autopar.models import TinyMLP
 from autopar.runtime.flight import CollectiveError
 
 from .common import mlp_batch, mse, step
+from .data_parallel import WideMLP
 
 PUBLISHED = 1.5     # seconds a rank waits before dying or stalling: its ring has been published
 
@@ -83,24 +84,13 @@ def mismatched_calls(timeout: float):
     return None
 
 
-class _Stack(torch.nn.Module):
-    def __init__(self, d=16, layers=4):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
-
-    def forward(self, x):
-        for lin in self.layers:
-            x = torch.tanh(lin(x))
-        return x
-
-
 def pipeline_killed_rank(timeout: float):
     """1F1B over two stages: rank 1 (the last stage) dies in its forward of micro-batch 1 of
     the second step; rank 0 waits for a gradient that never comes."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = mlp_batch()
-    dm = autopar.compile(_Stack(), autopar.Mesh(pp=2, timeout=timeout), example_inputs=(x,),
+    dm = autopar.compile(WideMLP(d=16), autopar.Mesh(pp=2, timeout=timeout), example_inputs=(x,),
                          plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
     opt = torch.optim.SGD(dm.parameters(), lr=0.1)
     dm.train_step((x,), y, mse)

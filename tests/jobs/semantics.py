@@ -66,15 +66,21 @@ def _expected_slice(mask, kind, axes, plan, mb, m):
     return out
 
 
-def dropout_masks(name):
-    """Every mask this rank holds equals (bitwise) its slice of the single-device model's mask
-    drawn from the same seed; and the generator ends the forward in the single-device state."""
+def _dropout_gpt(name):
+    """(axes, plan, the single-device GPT with dropout 0.1, its compiled copy, tokens, targets)."""
     _, axes, plan, layers = next(p for p in DROPOUT_PLANS if p[0] == name)
     c = GPTConfig(layers=layers, dropout=0.1)
     tok, tgt = gpt_batch(c, 8)
     torch.manual_seed(0)
     ref = TinyGPT(c)
     dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(tok,), plan=plan)
+    return axes, plan, ref, dm, tok, tgt
+
+
+def dropout_masks(name):
+    """Every mask this rank holds equals (bitwise) its slice of the single-device model's mask
+    drawn from the same seed; and the generator ends the forward in the single-device state."""
+    axes, plan, ref, dm, tok, tgt = _dropout_gpt(name)
     torch.manual_seed(7)
     with _Bernoulli() as rec:
         ref(tok)
@@ -104,12 +110,7 @@ def _err(a, b):
 def eval_mode(name):
     """Train a step, switch to eval: outputs (no_grad) equal the single-device model's in eval
     mode with no backward machinery run; back to train, the next step still matches."""
-    _, axes, plan, layers = next(p for p in DROPOUT_PLANS if p[0] == name)
-    c = GPTConfig(layers=layers, dropout=0.1)
-    tok, tgt = gpt_batch(c, 8)
-    torch.manual_seed(0)
-    ref = TinyGPT(c)
-    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(tok,), plan=plan)
+    axes, plan, ref, dm, tok, tgt = _dropout_gpt(name)
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), dm.optimizer(torch.optim.SGD, lr=0.1)
     x, y = dm.shard_batch((tok,)), dm.shard_batch(tgt)
     pipelined = plan.pp_schedule is not None
