@@ -55,8 +55,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan.pp_schedule is not None:
         return _compile_pipeline(model, ctx, args, kwargs)
-    gm = capture(model, args, kwargs, ctx, check_modes=_checks_modes(mesh))   # the logical graph, at global shapes
-    _share_mode_difference(ctx)
+    gm = capture(model, args, kwargs, ctx, check_modes=True)   # the logical graph, at global shapes
     passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
@@ -71,21 +70,6 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
-
-
-def _checks_modes(mesh: Mesh) -> bool:
-    """Whether this process captures the other train/eval mode to compare (one more export):
-    rank 0 of a real mesh, which shares the answer (a virtual mesh's module does not run)."""
-    return not mesh.virtual and mesh.rank == 0
-
-
-def _share_mode_difference(ctx: CompileContext) -> None:
-    """Every rank takes rank 0's comparison of the train and eval graphs."""
-    if not ctx.mesh.virtual and dist.is_initialized() and dist.get_world_size() > 1 \
-            and dist.get_backend() != "fake":     # (torch's fake group moves no objects)
-        box = [ctx.mode_difference]
-        dist.broadcast_object_list(box, src=0)
-        ctx.mode_difference = box[0]
 
 
 def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
@@ -121,8 +105,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
                          f"batch that is a multiple of {m * n}")
     ctx.microbatch_rows = next(iter(rows)) // m
     mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
-    gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=_checks_modes(mesh))   # one micro-batch
-    _share_mode_difference(ctx)
+    gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=True)   # the logical graph of one micro-batch
     passes.find_sites(gm, ctx, microbatches=m)
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
     ctx.input_dtypes = tuple(x.dtype if isinstance(x, torch.Tensor) else None

@@ -11,14 +11,19 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import copy
+import logging
 import traceback
+
 import torch
 from torch import fx, nn
 
 from . import meta
 from .context import CompileContext, ParamInfo
 
-__all__ = ["capture", "CaptureError", "mode_difference"]
+log = logging.getLogger("autopar")
+
+__all__ = ["capture", "CaptureError", "ModeCheck", "mode_difference"]
 
 
 class CaptureError(ValueError):
@@ -155,6 +160,8 @@ def _signature(gm: fx.GraphModule) -> list:
     def norm(a):
         if isinstance(a, fx.Node):
             return ("%", index.get(a, a.name))
+        if isinstance(a, torch.device):
+            return "device"
         if isinstance(a, (list, tuple)):
             return tuple(norm(x) for x in a)
         return repr(a)
@@ -183,10 +190,46 @@ def _has_random(gm: fx.GraphModule) -> bool:
     return False
 
 
-def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule) -> str:
-    """How the model's graph in the other train/eval mode differs from ``gm`` (captured in
-    ``model.training``'s mode) beyond dropout; "" when dropout is the only difference, which
-    the runtime switches (``autopar.runtime.rng``). Costs one more export."""
+def _on_meta(tree):
+    return torch.utils._pytree.tree_map(
+        lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+class ModeCheck:
+    """How the model's graph in the other train/eval mode differs from the captured one beyond
+    dropout ("" when dropout is the only difference, which the runtime switches: see
+    ``autopar.runtime.rng``). Worked out on first call, the first time a compiled module runs
+    in the other mode, by one more export of a copy of the model whose parameters, buffers and
+    example inputs are on the meta device (no memory, and the user's model may be freed
+    meanwhile). Every rank computes it alike."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule):
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                for p in model.parameters()}
+        memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+        try:
+            self._model = copy.deepcopy(model, memo)
+        except Exception as exc:      # a model that does not copy: compared now instead
+            self._model = None
+            self._answer = mode_difference(model, args, kwargs, gm)
+            log.debug("autopar: mode check at compile (%s: %s)", type(exc).__name__, exc)
+            return
+        self._args, self._kwargs = _on_meta(args), _on_meta(kwargs)
+        self._signature = _signature(gm)
+        self._answer: str | None = None
+
+    def __call__(self) -> str:
+        if self._answer is None:
+            self._answer = mode_difference(self._model, self._args, self._kwargs, signature=self._signature)
+            self._model = self._args = self._kwargs = None
+        return self._answer
+
+
+def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule | None = None,
+                    signature: list | None = None) -> str:
+    """How the model's graph in the other train/eval mode differs from ``gm`` (or its
+    ``_signature``), captured in ``model.training``'s mode, beyond dropout; "" when dropout is
+    the only difference. Costs one more export."""
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
@@ -200,7 +243,7 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
     _drop_guards(other)
     if not model.training and _has_random(other):
         return "its training graph draws dropout masks that the eval-mode capture has no sites for"
-    a, b = _signature(gm), _signature(other)
+    a, b = (signature if signature is not None else _signature(gm)), _signature(other)
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return f"op {i} of the graph is {x[1]}{x[2]} in one mode and {y[1]}{y[2]} in the other"
@@ -212,8 +255,8 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
 def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
             check_modes: bool = False) -> fx.GraphModule:
     """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule.
-    ``check_modes``: also capture the other train/eval mode and record in the context how it
-    differs (``ctx.mode_difference``), for a module that switches modes at run time."""
+    ``check_modes``: give the context a ``ModeCheck`` (``ctx.mode_difference``) that compares
+    the other train/eval mode's graph when a compiled module first runs in it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
     with _EXPORT_LOCK:
@@ -223,7 +266,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
     _check_buffer_updates(gm, model)
     ctx.captured_training = model.training
     if check_modes:
-        ctx.mode_difference = mode_difference(model, args, kwargs, gm)
+        ctx.mode_difference = ModeCheck(model, tuple(args), dict(kwargs), gm)
     _canonicalise_params(gm, model, ctx)
     ctx.in_spec = gm._in_spec
     ctx.out_spec = gm._out_spec

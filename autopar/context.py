@@ -68,7 +68,8 @@ class CompileContext:
     rng_sites: tuple = ()           # rng.find_sites: every random site of the model (runtime.rng.MaskSite)
     rng_local: dict = field(default_factory=dict)     # rng: site -> runtime.rng.LocalSite this graph keeps
     captured_training: bool = True  # the model's mode when compile captured it
-    mode_difference: str = ""       # compile: how the other train/eval mode's graph differs ("" = dropout only)
+    mode_difference: Any = ""       # capture: a callable -> how the other train/eval mode's graph differs
+                                    # ("" = dropout only), worked out when first needed
     # ---- for the user -------------------------------------------------------------------------
     snapshots: list = field(default_factory=list)     # (pass name, readable graph text), for dm.dump()
     notes: list = field(default_factory=list)         # lines for explain()

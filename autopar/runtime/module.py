@@ -84,11 +84,15 @@ class DistributedModule(nn.Module):
     def _check_mode(self):
         """The graph was captured in one train/eval mode; the other runs it too when the two
         differ only in dropout (compile compared them), and is refused otherwise."""
-        if self.training != self.ctx.captured_training and self.ctx.mode_difference:
+        if self.training == self.ctx.captured_training:
+            return
+        check = self.ctx.mode_difference
+        difference = check() if callable(check) else check
+        if difference:
             have, want = ("training", "eval") if self.ctx.captured_training else ("eval", "training")
             raise RuntimeError(
                 f"this module was compiled from the model in {have} mode, and the model's forward in {want} "
-                f"mode is a different program: {self.ctx.mode_difference}. autopar switches modes only where "
+                f"mode is a different program: {difference}. autopar switches modes only where "
                 f"they differ in dropout; compile a second module from model.{want.replace('training', 'train')}() "
                 f"for {want}, sharing the weights with dm.load_full_state_dict(...)")
 
