@@ -29,12 +29,16 @@ def _check(reports, label):
 OVERLAP = [{}, {"overlap": False}]     # both ways: the overlap pass on (the default) and off
 
 
+_TP_VARIANTS = [("tp", False, {}), ("tp+sp", True, {}), ("tp-overlap-off", False, {"overlap": False}),
+                ("tp+sp-overlap-off", True, {"overlap": False}), ("tp+sp-collective-matmul", True, {"collective_matmul": True})]
+# overlap off at tp=2 (and in the dp=2 x tp=2 tests below), every variant else at tp=2 and tp=4
+_TP_CASES = [pytest.param(world, world, sp, kw, id=f"tp{world}-{name}") for world in (2, 4)
+             for name, sp, kw in _TP_VARIANTS if world == 2 or kw.get("overlap", True)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("sp,kw", [(False, {}), (True, {}), (False, {"overlap": False}), (True, {"overlap": False}),
-                                   (True, {"collective_matmul": True})],
-                         ids=["tp", "tp+sp", "tp-overlap-off", "tp+sp-overlap-off", "tp+sp-collective-matmul"])
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4)], ids=["tp2", "tp4"])
+@pytest.mark.parametrize("world,tp,sp,kw", _TP_CASES)
 def test_parity_tensor_parallel(ranks, world, tp, sp, kw):
     _check(ranks(tensor_parallel.parity_tp, world, tp, sp, ("ddp",), ("mlp", "gpt"), kw, timeout=300),
            f"tp={tp} sp={sp} {kw}")
