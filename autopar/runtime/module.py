@@ -26,7 +26,7 @@ from ..placement import ShardSpec
 from . import flight
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
-from .optim import ELEMENTWISE, PerTensorState, is_elementwise
+from .optim import PerTensorState, check_optimizer
 from .timeline import record
 from .tpcomm import gather_tp_param
 
@@ -134,16 +134,7 @@ class DistributedModule(nn.Module):
         ``per_tensor=True``, which steps full copies of the parameters on every rank (see
         ``autopar.runtime.optim``). The result is an instance of ``cls``: learning-rate
         schedulers of ``torch.optim.lr_scheduler`` work on it."""
-        sharded = self._sharded_by()
-        if sharded and not per_tensor and not is_elementwise(cls):
-            raise ValueError(
-                f"{getattr(cls, '__name__', cls)} is not an elementwise optimizer (autopar knows "
-                f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be), and this plan shards the parameters "
-                f"({sharded}): an update that reads a whole tensor's statistic (a norm, row/column moments) "
-                "would see only this rank's shard. Use a plan that keeps parameters whole (Plan(dp='ddp') "
-                "without tp), or dm.optimizer(cls, per_tensor=True, ...), which steps full copies of the "
-                "parameters on every rank (full parameter, gradient and state memory per rank); a class "
-                "that is elementwise can say so with the attribute autopar_elementwise = True")
+        check_optimizer(cls, self._sharded_by(), per_tensor)
         if per_tensor:
             state = PerTensorState(dict(zip(self._names, (self.module.get_parameter(n) for n in self._names))),
                                    self._full, self._local_piece)

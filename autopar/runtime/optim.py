@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ELEMENTWISE", "is_elementwise", "PerTensorState"]
+__all__ = ["ELEMENTWISE", "is_elementwise", "check_optimizer", "PerTensorState"]
 
 ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -27,6 +27,22 @@ def is_elementwise(cls) -> bool:
     """True for the optimizers of ``ELEMENTWISE`` (the class itself: a subclass may change
     the update), or a class that declares ``autopar_elementwise = True``."""
     return cls in ELEMENTWISE or getattr(cls, "autopar_elementwise", False) is True
+
+
+def check_optimizer(cls, sharded: str, per_tensor: bool, per_tensor_built: bool = True) -> None:
+    """Refuse ``cls`` where ``sharded`` (what splits the parameters; "" = nothing) unless it is
+    elementwise or ``per_tensor`` steps whole copies."""
+    if not sharded or per_tensor or is_elementwise(cls):
+        return
+    instead = ("dm.optimizer(cls, per_tensor=True, ...), which steps full copies of the parameters on every "
+               "rank (full parameter, gradient and state memory per rank)" if per_tensor_built else
+               "an elementwise optimizer")
+    raise ValueError(
+        f"{getattr(cls, '__name__', cls)} is not an elementwise optimizer (autopar knows "
+        f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be), and this plan shards the parameters "
+        f"({sharded}): an update that reads a whole tensor's statistic (a norm, row/column moments) would see "
+        f"only this rank's shard. Use a plan that keeps parameters whole (Plan(dp='ddp') without tp), or "
+        f"{instead}; a class that is elementwise can say so with the attribute autopar_elementwise = True")
 
 
 class PerTensorState:

@@ -31,7 +31,7 @@ from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
 from .module import DistributedModule, slice_batch
-from .optim import ELEMENTWISE, is_elementwise
+from .optim import check_optimizer
 from .rng import draw_masks
 
 __all__ = ["PipelineModule"]
@@ -375,12 +375,7 @@ class PipelineModule(DistributedModule):
             raise NotImplementedError("per_tensor=True is not built for pipelines: the full copies would "
                                       "be gathered across stages. Use an elementwise optimizer, or a plan "
                                       "without pp")
-        if sharded and not is_elementwise(cls):
-            raise ValueError(
-                f"{getattr(cls, '__name__', cls)} is not an elementwise optimizer (autopar knows "
-                f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be), and this plan shards the "
-                f"parameters ({sharded}): a statistic of a whole tensor would see one shard. Use "
-                "Plan(dp='ddp') without tp, or an elementwise optimizer")
+        check_optimizer(cls, sharded, per_tensor, per_tensor_built=False)
         opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self.gather_params())
