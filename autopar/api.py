@@ -59,7 +59,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
-    ctx.input_dtypes = tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves((args, kwargs)))
+    ctx.input_dtypes = _dtypes((args, kwargs))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
     gm = _run_passes(gm, ctx)
@@ -108,8 +108,7 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
     gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=True)   # the logical graph of one micro-batch
     passes.find_sites(gm, ctx, microbatches=m)
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
-    ctx.input_dtypes = tuple(x.dtype if isinstance(x, torch.Tensor) else None
-                             for x in pytree.tree_leaves((mb_args, mb_kwargs)))
+    ctx.input_dtypes = _dtypes((mb_args, mb_kwargs))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
     top = passes.pipeline(gm, ctx)
@@ -164,6 +163,10 @@ def _slice(args: tuple, kwargs: dict, n: int, i: int):
 
 def _shapes(tree) -> tuple:
     return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(tree))
+
+
+def _dtypes(tree) -> tuple:
+    return tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(tree))
 
 
 def _profile(gm, ctx: CompileContext):

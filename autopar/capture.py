@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from . import meta
 from .context import CompileContext, ParamInfo
+from .ops import random_site
 
 log = logging.getLogger("autopar")
 
@@ -179,17 +180,6 @@ def _signature(gm: fx.GraphModule) -> list:
     return out
 
 
-def _has_random(gm: fx.GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        if node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and node.args[2] \
-                and node.args[1] > 0:
-            return True
-        if node.target is torch.ops.aten.scaled_dot_product_attention.default and \
-                float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) > 0:
-            return True
-    return False
-
-
 def _on_meta(tree):
     return torch.utils._pytree.tree_map(
         lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, tree)
@@ -241,7 +231,7 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
         for m, t in modes.items():
             m.training = t
     _drop_guards(other)
-    if not model.training and _has_random(other):
+    if not model.training and any(random_site(n) for n in other.graph.nodes):
         return "its training graph draws dropout masks that the eval-mode capture has no sites for"
     a, b = (signature if signature is not None else _signature(gm)), _signature(other)
     for i, (x, y) in enumerate(zip(a, b)):

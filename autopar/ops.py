@@ -16,7 +16,7 @@ import math
 import torch
 from torch import fx
 
-__all__ = ["op_name", "MATMULS", "VIEWS", "FREE", "ATTENTION", "NORMS", "LOSSES", "KEEP_INPUT", "KEEP_OUTPUT",
+__all__ = ["op_name", "dropout_p", "random_site", "MATMULS", "VIEWS", "FREE", "ATTENTION", "NORMS", "LOSSES", "KEEP_INPUT", "KEEP_OUTPUT",
            "node_flops", "value_bytes"]
 
 MATMULS = frozenset({"linear", "mm", "bmm", "matmul", "addmm", "baddbmm"})
@@ -76,3 +76,24 @@ def node_flops(node: fx.Node) -> int:
         k = a.shape[-1] if isinstance(a, torch.Tensor) and a.dim() else 1
         return 2 * out.numel() * k
     return out.numel()
+
+
+def dropout_p(node: fx.Node) -> float:
+    """The drop probability of a dropout or attention node (its ``p`` / ``dropout_p``)."""
+    if node.target is torch.ops.aten.dropout.default:
+        return float(node.args[1])
+    return float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
+
+
+def random_site(node: fx.Node) -> str | None:
+    """``"dropout"`` or ``"sdpa"`` for a node that draws a dropout mask (training, p > 0), else
+    None: the sites whose masks autopar reproduces (``passes/rng.py``), and what the train and
+    eval graphs may differ in (``autopar.capture``)."""
+    if node.op != "call_function":
+        return None
+    if node.target is torch.ops.aten.dropout.default:
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return "dropout" if train and dropout_p(node) > 0 else None
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        return "sdpa" if dropout_p(node) > 0 else None
+    return None

@@ -22,6 +22,7 @@ from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
+from autopar.ops import dropout_p, random_site
 from autopar.placement import Partial, Replicate, Shard
 from autopar.runtime.rng import LocalSite, MaskSite, rng_dropout, rng_sdpa
 from autopar.sizes import chunk_range
@@ -29,7 +30,6 @@ from .analysis import batch_dependent
 
 __all__ = ["find_sites", "rng", "RANDOM_OPS"]
 
-aten = torch.ops.aten
 
 RANDOM_OPS = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
@@ -37,21 +37,6 @@ RANDOM_OPS = frozenset({
     "log_normal_", "multinomial", "poisson", "native_dropout", "feature_dropout", "alpha_dropout",
     "feature_alpha_dropout", "rrelu", "rrelu_with_noise", "random_"})
 """ATen ops that draw from the generator, besides the sites autopar reproduces."""
-
-
-def _sdpa_p(node: fx.Node) -> float:
-    return float(node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0))
-
-
-def _site_kind(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    if node.target is aten.dropout.default:
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return "dropout" if train and float(node.args[1]) > 0 else None
-    if node.target is aten.scaled_dot_product_attention.default:
-        return "sdpa" if _sdpa_p(node) > 0 else None
-    return None
 
 
 def _mask_val(node: fx.Node, kind: str):
@@ -71,7 +56,7 @@ def find_sites(gm: fx.GraphModule, ctx: CompileContext, microbatches: int = 1) -
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        kind = _site_kind(node)
+        kind = random_site(node)
         if kind is None:
             name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
             if name in RANDOM_OPS:
@@ -86,8 +71,7 @@ def find_sites(gm: fx.GraphModule, ctx: CompileContext, microbatches: int = 1) -
         shape, dtype = _mask_val(node, kind)
         scale = microbatches if node in batch else 1
         node.meta[meta.RNG_SITE] = len(sites)
-        p = float(node.args[1]) if kind == "dropout" else _sdpa_p(node)
-        sites.append(MaskSite(len(sites), kind, p, math.prod(shape) * scale, dtype))
+        sites.append(MaskSite(len(sites), kind, dropout_p(node), math.prod(shape) * scale, dtype))
     ctx.rng_sites = tuple(sites)
 
 
@@ -138,7 +122,7 @@ def _local_site(node: fx.Node, kind: str, ctx: CompileContext) -> LocalSite:
 
 def rng(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Each random site of this rank's graph calls the runtime with its slice of the mask."""
-    sites = [n for n in gm.graph.nodes if meta.RNG_SITE in n.meta and _site_kind(n) is not None]
+    sites = [n for n in gm.graph.nodes if meta.RNG_SITE in n.meta and random_site(n) is not None]
     if not sites:
         return gm
     gm.add_submodule(meta.RNG, torch.nn.Module())   # stand-in: emit binds the RandomMasks
@@ -146,7 +130,7 @@ def rng(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     with gm.graph.inserting_before(first):
         masks = gm.graph.get_attr(meta.RNG)
     for node in sites:
-        kind, index = _site_kind(node), node.meta[meta.RNG_SITE]
+        kind, index = random_site(node), node.meta[meta.RNG_SITE]
         ctx.rng_local[index] = _local_site(node, kind, ctx)
         with gm.graph.inserting_before(node):
             if kind == "dropout":
@@ -155,7 +139,7 @@ def rng(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 a, kw = node.args, node.kwargs
                 attn_mask = a[3] if len(a) > 3 else kw.get("attn_mask")
                 causal = a[5] if len(a) > 5 else kw.get("is_causal", False)
-                new = gm.graph.call_function(rng_sdpa, (a[0], a[1], a[2], attn_mask, masks, index, _sdpa_p(node),
+                new = gm.graph.call_function(rng_sdpa, (a[0], a[1], a[2], attn_mask, masks, index, dropout_p(node),
                                                         causal), {"scale": kw.get("scale"),
                                                                   "enable_gqa": kw.get("enable_gqa", False)})
         new.meta.update(node.meta)
