@@ -23,6 +23,8 @@ from .capture import capture
 from .context import CompileContext
 from .cost.cluster import get_cluster
 from .cost.estimate import Estimate, Profiles, estimate_plan
+from .cost.lm_head import head_policy
+from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
 from .cost.profile import profile
 from .explain import Inspector, graph_text
@@ -51,6 +53,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     plan.check_mesh(mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
+    ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan.pp_schedule is not None:
@@ -111,10 +114,12 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
     ctx.input_dtypes = _dtypes((mb_args, mb_kwargs))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
+    heads = tied_head_layouts(gm, ctx) if ctx.plan.tp else {}   # on the whole graph: both copies of a table alike
     top = passes.pipeline(gm, ctx)
     ctx.snapshots.append(("pipeline", top.code + "".join(
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
-    shared = [name for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1]
+    shared = {name: heads.get(name, ("R", None)) for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1}
+    ctx.notes += [note for _, note in shared.values() if note]
     laid = []
     for spec in ctx.stages:
         if spec.index % p != mesh.coordinate("pp"):
@@ -138,12 +143,13 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
 
 def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
     plan = ctx.plan
-    tied = tuple((name, "R") for name in shared if name in spec.params)
-    if plan.tp and tied:    # both copies of a tied weight keep one layout: whole along tp
+    tied = tuple((name, shared[name][0]) for name in shared if name in spec.params)
+    if plan.tp and tied:    # both copies of a tied weight keep one layout along tp: whole, or an LM head's split
         plan = dataclasses.replace(plan, tp_layout=plan.tp_layout + tied)
     sctx = CompileContext(mesh=ctx.mesh, plan=plan)
     sctx.params = {name: ctx.params[name] for name in spec.params}
     sctx.captured_training, sctx.mode_difference = ctx.captured_training, ctx.mode_difference
+    sctx.head_policy = ctx.head_policy
     n = ctx.mesh.axis_size("dp")
     vals = [x.meta.get(meta.VAL) for x in sgm.graph.nodes if x.op == "placeholder"]
     sctx.in_spec = pytree.tree_flatten((tuple(vals), {}))[1]
@@ -174,7 +180,7 @@ def _profile(gm, ctx: CompileContext):
     ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
     try:
         return profile(gm, ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
-                       tp_layout=ctx.plan.tp_layout)
+                       tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel)
     except Exception as exc:     # the cost model must never stop a compile
         log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
         return None

@@ -60,6 +60,8 @@ class CompileContext:
     input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
     microbatch_rows: int = 0        # global rows of one micro-batch (pipeline)
+    head_policy: Any = None         # LM head layout: policy(passes.lm_head.HeadChoice) -> (split, why),
+                                    # the cost model's for the compile's cluster; None: passes.lm_head's default
     # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
     tp_params: dict = field(default_factory=dict)     # shard (tensor_parallel.decide): name -> TPParam
     grad_buckets: list = field(default_factory=list)  # collectives: parameter names per gradient bucket

@@ -30,7 +30,8 @@ FREE = VIEWS | frozenset({"arange", "zeros", "ones", "full", "empty", "lift_fres
 ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"})
 NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "batch_norm"})
-LOSSES = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss"})
+LOSSES = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                    "tp_vocab_cross_entropy"})
 KEEP_INPUT = frozenset({"gelu", "silu", "relu", "tanh", "sigmoid", "mul", "div", "pow", "sqrt", "rsqrt", "sin",
                         "cos", "log", "mean", "neg", "abs", "square"})
 """Pointwise ops whose backward formula reads their input (autograd's derivatives.yaml)."""

@@ -33,6 +33,13 @@ class Plan:
     ``(("*.fc.weight", "S(0)"), ("head.weight", "R"))``; patterns match parameter names (as in
     ``model.named_parameters()``) with fnmatch, placements are ``S(<dim>)`` or ``R``. The
     layout of everything else is found from the graph around them."""
+    vocab_parallel: Optional[bool] = None
+    """How tensor parallelism lays out an LM head (a product over a vocabulary: tied to the
+    embedding, or feeding a cross-entropy, or shaped like a table the graph looks up;
+    ``passes/lm_head.py``): True splits it along the vocabulary (a tied lookup vocab-parallel, the
+    logits split, a cross-entropy in the graph vocab-parallel, logits that leave the graph
+    gathered), False keeps it whole on every rank, None lets the cost model of the compile's
+    cluster take the faster."""
     pp_schedule: Optional[str] = None
     """Pipeline schedule over the ``pp`` axis: one of ``gpipe``, ``1f1b``, ``interleaved``,
     ``zero_bubble``, or a user's own action list in the printed form of
@@ -91,6 +98,11 @@ class Plan:
             parse_placement(item[1])
         if self.tp_layout and not self.tp:
             raise ValueError("Plan(tp_layout=...) needs tp=True")
+        if not (self.vocab_parallel is None or isinstance(self.vocab_parallel, bool)):
+            raise TypeError(f"Plan(vocab_parallel={self.vocab_parallel!r}) takes True, False or None (the cost "
+                            "model chooses)")
+        if self.vocab_parallel is not None and not self.tp:
+            raise ValueError("Plan(vocab_parallel=...) needs tp=True: it lays out the LM head along the tp axis")
         if self.pp_schedule is not None and self.pp_schedule not in PP_SCHEDULES:
             self._check_custom_schedule()
         if not isinstance(self.microbatches, int) or self.microbatches < 1:

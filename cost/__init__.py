@@ -4,6 +4,7 @@
     cluster, cache                    hardware descriptions and presets; the local preset's cache
     calibration                       measuring this machine for the local preset (runs processes)
     profile                           what one rank computes, keeps and sends, read from the graph
+    lm_head                           an LM head whole or split along the vocabulary: priced, chosen
     estimate, replay                  a plan's step composed from those; the pipeline replayed
     planner                           the search over plans
 

@@ -45,6 +45,7 @@ from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import GROUP_TIME_FORMULA, compute_time, group_time
 from .formulas import dp_comm_elements, tp_layer_comm_elements
+from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .profile import GroupCost, Profile, profile
 from .replay import pipeline_placement, pipeline_time
@@ -134,8 +135,10 @@ class Profiles:
     """``cost.profile`` results per (tp size, sp), captured once and re-annotated per
     variant: the planner's cache."""
 
-    def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True):
+    def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True, cluster=None):
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
+        # LM heads laid out as a compile for ``cluster`` would (None: passes.lm_head's default)
+        self._ctx.head_policy = head_policy(cluster) if cluster is not None else None
         self._gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), self._ctx)
         self.flash = flash
         self._cache: dict = {}
@@ -664,6 +667,6 @@ def estimate_plan(model, mesh: Mesh, plan: Plan, *, example_inputs, example_kwar
     plan.check_mesh(mesh)
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full'")
-    profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)
+    profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention, cluster=cluster)
     gb = global_batch or profiles.base.rows
     return evaluate_plan(profiles, dict(mesh.axes), plan, get_cluster(cluster), gb, recompute=recompute)

@@ -322,7 +322,7 @@ def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cl
     c = get_cluster(cluster)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive integer")
-    profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)
+    profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention, cluster=c)
     base = profiles.base
     gb = global_batch or base.rows
     heads, layers = base.heads, len(base.layers)

@@ -31,6 +31,7 @@ import copy
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import fx
@@ -184,7 +185,7 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         return [], (float(val.numel()) if p and train else 0.0), False
-    if name in ("embedding",):
+    if name in ("embedding", "tp_vocab_embedding"):
         idx = node.args[1]
         return ([idx] if isinstance(idx, fx.Node) and idx in batch else []), 0.0, False
     if name in ATTENTION:
@@ -230,16 +231,18 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 
 
 def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
-            tp_layout: tuple = ()) -> Profile:
+            tp_layout: tuple = (), vocab_parallel: Optional[bool] = None) -> Profile:
     """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
     ``ctx0``; neither is changed: the passes run on a copy) on one rank of a tp group of size
     ``tp`` (see the module docstring). ``flash``: attention runs as a fused kernel (no a·s²
-    probabilities kept)."""
-    plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else ())
+    probabilities kept). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
+    as the compile lays them out."""
+    plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else (),
+                vocab_parallel=vocab_parallel if tp > 1 else None)
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
     gm = copy.deepcopy(gm)
-    for f in ("params", "in_spec", "out_spec", "constant_inputs"):
+    for f in ("params", "in_spec", "out_spec", "constant_inputs", "head_policy"):
         setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
@@ -288,7 +291,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             scales = node in batch       # parameter syncs and position-table slices do not
             g.tp_forward += [(kind, nb, scales) for kind, nb in f]
             g.tp_backward += [(kind, nb, scales) for kind, nb in b]
-            continue
+            if meta.LOWER not in node.meta:      # a lowered op (vocab-parallel loss) computes too
+                continue
         if node.op != "call_function" or node not in batch:
             continue
         split = _split_factor(node, mesh)

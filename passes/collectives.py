@@ -37,6 +37,7 @@ from autopar.runtime.tpcomm import (tp_all_reduce, tp_copy, tp_gather, tp_param_
 from autopar.sizes import FIRST_BUCKET_BYTES, chunk_range, cut_buckets, local_size, ring_bytes
 
 from .analysis import input_nodes
+from .lm_head import CE_VALUES
 from .tensor_parallel import varying as _varying
 
 
@@ -349,15 +350,17 @@ def _lower_vocab_parallel(node: fx.Node, comm: fx.Node, ctx: CompileContext) -> 
     t, r = ctx.mesh.axis_size("tp"), ctx.mesh.coordinate("tp")
     if node.meta[meta.LOWER] == "vocab_embedding":
         table, idx = node.args[:2]
+        pad = node.args[2] if len(node.args) > 2 else -1
         lo, hi = chunk_range(table.meta[meta.VAL].shape[0], t, r)
-        node.target, node.args, node.kwargs = tp_vocab_embedding, (table, idx, lo, hi), {}
+        node.target, node.args, node.kwargs = tp_vocab_embedding, (table, idx, lo, hi, pad), {}
         return
     a = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
     logits, target, reduction, ignore = a[0], a[1], a[3], a[4]
     lo, hi = chunk_range(logits.meta[meta.VAL].shape[1], t, r)
     node.target, node.args, node.kwargs = tp_vocab_cross_entropy, (logits, target, comm, lo, hi, reduction, ignore), {}
     rows = _dp_local_shape(logits, ctx)[0]
-    node.meta[meta.COMM] = CommInfo("all_reduce", "tp", 3 * ring_bytes("all_reduce", rows * 4.0, t), "forward",
+    nbytes = len(CE_VALUES) * ring_bytes("all_reduce", rows * 4.0, t)
+    node.meta[meta.COMM] = CommInfo("all_reduce", "tp", nbytes, "forward",
                                     "vocab-parallel cross_entropy: max, sum of exp and target logit per row "
                                     "(3 all-reduces of one value per row; the logits stay split)")
 

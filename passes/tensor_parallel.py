@@ -18,8 +18,11 @@ Between the two, every node takes the strategy of the rule registry that needs t
 communication, so the column shard flows through pointwise ops (GeLU, SwiGLU's product),
 the head split ``b,s,h -> b,s,nh,hd``, attention over heads and the merge back: the
 reduction is deferred to the row-parallel product, and only a consumer that needs the
-whole value (the residual add, LayerNorm) makes it an all-reduce. A parameter read by more
-than one node (a tied embedding and LM head) stays replicated, as do parameters no matmul
+whole value (the residual add, LayerNorm) makes it an all-reduce. An LM head (a product over a
+vocabulary, its table tied to the embedding or not; ``passes/lm_head.py``) is kept whole or
+split along the vocabulary, whichever the plan or the compile's cost model says is cheaper:
+split, a tied lookup and a cross-entropy on the logits are lowered vocabulary-parallel. Any
+other parameter read by more than one node stays replicated, as do parameters no matmul
 splits (norms, embeddings, biases of row-parallel layers).
 
 ``annotate`` then walks again with every parameter's placement fixed and records each
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -49,7 +51,8 @@ from autopar.placement import Layout, Partial, Replicate, Shard, TPParam, parse_
 from autopar.runtime.rng import rng_dropout
 from autopar.sizes import chunk, ring_bytes
 
-from .analysis import input_nodes, is_value
+from .analysis import ParamMatmul, input_nodes, is_value, param_matmul, param_name as _param_name
+from .lm_head import decide_head, find_heads, fold_losses, head_note
 from .rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
 from .rules.registry import replicated
 from .rules.view import _groups
@@ -71,42 +74,6 @@ def sp_op(target) -> bool:
     """Ops of the pointwise regions sequence parallelism shards along the sequence."""
     rule = RULES.get(target)
     return target is rng_dropout or target in _ROW_NORMS or (rule is not None and rule.__module__.endswith("pointwise"))
-
-
-@dataclass(frozen=True)
-class ParamMatmul:
-    act: fx.Node
-    weight: fx.Node
-    bias: Optional[fx.Node]
-    out_dim: int      # the weight's output-feature dim
-    in_dim: int       # the weight's input-feature dim
-    k: int            # the activation's contracted dim
-
-
-def _param_name(node, ctx) -> Optional[str]:
-    if isinstance(node, fx.Node) and node.op == "get_attr":
-        name = node.meta.get(meta.PARAM)
-        info = ctx.params.get(name)
-        if info is not None and not info.is_buffer:
-            return name
-    return None
-
-
-def param_matmul(node: fx.Node, ctx: CompileContext) -> Optional[ParamMatmul]:
-    t, a = node.target, node.args
-    if t == aten.linear.default:
-        x, w, b, out_dim, in_dim = a[0], a[1], (a[2] if len(a) > 2 else node.kwargs.get("bias")), 0, 1
-    elif t == aten.addmm.default and not node.kwargs:
-        b, x, w, out_dim, in_dim = a[0], a[1], a[2], 1, 0
-    elif t in (aten.mm.default, aten.matmul.default):
-        x, w, b, out_dim, in_dim = a[0], a[1], None, 1, 0
-    else:
-        return None
-    if _param_name(w, ctx) is None or w.meta[meta.VAL].dim() != 2 or not isinstance(x, fx.Node):
-        return None
-    if b is not None and _param_name(b, ctx) is None:
-        return None
-    return ParamMatmul(x, w, b, out_dim, in_dim, x.meta[meta.VAL].dim() - 1)
 
 
 def varying(s: Strategy) -> bool:
@@ -133,6 +100,7 @@ class _Walk:
         self.grouped: dict[fx.Node, int] = {}
         self.rows: list[tuple[fx.Node, ParamMatmul]] = []
         self.warned: set = set()
+        self.lookups: set = set()      # vocab-parallel lookups: their P(sum) is reduced by the next op
         uses: dict[str, int] = {}
         for node in gm.graph.nodes:
             name = _param_name(node, ctx)
@@ -141,6 +109,7 @@ class _Walk:
         self.multi_use = {n for n, k in uses.items() if k > 1}
         if decide:
             self._apply_overrides()
+            self._lay_out_heads()
 
     # -- parameters ------------------------------------------------------------------------
     def _apply_overrides(self):
@@ -151,6 +120,21 @@ class _Walk:
                                  f"named as in model.named_parameters(), e.g. {next(iter(self.ctx.params), '?')!r}")
             for name in hits:
                 self.params[name] = TPParam(parse_placement(text), 1, f"Plan tp_layout {pattern!r}")
+
+    def _lay_out_heads(self):
+        """Each LM head whole or split along the vocabulary (``lm_head.decide_head``), unless the
+        user fixed its weight; one line of explain says which and why."""
+        for head in find_heads(self.gm, self.ctx):
+            if head.weight in self.params:
+                continue
+            split, why = decide_head(head, self.ctx)
+            how = "split along the vocabulary" if split else "kept whole"
+            self.fix(head.weight, Shard(head.pm.out_dim) if split else R, f"lm head {how}")
+            if head.bias is not None:
+                self.fix(head.bias, Shard(0) if split else R, f"bias of the lm head, {how}")
+            if split:
+                fold_losses(self.gm, head)
+            self.ctx.notes.append(head_note(head, split, why))
 
     def undecided(self, name: Optional[str]) -> bool:
         return self.decide and name is not None and name not in self.params
@@ -248,6 +232,8 @@ class _Walk:
                 if any(w is not None and w != h for w, h in zip(want, have)):
                     return INF
                 continue
+            if a in self.lookups and isinstance(want, Partial):
+                return INF            # reduced once, here, not carried on to be reduced by every reader
             if self.grouped.get(a) and want != have:
                 return INF            # an interleaved shard is only ever split into its parts
             name = _param_name(a, self.ctx)
@@ -304,18 +290,15 @@ class _Walk:
         """The two ops vocabulary parallelism lowers (autopar.runtime.tpcomm): the lookup in a table
         split along the vocabulary (-> P(sum)), and the cross-entropy of logits split along
         the classes (-> R, never gathering the logits)."""
-        if node.target == aten.embedding.default and (len(node.args) <= 2 or node.args[2] == -1):
-            table = node.args[0]
-            name = _param_name(table, self.ctx)
-            if self.undecided(name) and self._tied_to_loss(table):
-                self.fix(name, Shard(0), "vocab-parallel: the table is tied to the LM head, whose "
-                                         "logits feed cross_entropy in the graph")
+        if node.target == aten.embedding.default and not any(node.args[3:5]):
+            name = _param_name(node.args[0], self.ctx)
             vocab = info.args[0].shape[0]
             if name in self.params and self.params[name].placement == Shard(0) and cur[1] == R:
                 if vocab < self.t or chunk(vocab, self.t) * (self.t - 1) >= vocab:
                     raise ValueError(f"{name}: a vocabulary of {vocab} rows leaves some of tp={self.t} "
                                      "ranks without rows; keep the table whole (Plan tp_layout 'R')")
                 node.meta[meta.LOWER] = "vocab_embedding"
+                self.lookups.add(node)
                 return Strategy((Shard(0), R), Partial())
         if node.target == aten.cross_entropy_loss.default:
             a = node.args
@@ -324,23 +307,6 @@ class _Walk:
                 node.meta[meta.LOWER] = "vocab_cross_entropy"
                 return Strategy((Shard(1), R), R)
         return None
-
-    def _tied_to_loss(self, table: fx.Node) -> bool:
-        """The table is read by one lookup and one parameter matmul (the tied LM head) whose
-        output reaches a cross_entropy through views: the loss is in the graph."""
-        users = list(table.users)
-        heads = [u for u in users if (pm := param_matmul(u, self.ctx)) is not None and pm.weight is table]
-        if len(users) != 2 or len(heads) != 1:
-            return False
-        todo = [heads[0]]
-        while todo:
-            n = todo.pop()
-            for u in n.users:
-                if u.target == aten.cross_entropy_loss.default and u.args[0] is n:
-                    return True
-                if u.target in VIEWLIKE:
-                    todo.append(u)
-        return False
 
     # -- Megatron's choices ----------------------------------------------------------------
     def _decide_matmul(self, node, pm: ParamMatmul, info, strategies, ins, cur) -> Optional[Strategy]:

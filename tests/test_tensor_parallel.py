@@ -92,7 +92,8 @@ def _tp_nodes(dm):
 def test_megatron_block_collectives(layers):
     """tp: per block exactly 2 all-reduces in forward (after the attention and MLP row
     products) and their conjugates in backward (Megatron's f before the qkv and fc column
-    products); nothing else moves: the tied LM head stays replicated."""
+    products); nothing else moves: the tied LM head stays replicated (at this size the cost
+    model keeps it whole: test_lm_head.py)."""
     c = GPTConfig(layers=layers)
     tok, _ = gpt_batch(c, 8)
     dm = _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=2)
@@ -217,8 +218,9 @@ def test_activation_memory_per_layer(ranks, t):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("t", [2, 4])
 def test_vocab_parallel_parity(ranks, t):
-    """Loss in the graph: the tied table is split along its 67 rows (34/33 at t=2, 17/17/17/16
-    at t=4), the lookup and the cross-entropy are lowered, and training matches one device."""
+    """Loss in the graph, the head split (Plan(vocab_parallel=True)): the tied table is split along
+    its 67 rows (34/33 at t=2, 17/17/17/16 at t=4), the lookup and the cross-entropy are lowered,
+    and training matches one device (more in test_lm_head.py)."""
     reports = ranks(tensor_parallel.parity_vocab_parallel, t, timeout=300)
     for sp in (False, True):
         rows = [r[("table", sp)] for r in reports]
@@ -229,7 +231,7 @@ def test_vocab_parallel_parity(ranks, t):
 def test_vocab_parallel_never_gathers_logits():
     c = GPTConfig(layers=2)
     tok, tgt = gpt_batch(c, 8)
-    dm = _compile(tensor_parallel.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True), tp=2)
+    dm = _compile(tensor_parallel.GPTWithLoss(c), (tok, tgt), autopar.Plan(tp=True, vocab_parallel=True), tp=2)
     kinds = sorted(name for name, _ in _tp_nodes(dm))
     assert "tp_gather" not in kinds, kinds
     assert kinds.count("tp_vocab_embedding") == 1 and kinds.count("tp_vocab_cross_entropy") == 1

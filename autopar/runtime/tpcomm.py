@@ -25,7 +25,7 @@ gradient travels while the weight gradient is computed.
 
 Two ops are lowered rather than run on their local pieces (vocabulary parallelism):
 
-    tp_vocab_embedding(w, idx, lo, hi)
+    tp_vocab_embedding(w, idx, lo, hi, padding_idx)
                              the table split along the vocabulary, S(0): each rank looks up
                              the tokens in its rows [lo, hi) and zeros the rest -> P(sum)
     tp_vocab_cross_entropy(logits, target, comm, lo, hi, reduction, ignore_index)
@@ -307,10 +307,13 @@ def tp_split(x: torch.Tensor, comm: AxisComm, dim: int, size: int) -> torch.Tens
     return _Split.apply(x, comm, dim, size)
 
 
-def tp_vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Lookup in this rank's rows [lo, hi) of the table; other tokens give zeros (P(sum))."""
+def tp_vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
+                       padding_idx: int = -1) -> torch.Tensor:
+    """Lookup in this rank's rows [lo, hi) of the table; other tokens give zeros (P(sum)). The
+    gradient reaches only this rank's rows of the tokens it owns (none for ``padding_idx``)."""
     outside = (idx < lo) | (idx >= hi)
-    out = F.embedding((idx - lo).masked_fill(outside, 0), weight)
+    pad = padding_idx - lo if lo <= padding_idx < hi else None
+    out = F.embedding((idx - lo).masked_fill(outside, 0), weight, padding_idx=pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

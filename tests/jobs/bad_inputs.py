@@ -272,7 +272,8 @@ def tp_odd_heads():
 def tp_vocab_smaller_than_tp():
     c = GPTConfig(vocab=1)
     tok, tgt = gpt_batch(c, 8)
-    autopar.compile(_GPTLoss(c), _mesh(tp=2), example_inputs=(tok, tgt), plan=autopar.Plan(tp=True))
+    autopar.compile(_GPTLoss(c), _mesh(tp=2), example_inputs=(tok, tgt),
+                    plan=autopar.Plan(tp=True, vocab_parallel=True))
 
 
 def batch_not_divisible_by_dp():
@@ -474,7 +475,7 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
     ("batch_statistic_dp", "h - h.mean(dim=0): a statistic over the batch, under dp", "ValueError",
      r"cannot run on its inputs as data parallelism lays them out.*mixes samples"),
     ("tp_odd_heads", "3 attention heads over tp=2", "ValueError", r"leading 3 \(attention heads\) does not divide by tp=2"),
-    ("tp_vocab_smaller_than_tp", "a vocabulary of 1 token over tp=2 (loss in the graph)", "ValueError",
+    ("tp_vocab_smaller_than_tp", "a vocabulary of 1 token over tp=2, the head split", "ValueError",
      r"vocabulary of 1 rows leaves some of tp=2 ranks without rows"),
     ("batch_not_divisible_by_dp", "a global batch of 5 rows over dp=2", "ValueError",
      r"5 rows along dim 0, which does not divide by dp=2"),

@@ -96,11 +96,10 @@ def parity_vocab_parallel():
     tok, tgt = gpt_batch(c, 8)
     out = {}
     for sp in (False, True):
-        out[sp] = parity(lambda: GPTWithLoss(c), autopar.Mesh(tp=t), autopar.Plan(tp=True, sp=sp),
-                         (tok, tgt), tgt, lambda loss, _: loss)
+        plan = autopar.Plan(tp=True, sp=sp, vocab_parallel=True)
+        out[sp] = parity(lambda: GPTWithLoss(c), autopar.Mesh(tp=t), plan, (tok, tgt), tgt, lambda loss, _: loss)
         torch.manual_seed(0)
-        dm = autopar.compile(GPTWithLoss(c), autopar.Mesh(tp=t), example_inputs=(tok, tgt),
-                             plan=autopar.Plan(tp=True, sp=sp))
+        dm = autopar.compile(GPTWithLoss(c), autopar.Mesh(tp=t), example_inputs=(tok, tgt), plan=plan)
         out[("table", sp)] = tuple(dm.module.get_parameter("gpt.wte.weight").shape)
     return out
 
