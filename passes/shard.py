@@ -26,7 +26,7 @@ from autopar.context import CompileContext
 from autopar.placement import Layout, Replicate, Shard
 from . import tensor_parallel
 from .analysis import input_nodes, is_value
-from .rules import OpInfo, format_placement, strategies_for
+from .rules import OpInfo, format_placement, rule_for, strategies_for
 
 R = Replicate()
 
@@ -55,19 +55,23 @@ def _choose(node: fx.Node, placed: dict, n: int):
     ins = input_nodes(node)
     current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in ins)
     sliceable = tuple(a.op != "get_attr" for a in ins)   # parameters are never sliced
+    whole = all(_replicated(p) for p in current) or n == 1   # (one dp rank: nothing is split)
+    if whole and rule_for(node.target) is None:
+        return None          # nothing sharded reaches it: no need to search the op's strategies
     strategies = strategies_for(OpInfo.from_node(node, n), n)
     if strategies is None:
-        if all(_replicated(p) for p in current) or n == 1:   # (one dp rank: nothing is split)
-            return None
         raise NotImplementedError(
             f"autopar has no sharding rule for {node.target} (node {node.name}), which reads the "
-            "batch shard; add a rule in passes/rules/ so that data parallelism knows whether the "
-            "op can run on a slice of the batch")
+            f"batch shard, and no candidate placement matched when its strategies were searched "
+            f"(passes/rules/search.py, along dp={n}); add a rule in passes/rules/ so that data "
+            "parallelism knows whether the op can run on a slice of the batch")
     for slicing in (False, True):
         for s in strategies:
             if all(_matches(r, c) or (slicing and ok and _free(r, c))
                    for r, c, ok in zip(s.inputs, current, sliceable)):
                 return s
+    if n == 1:       # one dp rank splits nothing: the op runs whole, as one without a rule does
+        return None
     raise ValueError(
         f"node {node.name} ({node.target}) cannot run on its inputs as data parallelism lays them "
         f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op mixes samples "

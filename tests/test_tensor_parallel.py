@@ -241,22 +241,23 @@ def test_vocab_parallel_never_gathers_logits():
 
 
 def test_op_without_rule_runs_replicated_with_a_warning():
-    """cumsum has no sharding rule: its tp-sharded input is gathered, it runs replicated, and
-    the compile says so (naming the op); training matches one device (the test below)."""
+    """logsumexp over every dim has no sharding rule and the strategy search finds no sharded
+    layout for it: its tp-sharded input is gathered, it runs replicated, and the compile says
+    so (naming the op); training matches one device (the test below)."""
     x, _ = mlp_batch()
-    dm = _compile(tensor_parallel.CumsumMLP(), (x,), autopar.Plan(tp=True), tp=2)
-    warnings = [n for n in dm.ctx.notes if "no sharding rule for aten.cumsum.default" in n]
+    dm = _compile(tensor_parallel.NoRuleMLP(), (x,), autopar.Plan(tp=True), tp=2)
+    warnings = [n for n in dm.ctx.notes if "no sharding rule for aten.logsumexp.default" in n]
     assert len(warnings) == 1 and "runs replicated" in warnings[0]
-    assert "cumsum" in dm.explain()
-    cumsum = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.cumsum.default)
-    assert cumsum.args[0].target.__name__ == "tp_wait"       # of the gather's tp_start
-    assert cumsum.args[0].args[0].args[0] == "all_gather"
+    assert "logsumexp" in dm.explain()
+    lse = next(n for n in dm.module.graph.nodes if n.target == torch.ops.aten.logsumexp.default)
+    assert lse.args[0].target.__name__ == "tp_wait"       # of the gather's tp_start
+    assert lse.args[0].args[0].args[0] == "all_gather"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_small_tp_models_match_one_device(ranks):
-    """The op without a rule (cumsum) and a row product read directly by a column product."""
+    """The op without a rule (logsumexp over every dim) and a row product read directly by a column product."""
     _check(ranks(tensor_parallel.parity_small_tp, 2, timeout=200), "small tp models")
 
 

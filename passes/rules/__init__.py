@@ -9,8 +9,11 @@ by brute force on small tensors. Usage::
         print(s)                             # e.g. "S(0),R -> S(0)"
 """
 from .registry import (LOCALIZERS, RULES, OpInfo, Strategy, TensorMeta, format_placement, local_size, localize,
-                       register, register_localize, shrink, strategies_for, tensor_inputs)
-from . import attention, embedding, factory, loss, matrix, pointwise, reduction, view  # noqa: F401
+                       register, register_localize, rule_for, shrink, strategies_for, tensor_inputs)
+from . import (attention, conv, embedding, factory, index, loss, matrix, moe, pointwise,  # noqa: F401
+               reduction, scalar, spatial, view)
+from . import search  # noqa: F401  (registers the strategy search for ops without a rule)
 
 __all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "register", "format_placement",
-           "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs", "shrink"]
+           "register_localize", "rule_for", "strategies_for", "localize", "local_size", "tensor_inputs",
+           "shrink"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .registry import PARTIALS, R, OpInfo, Strategy, register, replicated, shardable_dims
-from autopar.placement import Shard
+from .registry import (PARTIALS, R, OpInfo, Strategy, arg, nonempty, register, replicated,
+                       shardable_dims, tensor_inputs)
+from autopar.placement import Partial, Shard
 
 aten = torch.ops.aten
 
@@ -27,4 +28,27 @@ def embedding(info: OpInfo) -> list:
     if weight.shape[1] > 1:
         found.append(Strategy((Shard(1), R), Shard(indices.ndim)))
     found += [Strategy((p, R), p) for p in PARTIALS]
+    return found
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_backward(info: OpInfo) -> list:
+    grad, indices = info.args[0], info.args[1]
+    found = [replicated(info)] + [Strategy((Partial(p), R), Partial(p)) for p in ("sum", "avg")]
+    if not arg(info, 4, "scale_grad_by_freq"):
+        found += [Strategy((Shard(d), Shard(d)), Partial()) for d in shardable_dims(indices.shape)]
+    if grad.shape[-1] > 1:
+        found.append(Strategy((Shard(grad.ndim - 1), R), Shard(1)))
+    return found
+
+
+@register(aten._embedding_bag.default)
+def embedding_bag(info: OpInfo) -> list:
+    """(weight, indices, offsets, ..., mode, ...) -> (out, offset2bag, bag_size, max_indices)."""
+    weight, k, mode = info.args[0], len(tensor_inputs(info)), arg(info, 4, "mode", 0)
+    found = [replicated(info)]
+    if nonempty(weight.shape[1], info.n):   # the kernel refuses an empty table
+        found.append(Strategy((Shard(1),) + (R,) * (k - 1), (Shard(1), R, R, Shard(1) if mode == 2 else R)))
+    if mode != 2:
+        found += [Strategy((Partial(p),) + (R,) * (k - 1), (Partial(p), R, R, R)) for p in ("sum", "avg")]
     return found

@@ -2,26 +2,30 @@
 
 Their output can be made directly in any layout: each rank creates its own piece, with the
 sizes (and arange's bounds) rewritten by ``localize`` to the rank's share. ``new_*`` read
-only their input's dtype and device; the rule lists it replicated.
+only their input's dtype and device; the rule lets it be laid out in any way.
 ``arange(end)`` has no start argument to move, so it is only offered replicated; the
 ``start`` overloads shard (integer bounds only, where the rank's bounds are exact).
+``empty`` shards like ``zeros`` (its values are unspecified). Random factories (``rand``,
+``randn``, ``randperm``) are replicated only: ranks draw alike from the same seed, and the
+rng pass arranges per-rank draws for dropout alone; ``empty_strided``'s strides are global.
 """
 from __future__ import annotations
 
 import torch
 
-from .registry import (OpInfo, Strategy, arg, local_size, register, register_localize,
-                       replicated, shardable_dims, with_arg)
+from .registry import (R, OpInfo, Strategy, arg, local_size, register, register_localize,
+                       replicated, shardable_dims, tensor_inputs, unread, with_arg)
 from autopar.placement import Shard
 from autopar.sizes import chunk_range
 
 aten = torch.ops.aten
 _SIZE_POS = {aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0,
-             aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1}
+             aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
+             aten.empty.memory_format: 0}
 
 
-@register(*_SIZE_POS, aten.scalar_tensor.default, aten.arange.default, aten.arange.start,
-          aten.arange.start_step)
+@register(*(op for op in _SIZE_POS if op != aten.empty.memory_format), aten.scalar_tensor.default,
+          aten.arange.default, aten.arange.start, aten.arange.start_step)
 def factory(info: OpInfo) -> list:
     found = [replicated(info)]
     if info.target in (aten.arange.start, aten.arange.start_step):
@@ -29,8 +33,22 @@ def factory(info: OpInfo) -> list:
             return found
     elif info.target not in _SIZE_POS:
         return found
-    rest = replicated(info).inputs
-    return found + [Strategy(rest, Shard(d)) for d in shardable_dims(info.out.shape)]
+    outs = [R] + [Shard(d) for d in shardable_dims(info.out.shape)]
+    ins = tensor_inputs(info)
+    if not ins:
+        return found + [Strategy((), p) for p in outs]
+    pairs = [(p, q) for p in unread(ins[0]) for q in outs]
+    pairs.sort(key=lambda pq: pq[0] != pq[1])    # first: the output laid out as the input
+    return found + [Strategy((p,), q) for p, q in pairs]
+
+
+register(aten.empty.memory_format, random=True)(factory)
+
+
+@register(aten.rand.default, aten.randn.default, aten.randperm.default,
+          aten.empty_strided.default, random=True)
+def random_factory(info: OpInfo) -> list:
+    return [replicated(info)]
 
 
 @register_localize(*_SIZE_POS)

@@ -88,3 +88,28 @@ def matmul(info: OpInfo) -> list:
     tb = "k" if b == 1 else batch[len(batch) - (b - 2):] + "kn"
     out = batch + ("m" if a > 1 else "") + ("n" if b > 1 else "")
     return einsum_strategies(info, [ta, tb], out)
+
+
+@register(aten._cdist_forward.default)
+def cdist(info: OpInfo) -> list:
+    """Distances between the rows of x1[..., P, M] and x2[..., R, M] -> [..., P, R]: the batch
+    and either operand's rows shard; the features M do not (a p-norm is no sum of addends)."""
+    x1, x2 = info.args[0], info.args[1]
+    nd, found = info.out.ndim, [replicated(info)]
+    for d in range(nd - 2):
+        size = info.out.shape[d]
+        pl = tuple(Shard(d - (nd - x.ndim)) if d - (nd - x.ndim) >= 0 and x.shape[d - (nd - x.ndim)] == size
+                   else R for x in (x1, x2))
+        if size > 1:
+            found.append(Strategy(pl, Shard(d)))
+    if x1.shape[-2] > 1:
+        found.append(Strategy((Shard(x1.ndim - 2), R), Shard(nd - 2)))
+    if x2.shape[-2] > 1:
+        found.append(Strategy((R, Shard(x2.ndim - 2)), Shard(nd - 1)))
+    return found
+
+
+@register(aten._pdist_forward.default)
+def pdist(info: OpInfo) -> list:
+    """The condensed distances between all pairs of rows: every output reads two rows."""
+    return [replicated(info)]

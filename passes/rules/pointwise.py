@@ -10,13 +10,16 @@ gelu(a1)``, so no Partial strategy is offered.
 
 Dropout: a Shard strategy is right when each rank draws its own mask, a Replicate one when
 all ranks draw the same; arranging the RNG that way is the lowering's job.
+
+An in-place op (``add_``, ``copy_``, ``masked_fill_``) takes its out-of-place form's rule,
+less the strategies that would change the mutated input's placement (``inplace``).
 """
 from __future__ import annotations
 
 import torch
 
-from .registry import (PARTIALS, R, OpInfo, Strategy, TensorMeta, arg, like_out, register,
-                       replicated, shardable_dims)
+from .registry import (PARTIALS, R, OpInfo, Strategy, TensorMeta, arg, inplace, like_out,
+                       register, replicated, shardable_dims, unread)
 from autopar.placement import Partial, Shard
 
 aten = torch.ops.aten
@@ -75,20 +78,28 @@ def mul_div(info: OpInfo) -> list:
     return found + [_partial(info, k, at) for k in ("sum", "avg") for at in factors]
 
 
+register(aten.add_.Tensor)(inplace(add_sub))
+register(aten.div_.Tensor)(inplace(mul_div))
+
+
 @register(aten.neg.default)
 def neg(info: OpInfo) -> list:
     return elementwise(info) + [_partial(info, k, {0}, _FLIP[k]) for k in _FLIP]
 
 
-@register(aten.exp.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default)
+@register(aten.exp.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
+          aten.atan.default, aten.asinh.default, aten.expm1.default, aten.ceil.default,
+          aten.floor.default, aten.round.default, aten.trunc.default, aten.sign.default,
+          aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default)
 def monotone(info: OpInfo) -> list:
-    """Non-decreasing on all reals: f(max_i a_i) = max_i f(a_i)."""
+    """Non-decreasing on all reals: f(max_i a_i) = max_i f(a_i) (clamp: in x, with its
+    bounds replicated)."""
     return elementwise(info) + [_partial(info, k, {0}) for k in ("max", "min")]
 
 
 @register(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
           aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype,
-          aten.to.dtype_layout)
+          aten.to.dtype_layout, aten.to.device)
 def identity(info: OpInfo) -> list:
     """Copies and casts keep every placement; a Partial only between floating dtypes (see
     ``_cast_partials``)."""
@@ -108,12 +119,11 @@ def _cast_partials(info: OpInfo) -> list:
 
 @register(aten.type_as.default)
 def type_as(info: OpInfo) -> list:
-    """x cast to other's dtype: only other's dtype is read, so other keeps x's shard when
-    they have the same shape and is replicated otherwise."""
+    """x cast to other's dtype: only other's dtype is read, so other may be laid out in any way."""
     x, other = info.args[0], info.args[1]
-    found = [replicated(info)] + [Strategy((Shard(d), Shard(d) if x.shape == other.shape else R),
-                                           Shard(d)) for d in shardable_dims(x.shape)]
-    return found + _cast_partials(info)
+    cast = [(R, R)] + [(Shard(d), Shard(d)) for d in shardable_dims(x.shape)]
+    cast += [(s.inputs[0], s.output) for s in _cast_partials(info)]
+    return [Strategy((p, q), out) for p, out in cast for q in unread(other)]
 
 
 @register(aten._assert_tensor_metadata.default)
@@ -137,7 +147,33 @@ def masked_fill(info: OpInfo) -> list:
     return found
 
 
-@register(aten.where.self)
+register(aten.masked_fill_.Scalar)(inplace(masked_fill))
+register(aten.detach_.default)(inplace(identity))
+
+
+@register(aten.fill.Scalar)
+def fill(info: OpInfo) -> list:
+    """Every element becomes the value: any shard; the value held on every rank is its own
+    average, max and min."""
+    return elementwise(info) + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
+
+
+@register(aten.copy.default)
+def copy(info: OpInfo) -> list:
+    """``self`` takes ``src``'s values (broadcast, cast to self's dtype): self's placement is
+    irrelevant but kept; a Partial passes where the cast does (see ``_cast_partials``)."""
+    self_, src = info.args[0], info.args[1]
+    found = elementwise(info)
+    if self_.shape == src.shape and self_.dtype == src.dtype and src.dtype.is_floating_point:
+        found += [Strategy((p, p), p) for p in PARTIALS]
+    return found
+
+
+register(aten.fill_.Tensor)(inplace(fill))
+register(aten.copy_.default)(inplace(copy))
+
+
+@register(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
 def where(info: OpInfo) -> list:
     """Condition replicated; both branches reduced alike, or (avg/max/min) one with R."""
     found = elementwise(info)
@@ -153,9 +189,20 @@ register(  # elementwise, no Partial passes through
     aten.reciprocal.default, aten.abs.default, aten.sin.default, aten.cos.default,
     aten.erf.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.gelu.default,
     aten.silu.default, aten.dropout.default, aten.native_dropout.default,
-    aten.maximum.default, aten.minimum.default, aten.logical_not.default,
+    aten.maximum.default, aten.minimum.default, aten.max.other, aten.min.other,
+    aten.logical_not.default,
     aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar,
     aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor, aten.gt.Scalar, aten.gt.Tensor,
     aten.ge.Scalar, aten.ge.Tensor, aten.zeros_like.default, aten.ones_like.default,
-    aten.full_like.default,
+    aten.full_like.default, aten.acos.default, aten.acosh.default, aten.asin.default,
+    aten.atanh.default, aten.cosh.default, aten.sinh.default, aten.tan.default, aten.log10.default,
+    aten.log1p.default, aten.log2.default, aten.atan2.default, aten.atan2.out,
+    aten.div.Tensor_mode, aten.div.Scalar_mode, aten.floor_divide.default, aten.fmod.Tensor,
+    aten.fmod.Scalar, aten.remainder.Tensor, aten.remainder.Scalar, aten.pow.Scalar,
+    aten.square.default, aten.elu.default, aten.leaky_relu.default, aten.isinf.default,
+    aten.isnan.default, aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_or.Tensor,
+    aten.bitwise_or.Scalar, aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar,
+    aten.bitwise_not.default, aten.__and__.Tensor, aten.logical_and.default,
+    aten.logical_or.default, aten.logical_xor.default,
 )(elementwise)
+register(aten.empty_like.default, random=True)(elementwise)   # values unspecified

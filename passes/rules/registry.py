@@ -14,6 +14,12 @@ offer only what is correct for every axis size.
 ``localize`` rewrites the op's non-tensor arguments that carry global sizes (view sizes,
 factory sizes) for one rank, so the op can run on that rank's pieces.
 
+An op of another library (``torch.ops.transformers.grouped_mm_fallback``) is registered by its
+name, ``str(op)``: the table finds the rule when a graph's node carries the op, so the rule
+exists before (and without) the library being imported. An op with no rule at all is handed
+to the strategy search (``search``), which registers itself with ``register_search``: the
+registry cannot import it (the search runs ``check``, which reads the registry).
+
 Conventions: a tensor input is a ``TensorMeta``; a list of tensors (``cat``'s argument) is
 a list of them, each its own input; the value of a multi-output node (what ``getitem``
 reads) is a tuple of them and counts as ONE input whose placement is a tuple, where
@@ -21,6 +27,7 @@ reads) is a tuple of them and counts as ONE input whose placement is a tuple, wh
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -33,9 +40,9 @@ from autopar import meta
 from autopar.placement import Partial, Placement, Replicate, Shard
 from autopar.sizes import local_size
 
-__all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "register",
-           "register_localize", "strategies_for", "localize", "local_size", "tensor_inputs",
-           "format_placement", "shrink"]
+__all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "RANDOM", "register",
+           "register_localize", "register_search", "rule_for", "strategies_for", "localize",
+           "local_size", "tensor_inputs", "format_placement", "shrink", "inplace"]
 
 R = Replicate()
 PARTIALS = tuple(Partial(op) for op in ("sum", "avg", "max", "min"))
@@ -103,6 +110,24 @@ def _fake(v):
     return v
 
 
+def _holds(v, cls) -> bool:
+    if isinstance(v, cls):
+        return True
+    if isinstance(v, dict):
+        v = list(v.values())
+    return isinstance(v, (list, tuple)) and any(_holds(x, cls) for x in v)
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _clone(x) for k, x in v.items()}
+    return v
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """One call of an op, described by shapes: what a rule reads."""
@@ -139,7 +164,14 @@ class OpInfo:
             args = (tuple(args[0]),) + tuple(args[1:])
         margs = tuple(conv(a) for a in args)
         mkw = {k: conv(v) for k, v in kwargs.items()}
-        out = op(*_fake(margs), **_fake(mkw))
+        try:
+            out = op(*_fake(margs), **_fake(mkw))
+        except (NotImplementedError, RuntimeError):
+            # the op reads a value (item()) or its output shape depends on the values
+            # (nonzero): run it on copies of the real tensors, where they were given
+            if _holds(args, TensorMeta) or _holds(kwargs, TensorMeta) or not _holds(args, torch.Tensor):
+                raise
+            out = op(*_clone(args), **_clone(kwargs))
         return cls(op, margs, mkw, _out_meta(out), n)
 
     def with_n(self, n: Optional[int]) -> "OpInfo":
@@ -181,20 +213,60 @@ def tensor_inputs(info: OpInfo) -> list:
 
 
 RuleFn = Callable[[OpInfo], list]
-RULES: dict[Any, RuleFn] = {}
-"""op -> rule; filled by ``@register`` in the family files."""
+
+
+class RuleTable(dict):
+    """op -> rule, where an op of another library may be keyed by its name (``str(op)``):
+    looking up the OpOverload finds a rule registered under its name."""
+
+    def get(self, op, default=None):
+        if dict.__contains__(self, op):
+            return dict.__getitem__(self, op)
+        return dict.get(self, str(op), default) if isinstance(op, torch._ops.OpOverload) else default
+
+    def __contains__(self, op) -> bool:
+        return self.get(op) is not None
+
+    def __missing__(self, op):
+        rule = self.get(op)
+        if rule is None:
+            raise KeyError(op)
+        return rule
+
+
+RULES: dict[Any, RuleFn] = RuleTable()
+"""op (or an op's name, for another library's op) -> rule; filled by ``@register``."""
 LOCALIZERS: dict[Any, Callable] = {}
 """op -> localizer, for the ops whose non-tensor arguments carry global sizes."""
+RANDOM: set = set()
+"""ops whose output values are random or unspecified (``rand``, ``empty``): the validator
+compares only their shapes and dtypes, and the search never runs such an op."""
+_SEARCH: list = []
 
 
-def register(*ops):
-    """Decorator: ``rule_fn`` lists the strategies of each op in ``ops``."""
+def register(*ops, random: bool = False):
+    """Decorator: ``rule_fn`` lists the strategies of each op in ``ops`` (an OpOverload, or
+    the name ``str(op)`` of another library's op); ``random``: the op's values are random."""
     def deco(fn):
         for op in ops:
-            assert op not in RULES, f"two sharding rules for {op}: {RULES[op].__name__}, {fn.__name__}"
+            assert not dict.__contains__(RULES, op), \
+                f"two sharding rules for {op}: {RULES[op].__name__}, {fn.__name__}"
             RULES[op] = fn
+            if random:
+                RANDOM.add(op)
         return fn
     return deco
+
+
+def rule_for(op) -> Optional[RuleFn]:
+    """The rule registered for ``op`` (or under its name), or None."""
+    return RULES.get(op)
+
+
+def register_search(fn: Callable) -> Callable:
+    """``fn(info) -> strategies`` finds the strategies of an op that has no rule."""
+    _SEARCH[:] = [fn]
+    return fn
 
 
 def register_localize(*ops):
@@ -208,22 +280,25 @@ def register_localize(*ops):
 
 def strategies_for(info: OpInfo, n: Optional[int] = None) -> Optional[list]:
     """The op's strategies along one mesh axis of ``n`` ranks (default ``info.n``), without
-    duplicates, all-Replicate first; None when no rule is registered for the op.
+    duplicates, all-Replicate first. An op with no rule is handed to the search; None when
+    it finds no sharded strategy either (or no search is registered): the caller replicates
+    the op or refuses it, as for an op nothing is known about.
 
     Partial placements are kept to floating tensors (rules list them by op, not by dtype):
     integer masks and indices are never held as addends."""
-    rule = RULES.get(info.target)
-    if rule is None:
-        return None
     if n is not None:
         info = info.with_n(n)
+    rule = RULES.get(info.target)
+    listed = rule(info) if rule is not None else _SEARCH[0](info) if _SEARCH else []
+    if rule is None and len(listed) <= 1:
+        return None
     out, seen = [], set()
-    for s in rule(info):
+    for s in listed:
         if s not in seen and not _partial_on_integers(info, s):
             seen.add(s)
             out.append(s)
     out.sort(key=lambda s: not _all_replicate(s))
-    assert out and _all_replicate(out[0]), f"rule {rule.__name__} has no all-Replicate strategy"
+    assert out and _all_replicate(out[0]), f"the strategies of {info.target} lack the all-Replicate one"
     return out
 
 
@@ -292,6 +367,13 @@ def replicated(info: OpInfo) -> Strategy:
     return Strategy(ins, out)
 
 
+def unread(m: TensorMeta) -> list:
+    """Every placement of a tensor whose values the op does not read (only its dtype): R, a
+    shard of any dim, and (floating) any Partial."""
+    return [R] + [Shard(d) for d in shardable_dims(m.shape)] + (
+        list(PARTIALS) if m.dtype.is_floating_point else [])
+
+
 def like_out(info: OpInfo, p):
     """``p`` for the output, or for each output of a multi-output op."""
     return tuple(p for _ in info.out) if isinstance(info.out, tuple) else p
@@ -307,6 +389,16 @@ def local_shape(shape, placement, n: int, index: int) -> tuple:
         shape = list(shape)
         shape[placement.dim] = local_size(shape[placement.dim], n, index)
     return tuple(shape)
+
+
+def inplace(rule: RuleFn) -> RuleFn:
+    """The rule of an in-place op from its out-of-place form's: the output is the mutated
+    first input, so only strategies that leave that input's placement as it is are kept."""
+    @functools.wraps(rule)          # keeps the family's module: sequence parallelism reads it
+    def rule_(info: OpInfo) -> list:
+        return [s for s in rule(info) if s.inputs[0] == s.output]
+    rule_.__name__ = f"{rule.__name__}_"
+    return rule_
 
 
 def prod(xs) -> int:

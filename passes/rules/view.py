@@ -21,7 +21,7 @@ import torch
 from .registry import (PARTIALS, R, OpInfo, Strategy, TensorMeta, arg, like_out, local_size,
                        norm_dim, prod, register, register_localize, replicated,
                        shardable_dims, tensor_inputs, with_arg)
-from autopar.placement import Shard
+from autopar.placement import Partial, Shard
 from autopar.sizes import chunk_range
 
 aten = torch.ops.aten
@@ -76,11 +76,13 @@ def view(info: OpInfo) -> list:
                         if _keeps_chunks(a, ga, b, gb, info.n)})
 
 
-@register(aten.transpose.int, aten.t.default, aten.permute.default)
+@register(aten.transpose.int, aten.t.default, aten.permute.default, aten.numpy_T.default)
 def permute(info: OpInfo) -> list:
     nd = info.args[0].ndim
     if info.target == aten.permute.default:
         perm = [norm_dim(d, nd) for d in info.args[1]]
+    elif info.target == aten.numpy_T.default:
+        perm = list(reversed(range(nd)))
     else:
         d0, d1 = (norm_dim(arg(info, 1, "dim0"), nd), norm_dim(arg(info, 2, "dim1"), nd)) \
             if info.target == aten.transpose.int else (0, min(1, nd - 1))
@@ -89,7 +91,7 @@ def permute(info: OpInfo) -> list:
     return moves(info, {src: dst for dst, src in enumerate(perm)})
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, aten.broadcast_to.default)
 def expand(info: OpInfo) -> list:
     x, out = info.args[0], info.out.shape
     off = len(out) - x.ndim
@@ -104,6 +106,73 @@ def along_other_dims(info: OpInfo) -> list:
     pos = 1 if info.target in (aten.cat.default, aten.slice.Tensor) else 2
     dim = norm_dim(arg(info, pos, "dim", 0), nd)
     return moves(info, {d: d for d in range(nd) if d != dim})
+
+
+@register(aten.stack.default)
+def stack(info: OpInfo) -> list:
+    """Stacking along a new ``dim`` keeps a shard of any input dim, moved past the new one."""
+    nd = tensor_inputs(info)[0].ndim
+    dim = norm_dim(arg(info, 1, "dim", 0), nd + 1)
+    return moves(info, {d: d + (d >= dim) for d in range(nd)})
+
+
+@register(aten.flip.default, aten.diff.default, aten.repeat_interleave.self_int)
+def along_dims(info: OpInfo) -> list:
+    """Ops along some dims (flip's ``dims``, diff's and repeat_interleave's ``dim``; no dim:
+    the flattened tensor) keep a shard of the others; diff's prepend/append shard alike.
+    Repeating each row ``r`` times keeps the shard of ``dim`` itself where every rank's ``r``
+    copies of its rows are its ceil chunk of the output (the MoE token-per-expert copy)."""
+    nd = info.args[0].ndim
+    if info.target == aten.flip.default:
+        dims = info.args[1]
+    else:
+        dim = arg(info, 2, "dim", -1 if info.target == aten.diff.default else None)
+        dims = range(nd) if dim is None else [dim]
+    dims = {norm_dim(d, nd) for d in dims}
+    found = moves(info, {d: d for d in range(nd) if d not in dims})
+    if info.target == aten.diff.default:     # differences: linear, but not monotone
+        found = [s for s in found if s.output not in (Partial("max"), Partial("min"))]
+    if info.target == aten.repeat_interleave.self_int and len(dims) == 1 and nd > 0:
+        (d,), x, r = dims, info.args[0], info.args[1]
+        if x.shape[d] > 1 and _keeps_chunks((x.shape[d], r), [0, 1], (x.shape[d] * r,), [0], info.n):
+            found.append(Strategy((Shard(d),), Shard(d)))
+    return found
+
+
+@register(aten.repeat.default)
+def repeat(info: OpInfo) -> list:
+    """A dim repeated once keeps its shard (leading dims may be added)."""
+    nd, reps = info.args[0].ndim, info.args[1]
+    off = len(reps) - nd
+    return moves(info, {d: d + off for d in range(nd) if reps[d + off] == 1})
+
+
+@register(aten.diagonal.default)
+def diagonal(info: OpInfo) -> list:
+    """The dims other than ``dim1``/``dim2`` keep their shard; the diagonal becomes the last dim."""
+    nd = info.args[0].ndim
+    pair = {norm_dim(arg(info, 2, "dim1", 0), nd), norm_dim(arg(info, 3, "dim2", 1), nd)}
+    return moves(info, {d: i for i, d in enumerate(d for d in range(nd) if d not in pair)})
+
+
+@register(aten.as_strided.default)
+def as_strided(info: OpInfo) -> list:
+    """Reads the storage by explicit strides: a piece's storage is not the whole's."""
+    return [replicated(info)]
+
+
+@register(aten.select_scatter.default, aten.slice_scatter.default)
+def scatter_into(info: OpInfo) -> list:
+    """``self`` with ``src`` written at a position (a slice) of ``dim``: both shard alike along
+    any other dim; both Partial alike (each position holds one of them)."""
+    x, src = info.args[0], info.args[1]
+    dim = norm_dim(arg(info, 2, "dim", 0), x.ndim)
+    found = [replicated(info)] + [Strategy((p, p), p) for p in PARTIALS]
+    for d in shardable_dims(x.shape):
+        ds = d - (d > dim) if info.target == aten.select_scatter.default else d
+        if d != dim and src.shape[ds] == x.shape[d]:
+            found.append(Strategy((Shard(d), Shard(ds)), Shard(d)))
+    return found
 
 
 @register(aten.select.int, aten.unbind.int)
@@ -147,7 +216,7 @@ def _local_out(info: OpInfo, strategy: Strategy, n: int, index: int) -> list:
 
 
 @register_localize(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                   aten.expand.default)
+                   aten.expand.default, aten.broadcast_to.default)
 def localize_sizes(info, strategy, n, index):
     return with_arg(info, 1, "size", _local_out(info, strategy, n, index))
 

@@ -48,22 +48,23 @@ class _ToList(nn.Module):
         return self.fc(x) * scale
 
 
-class _Cumsum(nn.Module):
+class _NoRule(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
 
     def forward(self, x):
-        return self.b(torch.cumsum(self.a(x), dim=-1))
+        h = self.a(x)          # logsumexp over every dim: no rule, and no sharded layout is right
+        return self.b(h - torch.logsumexp(h, dim=(0, 1), keepdim=True))
 
 
-class _CumsumBatch(nn.Module):
+class _NoRuleBatch(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
-        return torch.cumsum(self.fc(x), dim=0)      # runs along the batch
+        return torch.logsumexp(self.fc(x), dim=(0, 1))      # over the batch and the features
 
 
 class _BatchCentre(nn.Module):
@@ -253,11 +254,11 @@ def capture_value_leaves_graph():
 
 
 def rule_missing_dp():
-    autopar.compile(_CumsumBatch(), _mesh(dp=2), example_inputs=(torch.randn(8, 16),), plan=autopar.Plan())
+    autopar.compile(_NoRuleBatch(), _mesh(dp=2), example_inputs=(torch.randn(8, 16),), plan=autopar.Plan())
 
 
 def rule_missing_tp():
-    _warning_of(lambda: autopar.compile(_Cumsum(), _mesh(tp=2), example_inputs=(torch.randn(8, 16),),
+    _warning_of(lambda: autopar.compile(_NoRule(), _mesh(tp=2), example_inputs=(torch.randn(8, 16),),
                                         plan=autopar.Plan(tp=True)))
 
 
@@ -468,10 +469,11 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
      r"could not capture _Branchy.*at .*bad_inputs.py:\d+.*torch.where / torch.cond"),
     ("capture_value_leaves_graph", "float(x.abs().max()) in forward", "CaptureError",
      r"could not capture _ToList.*bad_inputs.py:\d+.*fix:"),
-    ("rule_missing_dp", "an op without a sharding rule (cumsum) reading the batch shard, under dp",
-     "NotImplementedError", r"no sharding rule for aten.cumsum.default \(node cumsum\).*add a rule in passes/rules/"),
-    ("rule_missing_tp", "an op without a sharding rule (cumsum) between tensor-parallel matmuls", "warning",
-     r"no sharding rule for aten.cumsum.default.*made whole along tp and it runs replicated"),
+    ("rule_missing_dp", "an op without a sharding rule (logsumexp over every dim) reading the batch shard, "
+     "under dp", "NotImplementedError", r"no sharding rule for aten.logsumexp.default \(node logsumexp\).*"
+     r"no candidate placement matched.*add a rule in passes/rules/"),
+    ("rule_missing_tp", "an op without a sharding rule (logsumexp over every dim) between tensor-parallel "
+     "matmuls", "warning", r"no sharding rule for aten.logsumexp.default.*made whole along tp and it runs replicated"),
     ("batch_statistic_dp", "h - h.mean(dim=0): a statistic over the batch, under dp", "ValueError",
      r"cannot run on its inputs as data parallelism lays them out.*mixes samples"),
     ("tp_odd_heads", "3 attention heads over tp=2", "ValueError", r"leading 3 \(attention heads\) does not divide by tp=2"),
