@@ -281,6 +281,7 @@ def _write(key: str, found: list) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+        os.chmod(tmp, 0o644)           # as a plain open() would make it, not mkstemp's 0600
         with os.fdopen(fd, "w") as f:
             json.dump({"version": _VERSION, "strategies": entries}, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
