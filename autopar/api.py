@@ -32,6 +32,7 @@ from .mesh import Mesh
 from .planspec import Plan
 from .runtime import DistributedModule, PipelineModule, emit, slice_batch
 from .runtime.comm import CommStats
+from .sizes import batch_split_error
 from .schedule import SCHEDULES, Schedule, build_schedule, simulate
 
 log = logging.getLogger("autopar")
@@ -50,12 +51,13 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     default: this machine's calibrated ``local`` preset)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    _batch_rows(args, kwargs, mesh.axis_size("dp"))   # before planning, which would find no plan and not say why
     plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     plan.check_mesh(mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     if plan.pp_schedule is not None:
         return _compile_pipeline(model, ctx, args, kwargs)
     gm = capture(model, args, kwargs, ctx, check_modes=True)   # the logical graph, at global shapes
@@ -101,12 +103,12 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
         if schedule.p != p:
             raise ValueError(f"the custom schedule has {schedule.p} ranks, the mesh has pp={p}")
     simulate(schedule)     # a schedule that would deadlock fails here, before any process waits
-    rows = {t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()}
-    if len(rows) != 1 or next(iter(rows)) % (m * n):
-        raise ValueError(f"the example inputs' batch sizes along dim 0 are {sorted(rows)}: a pipeline needs "
-                         f"one batch size that divides by microbatches x dp = {m} x {n}; choose a global "
-                         f"batch that is a multiple of {m * n}")
-    ctx.microbatch_rows = next(iter(rows)) // m
+    rows = _batch_rows(args, kwargs)
+    if len(rows) != 1:
+        raise ValueError(f"the example inputs' batch sizes along dim 0 are {rows}: a pipeline cuts one batch "
+                         "into micro-batches; give every batched input the same number of rows")
+    _batch_rows(args, kwargs, n, m)
+    ctx.microbatch_rows = rows[0] // m
     mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
     gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=True)   # the logical graph of one micro-batch
     passes.find_sites(gm, ctx, microbatches=m)
@@ -162,6 +164,17 @@ def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
     return sctx
 
 
+def _batch_rows(args: tuple, kwargs: dict, dp: int = 1, microbatches: int = 1) -> list[int]:
+    """The example inputs' distinct sizes along dim 0 (0-d tensors aside), each checked to split
+    into ``dp`` ranks x ``microbatches`` equal parts (a ValueError naming the axis otherwise)."""
+    rows = sorted({t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()})
+    for r in rows:
+        error = batch_split_error(r, dp, microbatches)
+        if error:
+            raise ValueError(error)
+    return rows
+
+
 def _slice(args: tuple, kwargs: dict, n: int, i: int):
     """Part ``i`` of ``n`` of every tensor input along dim 0 (a 0-d tensor whole)."""
     return pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -206,8 +219,7 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
     if mesh.rank == 0 or mesh.virtual:
         try:
             c = get_cluster(cluster if cluster is not None else "local")
-            rows = {t.shape[0] for t in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs or {})))
-                    if isinstance(t, torch.Tensor) and t.dim()}
+            rows = _batch_rows(tuple(example_inputs), dict(example_kwargs or {}))
             report = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
                                recompute=("none",))

@@ -20,13 +20,16 @@ the cost model wants a formula (``cost/`` builds its symbolic expressions from t
                                  stage (Rajbhandari et al., "ZeRO", SC'20, section 3)
     inflight_microbatches        micro-batches whose activations a pipeline rank holds at its
                                  peak (Narayanan et al., SC'21, section 2.2)
+    batch_split_error            why a batch of B rows does not split into dp ranks x
+                                 microbatches equal parts (None when it does)
 """
 from __future__ import annotations
 
 import math
 
 __all__ = ["chunk", "chunk_range", "local_size", "padded", "padded_numel", "RING_FACTOR", "ring_bytes",
-           "gather_unit_bytes", "cut_buckets", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES"]
+           "gather_unit_bytes", "cut_buckets", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES",
+           "batch_split_error"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first gradient bucket is cut at 1 MiB (or ``Plan.bucket_bytes`` if smaller), so that
@@ -141,3 +144,36 @@ def inflight_microbatches(schedule: str | None, p: int, m: int, v: int = 1, stag
     if schedule == "interleaved":
         return min(float(m), p * (1 + (p - 1) / (p * v)))
     return float(min(m, p - stage))
+
+
+def batch_split_error(rows: int, dp: int = 1, microbatches: int = 1) -> str | None:
+    """Why a global batch of ``rows`` rows does not split into ``dp`` ranks x ``microbatches``
+    micro-batches of equal rows, naming the axis that does not divide and what would; None when
+    it splits. The parts must be equal, not merely ceil chunks as tensor shards are: a step's
+    loss is the mean of the parts' mean losses, which weighs every sample alike only when every
+    part holds as many rows (3 rows over dp=2 would weigh the third twice as much as the others)."""
+    if rows % dp:
+        return (f"the global batch has {_rows(rows)} along dim 0, which does not divide by dp={dp}: every "
+                "data-parallel rank must hold as many rows, for the mean of their losses to weigh every "
+                f"sample alike. Use a global batch that is a multiple of {dp} ({_near(rows, dp)} rows)")
+    per, m = rows // dp, microbatches
+    if per % m:
+        share = f" ({per} per dp rank)" if dp > 1 else ""
+        divisors = [d for d in range(1, per + 1) if per % d == 0]
+        divisors = sorted(sorted(divisors, key=lambda d: abs(d - m))[:4])
+        return (f"the global batch has {_rows(rows)} along dim 0{share}, which does not divide by "
+                f"microbatches={m}: every micro-batch must hold as many rows, for the mean of their losses "
+                f"to weigh every sample alike. Use a global batch that is a multiple of {dp * m} (dp x "
+                f"microbatches = {dp} x {m}: {_near(rows, dp * m)} rows), or microbatches that divide {per} "
+                f"({', '.join(map(str, divisors))})")
+    return None
+
+
+def _rows(rows: int) -> str:
+    return f"{rows} row" if rows == 1 else f"{rows} rows"
+
+
+def _near(rows: int, k: int) -> str:
+    """The multiples of ``k`` nearest ``rows`` (below and above), in words."""
+    below = rows // k * k
+    return f"{below} or {below + k}" if below else str(k)

@@ -38,7 +38,7 @@ from autopar.context import CompileContext
 from autopar.mesh import Mesh
 from autopar.planspec import Plan
 from autopar.schedule import bubble_formula
-from autopar.sizes import cut_buckets, inflight_microbatches, padded_numel, ring_bytes, state_bytes
+from autopar.sizes import batch_split_error, cut_buckets, inflight_microbatches, padded_numel, ring_bytes, state_bytes
 from autopar.trace import ChromeTrace
 
 from .cluster import get_cluster
@@ -263,9 +263,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
     prof = profiles.get(t, plan.sp) if isinstance(profiles, Profiles) else profiles
     m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
-    if global_batch % (n * m):
-        raise ValueError(f"global batch {global_batch} does not split into dp={n} x microbatches={m}; "
-                         f"choose a multiple of {n * m}")
+    error = batch_split_error(global_batch, n, m)
+    if error:
+        raise ValueError(error)
     k = global_batch / (n * m) / prof.rows
     groups = [g.scaled(k) for g in prof.groups]
     dt = MIXED_PRECISION if c.mixed_precision else FP32

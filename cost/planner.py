@@ -27,7 +27,7 @@ from typing import Optional
 
 from autopar.mesh import Mesh
 from autopar.planspec import DP_MODES, Plan
-from autopar.sizes import chunk, inflight_microbatches, state_bytes
+from autopar.sizes import batch_split_error, chunk, inflight_microbatches, state_bytes
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
@@ -270,14 +270,33 @@ def _divisors(x: int) -> list[int]:
 def candidates(world: int, gb: int, *, heads: int = 0, layers: int = 0,
                mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 512):
     """Yield (axes, plan, recompute) of the search space (see the module docstring)."""
+    for axes in _meshes(world, mesh_axes):
+        if _ruled_out(axes, gb, heads, layers) is None:
+            yield from _plans_for(axes, gb, layers, recompute, max_microbatches)
+
+
+def _meshes(world: int, mesh_axes: Optional[dict]):
+    """The factorisations ``{"pp", "dp", "tp"}`` of ``world`` that ``mesh_axes`` (if given) allows."""
     for pp, dp, tp in _factorisations(world):
         axes = {"pp": pp, "dp": dp, "tp": tp}
-        if mesh_axes is not None and any(axes.get(a, 1) != s for a, s in mesh_axes.items()) or \
-                (mesh_axes is not None and any(axes[a] > 1 and a not in mesh_axes for a in axes)):
-            continue
-        if heads and heads % tp or pp > max(layers, 1) or gb % dp:
-            continue
-        yield from _plans_for(axes, gb, layers, recompute, max_microbatches)
+        if mesh_axes is None or (all(axes.get(a, 1) == s for a, s in mesh_axes.items())
+                                 and all(axes[a] == 1 or a in mesh_axes for a in axes)):
+            yield axes
+
+
+def _ruled_out(axes: dict, gb: int, heads: int, layers: int) -> Optional[str]:
+    """Why no plan of the mesh ``axes`` can run the model on ``gb`` rows (None: some can)."""
+    pp, dp, tp = axes["pp"], axes["dp"], axes["tp"]
+    if heads and heads % tp:
+        return f"{heads} attention heads do not divide by tp={tp}"
+    if pp > max(layers, 1):
+        return f"pp={pp} stages exceed the model's {layers} layers"
+    if gb % dp:
+        return batch_split_error(gb, dp)
+    if pp > 1 and gb // dp < pp:    # _plans_for keeps at least pp micro-batches
+        return (f"pp={pp} needs at least {pp} micro-batches, and {gb // dp} rows per dp rank make at most "
+                f"{gb // dp}; use a global batch of at least {pp * dp} rows")
+    return None
 
 
 def _plans_for(axes, gb, layers, recompute, max_microbatches):
@@ -367,6 +386,13 @@ def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cl
             del best_times[keep:]
             if len(best_times) == keep:
                 best_t = best_times[-1]
+    if not scored:     # not one candidate to score: say what ruled out each mesh, not "nothing fits"
+        why = [f"Mesh({', '.join(f'{k}={v}' for k, v in _clean_axes(axes).items())}): "
+               f"{_ruled_out(axes, gb, heads, layers) or 'the cost model refused every candidate'}"
+               for axes in _meshes(world_size, mesh_axes)]
+        rows = f"{gb} row" + ("s" if gb != 1 else "")
+        raise InfeasiblePlan(f"no plan for world size {world_size} can run this model on a global batch of {rows}:\n  "
+                             + "\n  ".join(why + refused or ["no mesh shape matches mesh_axes"]))
     feasible = sorted((x for x in scored if x.fits), key=lambda x: (x.step_time_s, x.memory_bytes))
     if not feasible:
         raise InfeasiblePlan(

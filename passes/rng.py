@@ -82,13 +82,20 @@ def _batch_dim(node: fx.Node) -> int | None:
     return out.dim if isinstance(out, Shard) else None
 
 
-def _local_site(node: fx.Node, kind: str, ctx: CompileContext) -> LocalSite:
-    """The single-device mask's shape and, per micro-batch, this rank's ranges of it."""
+def _local_site(node: fx.Node, kind: str, ctx: CompileContext, in_batch: bool) -> LocalSite:
+    """The single-device mask's shape and, per micro-batch, this rank's ranges of it
+    (``in_batch``: the site depends on the batch)."""
     shape, _ = _mask_val(node, kind)
     mesh = ctx.mesh
     pipelined = ctx.microbatch_rows > 0
     m = ctx.plan.microbatches if pipelined else 1
     bd = _batch_dim(node)
+    if pipelined and m > 1 and in_batch and bd is None:
+        raise NotImplementedError(
+            f"random site {node.name} ({kind}) depends on the batch, but the data-parallel walk lost the batch's "
+            "dim before it (an op on the way has no sharding rule, or its rule cannot follow the batch), so its "
+            "mask cannot be cut into micro-batches as one device draws it; add or fix that op's rule in "
+            "passes/rules/ (dm.dump() shows each node's dp placement), or train without its dropout")
     n, d = mesh.axis_size("dp"), mesh.coordinate("dp")
     layout = node.meta.get(meta.LAYOUT)
     layout = layout[0] if isinstance(layout, tuple) else layout
@@ -129,9 +136,10 @@ def rng(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     first = next(iter(gm.graph.nodes))
     with gm.graph.inserting_before(first):
         masks = gm.graph.get_attr(meta.RNG)
+    batch = batch_dependent(gm.graph)
     for node in sites:
         kind, index = random_site(node), node.meta[meta.RNG_SITE]
-        ctx.rng_local[index] = _local_site(node, kind, ctx)
+        ctx.rng_local[index] = _local_site(node, kind, ctx, node in batch)
         with gm.graph.inserting_before(node):
             if kind == "dropout":
                 new = gm.graph.call_function(rng_dropout, (node.args[0], masks, index))

@@ -7,6 +7,12 @@ registry (``autopar.passes.rules``): each node takes the first strategy of its o
 accepts its inputs as they are laid out; that strategy's output placement is the node's
 layout, and the strategy itself is kept in ``node.meta`` for the localize pass.
 
+On a dp axis of one rank the shard moves nothing, but it still marks which dim of every
+activation is the batch's (the rng pass slices dropout masks per micro-batch along it; sequence
+parallelism keeps to batch activations). A batch of one row (one sequence per micro-batch)
+puts that mark on size-1 dims, which rules leave whole; the walk then follows the batch as
+dp=2 would on two rows (``_as_two_rows``).
+
 Consumers see parameters whole in every dp mode (the collectives pass gathers ZeRO-3's
 shards before use), so data parallelism never moves activations: a replicated tensor that
 meets the batch shard (a mask built for the whole batch) is sliced locally, and an op that
@@ -18,6 +24,8 @@ then every node's (``annotate``, on the dp-local shapes).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import fx
 
@@ -26,7 +34,7 @@ from autopar.context import CompileContext
 from autopar.placement import Layout, Replicate, Shard
 from . import tensor_parallel
 from .analysis import input_nodes, is_value
-from .rules import OpInfo, format_placement, rule_for, strategies_for
+from .rules import OpInfo, TensorMeta, format_placement, rule_for, strategies_for
 
 R = Replicate()
 
@@ -47,14 +55,19 @@ def _free(required, current) -> bool:
     return isinstance(required, Shard) and current == R
 
 
-def _choose(node: fx.Node, placed: dict, n: int):
+def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False):
     """The strategy ``node`` runs in on the data-parallel axis (None: everything replicated
     and the op has no rule). A strategy that matches its inputs as they are laid out wins;
-    otherwise one that needs only local slices of replicated inputs."""
+    otherwise one that needs only local slices of replicated inputs. ``two_rows``: one dp
+    rank runs a batch of one row (``_as_two_rows``)."""
     # every dp mode hands consumers the whole parameter (ZeRO-3 gathers it first)
     ins = input_nodes(node)
     current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in ins)
     sliceable = tuple(a.op != "get_attr" for a in ins)   # parameters are never sliced
+    if two_rows and not all(_replicated(p) for p in current):
+        s = _as_two_rows(node, current, sliceable)
+        if s is not None:
+            return s
     whole = all(_replicated(p) for p in current) or n == 1   # (one dp rank: nothing is split)
     if whole and rule_for(node.target) is None:
         return None          # nothing sharded reaches it: no need to search the op's strategies
@@ -79,6 +92,80 @@ def _choose(node: fx.Node, placed: dict, n: int):
         "divide by dp, or keep the op out of the data-parallel model.")
 
 
+def _one_row(gm: fx.GraphModule, ctx: CompileContext) -> bool:
+    """Whether the graph runs a batch of one row on this dp rank: one sequence per micro-batch
+    (a pipeline stage's inputs are activations, so the context knows its rows) or an input
+    batch of one row."""
+    if ctx.microbatch_rows:
+        return ctx.microbatch_rows // ctx.mesh.axis_size("dp") == 1
+    return any(isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1
+               for v in (x.meta.get(meta.VAL) for x in gm.graph.nodes if x.op == "placeholder"))
+
+
+def _as_two_rows(node: fx.Node, current: tuple, sliceable: tuple):
+    """The strategy of ``node`` on one dp rank that runs a batch of one row, found as dp=2 would
+    find it for two rows, one per rank: every input dim that carries the batch shard doubled
+    (a size-1 batch dim, or one it is merged into), and output dim ``c`` doubled, for the first
+    ``c`` whose output the strategy shards ``S(c)``; else a strategy whose output is not a
+    shard (the batch reduced: a Partial). At one row the rules cannot tell the batch's size-1
+    dim from any other (they leave size-1 dims whole, and a view maps ``[16, h] -> [1, 16, h]``
+    onto the 16), yet the shard must mark the batch's dim, which later passes read: the rng
+    pass slices dropout masks per micro-batch along it; sequence parallelism keeps to batch
+    activations. None: the op has no rule, or no strategy fits even so (a rule that reads sizes
+    from the op's arguments, an op that mixes the batch): _choose decides as at any batch."""
+    if rule_for(node.target) is None:
+        return None
+    info = OpInfo.from_node(node, 2)
+    outs = info.out if isinstance(info.out, tuple) else (info.out,)
+    ndim = max((m.ndim for m in outs if isinstance(m, TensorMeta)), default=0)
+    for c in [*range(ndim), None]:
+        for s in strategies_for(_doubled(info, current, c), 2) or []:
+            if _fits(s, current, sliceable) and (_marks(s.output, c) if c is not None else not _sharded(s.output)):
+                return s
+    return None
+
+
+def _fits(s, current, sliceable) -> bool:
+    return all(_matches(r, c) or (ok and _free(r, c)) for r, c, ok in zip(s.inputs, current, sliceable))
+
+
+def _marks(p, c: int) -> bool:
+    if isinstance(p, tuple):
+        return all(x is None or _marks(x, c) for x in p)
+    return p == Shard(c)
+
+
+def _sharded(p) -> bool:
+    return any(_sharded(x) for x in p) if isinstance(p, tuple) else isinstance(p, Shard)
+
+
+def _doubled(info: OpInfo, current: tuple, c) -> OpInfo:
+    """``info`` with every input dim that ``current`` shards doubled, and output dim ``c`` (of
+    every output that has one; None: none) doubled."""
+    placements = iter(current)
+
+    def grow(m, p, k=None):
+        if isinstance(m, TensorMeta) and isinstance(p, Shard) and (k is None or p.dim == k):
+            return TensorMeta(m.shape[:p.dim] + (2 * m.shape[p.dim],) + m.shape[p.dim + 1:], m.dtype)
+        return m
+
+    def walk(v):
+        if isinstance(v, TensorMeta):
+            return grow(v, next(placements))
+        if isinstance(v, tuple) and any(isinstance(x, TensorMeta) for x in v):
+            p = next(placements)
+            return tuple(grow(m, q) for m, q in zip(v, p if isinstance(p, tuple) else (p,) * len(v)))
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    def out(m):
+        return grow(m, Shard(c)) if c is not None and isinstance(m, TensorMeta) and m.ndim > c else m
+
+    return replace(info, args=tuple(walk(a) for a in info.args), kwargs={k: walk(v) for k, v in info.kwargs.items()},
+                   out=tuple(out(m) for m in info.out) if isinstance(info.out, tuple) else out(info.out))
+
+
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if ctx.plan.tp:     # parameter placements along tp first: they may move row-parallel biases
         tensor_parallel.decide(gm, ctx)
@@ -91,6 +178,7 @@ def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def _shard_dp(gm: fx.GraphModule, ctx: CompileContext) -> None:
     axes, n = ctx.mesh.names, ctx.mesh.axis_size("dp")
     zero3 = ctx.plan.dp == "zero3"
+    two_rows = n == 1 and _one_row(gm, ctx)
     placed: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         val = node.meta.get(meta.VAL)
@@ -103,7 +191,7 @@ def _shard_dp(gm: fx.GraphModule, ctx: CompileContext) -> None:
         elif node.op == "placeholder":
             placed[node] = Shard(0) if isinstance(val, torch.Tensor) and val.dim() > 0 else R
         elif node.op == "call_function":
-            s = _choose(node, placed, n)
+            s = _choose(node, placed, n, two_rows)
             if s is None:
                 placed[node] = R if isinstance(val, torch.Tensor) else tuple(R for _ in val)
             else:

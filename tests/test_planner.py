@@ -147,7 +147,7 @@ def test_compiled_module_explains_its_predicted_costs():
 
 def test_estimate_refuses_mismatched_inputs(small_gpt):
     model, example, profiles = small_gpt
-    with pytest.raises(ValueError, match="does not split"):
+    with pytest.raises(ValueError, match="16 rows along dim 0, which does not divide by dp=3"):
         evaluate_plan(profiles, {"dp": 3}, autopar.Plan(), CPU, 16)
     with pytest.raises(ValueError, match="uses mesh axis"):
         autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), autopar.Plan(tp=True), example_inputs=example,

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from ..context import CompileContext
 from ..meta import REPLICAS, RNG
 from ..placement import ShardSpec
+from ..sizes import batch_split_error
 from . import flight
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
@@ -346,11 +347,17 @@ def _describe(spec) -> str:
         return str(spec)
 
 
-def slice_batch(t: torch.Tensor, n: int, i: int) -> torch.Tensor:
+def slice_batch(t: torch.Tensor, n: int, i: int, axis: str = "dp") -> torch.Tensor:
+    """Part ``i`` of ``n`` equal parts of ``t`` along dim 0 (a 0-d tensor whole): rank ``i``'s
+    slice of the global batch over dp, or (``axis="microbatches"``) micro-batch ``i`` of this
+    rank's slice. Unequal parts are refused (``autopar.sizes.batch_split_error`` says why)."""
     if t.dim() == 0:
         return t
     if t.shape[0] % n:
-        raise ValueError(f"the global batch has {t.shape[0]} rows along dim 0, which does not divide "
-                         f"by dp={n}; use a global batch that is a multiple of {n}")
+        if axis == "dp":
+            raise ValueError(batch_split_error(t.shape[0], dp=n))
+        raise ValueError(f"this rank's slice of the batch has {t.shape[0]} rows along dim 0, which does not divide "
+                         f"by {axis}={n}; pass dm.shard_batch(global_batch) with the global batch the module was "
+                         "compiled for")
     k = t.shape[0] // n
     return t[i * k:(i + 1) * k]

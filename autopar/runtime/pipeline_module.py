@@ -82,7 +82,8 @@ class PipelineModule(DistributedModule):
         leaves, spec = pytree.tree_flatten(tree)
         parts = []
         for i in range(m):
-            parts.append([slice_batch(x, m, i) if isinstance(x, torch.Tensor) and x.dim() else x for x in leaves])
+            parts.append([slice_batch(x, m, i, "microbatches") if isinstance(x, torch.Tensor) and x.dim() else x
+                          for x in leaves])
         return parts, spec
 
     def train_step(self, inputs, targets, loss_fn):

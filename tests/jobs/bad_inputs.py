@@ -482,7 +482,7 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
     ("batch_not_divisible_by_dp", "a global batch of 5 rows over dp=2", "ValueError",
      r"5 rows along dim 0, which does not divide by dp=2"),
     ("batch_not_divisible_by_microbatches", "a batch of 8 in 3 micro-batches", "ValueError",
-     r"divides by microbatches x dp = 3 x 1"),
+     r"8 rows along dim 0, which does not divide by microbatches=3.*multiple of 3.*microbatches that divide 8"),
     ("shard_batch_indivisible", "dm.shard_batch of 7 rows over dp=2", "ValueError", r"7 rows along dim 0.*multiple of 2"),
     ("run_global_batch_as_input", "dm(global batch) instead of its slice", "ValueError",
      r"expected this rank's slice of the batch with shape \(4, 16\).*got \(8, 16\).*shard_batch"),
