@@ -4,6 +4,7 @@
     python -m autopar plan --model gpt3-175b --cluster dgx-a100-80gb --world 1024 --batch 1536
     python -m autopar calibrate [--force]
     python -m autopar verify --model tiny-gpt --mesh dp=2,tp=2 --plan "dp=zero3,tp,sp"
+    python -m autopar zoo [--archs llama,mixtral] [--plans zero3,tp] [--steps 2]
 """
 import argparse
 import sys
@@ -16,6 +17,7 @@ from .demo import main as demo
 from .models import NAMED, SMALL, named, small
 from .planspec import Plan
 from .verification import verify
+from . import zoo
 
 
 def main(argv=None) -> int:
@@ -44,7 +46,13 @@ def main(argv=None) -> int:
     v.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     v.add_argument("--tol", type=float, default=None, help="largest scaled error accepted (default 1e-4 in fp32)")
     v.add_argument("--spawn", action="store_true", help="ranks as processes (default: threads of this process)")
+    z = sub.add_parser("zoo", help="train Hugging Face architectures under every parallelism against one device")
+    z.add_argument("--archs", default=None, help=f"comma-separated, of: {','.join(a.name for a in zoo.ARCHS)}")
+    z.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join(zoo.PLANS)}")
+    z.add_argument("--steps", type=int, default=zoo.STEPS, help="AdamW steps per cell")
     args = ap.parse_args(argv)
+    if args.cmd == "zoo":
+        return _zoo(args)
     if args.cmd == "verify":
         return _verify(args)
     if args.cmd == "calibrate":
@@ -58,6 +66,21 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         return demo(args.world, args.steps, args.out)
     return _plan(args)
+
+
+def _zoo(args) -> int:
+    names = args.archs.split(",") if args.archs else None
+    plans = args.plans.split(",") if args.plans else None
+    for n in names or []:
+        zoo.arch(n)                      # an unknown name fails before any process starts
+    for p in plans or []:
+        if p not in zoo.PLANS:
+            raise SystemExit(f"unknown zoo plan {p!r}; the zoo has {', '.join(zoo.PLANS)}")
+    t0 = time.perf_counter()
+    cells = zoo.run(names, plans, args.steps, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(zoo.table(cells))
+    print(f"\n({time.perf_counter() - t0:.0f} s, {args.steps} AdamW steps per cell)")
+    return 0 if all(c.ok for c in cells) else 1
 
 
 def _plan(args) -> int:

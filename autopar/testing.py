@@ -35,6 +35,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalG
                                                                    _uninstall_threaded_pg)
 
 from .api import compile as autopar_compile
+from .runtime.module import model_loss
 
 __all__ = ["run", "run_threads", "RankPool", "fake_rank", "parity", "ParityReport", "live_tensor_bytes", "steady_live_bytes",
            "optimizer_state_bytes", "profiled_peak_bytes", "saved_activation_bytes"]
@@ -382,7 +383,12 @@ def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask
     return float(e.max()) if e.numel() else 0.0
 
 
-def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int = 3, lr: float = 1e-3,
+def _compared(out, loss_fn):
+    """The output parity compares: the output itself, or a model-computed loss's ``logits``."""
+    return out if loss_fn is not None or isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+
+
+def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None, steps: int = 3, lr: float = 1e-3,
            rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5,
            optimizer=torch.optim.AdamW, **optimizer_kwargs) -> ParityReport:
     """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
@@ -390,6 +396,10 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
     (gathered) and parameters after every step. Both forwards of a step start from the same
     ``torch.manual_seed``, so a model with dropout draws the same masks.
+
+    ``kwargs`` are keyword inputs of the global batch. With ``loss_fn=None`` the loss is the
+    model's own (``output.loss``: a Hugging Face model called with ``labels=``; ``target`` is
+    then None) and the outputs compared are its ``logits``.
 
     Tolerances are scaled errors |x - x_ref| / (atol + rtol |x_ref|), fp32. Adam divides by
     sqrt(v): a gradient that is mathematically zero (an attention key bias) is float noise
@@ -400,30 +410,37 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, steps: int =
     """
     torch.manual_seed(0)
     ref = model_fn()
-    dm = autopar_compile(copy.deepcopy(ref), mesh, example_inputs=inputs, plan=plan)
+    kwargs = dict(kwargs or {})
+    dm = autopar_compile(copy.deepcopy(ref), mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
     opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
     opt = dm.optimizer(optimizer, lr=lr, **optimizer_kwargs)
     names = dict(ref.named_parameters())
     noisy = {k: torch.ones_like(p, dtype=torch.bool) for k, p in names.items()}
     moved = {k: torch.zeros_like(p, dtype=torch.bool) for k, p in names.items()}
-    local_in, local_t = dm.shard_batch(inputs), dm.shard_batch(target)
+    local_in, local_kw, local_t = dm.shard_batch(inputs), dm.shard_batch(kwargs), dm.shard_batch(target)
+
+    def loss_of(out, t):
+        return model_loss(out) if loss_fn is None else loss_fn(out, t)
+
     for step in range(steps):
         opt_ref.zero_grad()
         torch.manual_seed(1000 + step)     # dropout: one device and every rank draw from one seed
-        out_ref = ref(*inputs)
-        loss_ref = loss_fn(out_ref, target)
+        out_ref = ref(*inputs, **kwargs)
+        loss_ref = loss_of(out_ref, target)
         loss_ref.backward()
         opt.zero_grad()
         torch.manual_seed(1000 + step)
         if plan.pp_schedule is not None:   # a pipeline runs whole steps; it returns the slice's loss
-            loss = dm.train_step(local_in, local_t, loss_fn)
+            loss = dm.train_step(local_in, local_t, loss_fn, kwargs=local_kw)
         else:
-            out = dm(*local_in)
-            loss = loss_fn(out, local_t)
+            out = dm(*local_in, **local_kw)
+            loss = loss_of(out, local_t)
             loss.backward()
-            rep.output_err = max(rep.output_err, _scaled_err(out.detach(), dm.shard_batch(out_ref.detach()),
-                                                             rtol, atol))
+            got, want = _compared(out, loss_fn), _compared(out_ref, loss_fn)
+            if want is not None:
+                rep.output_err = max(rep.output_err, _scaled_err(got.detach(), dm.shard_batch(want.detach()),
+                                                                 rtol, atol))
         gl = loss.detach().clone()
         if mesh.axis_size("dp") > 1:
             dist.all_reduce(gl, group=mesh.group("dp"))

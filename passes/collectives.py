@@ -282,6 +282,10 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
                     carries.add(out)
                     made[key] = convert(out, want, want, varying, consumer)
                     return made[key]
+            elif have == Partial("avg") and want == Replicate():   # a mean over a sharded dim
+                total = new(tp_all_reduce, (src, comm), src, want, "all_reduce", why + " (mean of the ranks' means)",
+                            nbytes, f"{src.name}_allreduce")
+                out = new(torch.ops.aten.div.Tensor, (total, t), src, want, "", "", 0, f"{src.name}_mean")
             elif have == Partial() and isinstance(want, Shard):
                 out = new(tp_reduce_scatter, (src, comm, want.dim, shape[want.dim]), src, want,
                           "reduce_scatter", why + "; backward all-gathers", nbytes, f"{src.name}_scatter")

@@ -70,7 +70,7 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         raise ValueError(f"the graph has {len(order)} batch-dependent nodes, too few for {n_stages} "
                          "pipeline stages; use fewer stages (pp x virtual_stages)")
     cost = np.array([node_flops(n) for n in order], dtype=np.float64) + 1.0  # every op costs something
-    cross, legal = _crossing(order, pos, output)
+    cross, legal = _crossing(order, pos, output, ctx.microbatch_rows)
     mem = _memory_model(order, ctx)
     cuts = _choose_cuts(cost, cross, legal, mem, n_stages, ctx.plan.stage_memory_bytes)
     bounds = [0] + cuts + [len(order)]
@@ -87,9 +87,11 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 # ---- analysis ----------------------------------------------------------------------------
 
-def _crossing(order, pos, output):
-    """Bytes crossing each cut c (between order[c-1] and order[c]) and whether the cut is legal
-    (everything crossing is a tensor)."""
+def _crossing(order, pos, output, rows: int):
+    """Bytes crossing each cut c (between order[c-1] and order[c]) and whether the cut is legal:
+    everything crossing is a tensor with the micro-batch's ``rows`` along dim 0 (the stages
+    send batch activations; a cut inside a region that flattens the batch into its tokens, an
+    MoE layer's, is passed over)."""
     n = len(order)
     diff = np.zeros(n + 2)
     illegal = np.zeros(n + 2)
@@ -102,7 +104,7 @@ def _crossing(order, pos, output):
         val = node.meta.get(meta.VAL)
         diff[i + 1] += value_bytes(val)
         diff[last + 1] -= value_bytes(val)
-        if not isinstance(val, torch.Tensor):
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.shape[0] != rows:
             illegal[i + 1] += 1
             illegal[last + 1] -= 1
     cross = np.cumsum(diff)[: n + 1]

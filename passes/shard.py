@@ -55,11 +55,13 @@ def _free(required, current) -> bool:
     return isinstance(required, Shard) and current == R
 
 
-def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False):
+def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False, microbatches: int = 1):
     """The strategy ``node`` runs in on the data-parallel axis (None: everything replicated
     and the op has no rule). A strategy that matches its inputs as they are laid out wins;
     otherwise one that needs only local slices of replicated inputs. ``two_rows``: one dp
-    rank runs a batch of one row (``_as_two_rows``)."""
+    rank runs a batch of one row (``_as_two_rows``). ``microbatches``: the graph is a pipeline
+    stage that runs each of that many micro-batches apart, so even on one dp rank the batch is
+    split, and an op that mixes its samples is refused as on dp > 1."""
     # every dp mode hands consumers the whole parameter (ZeRO-3 gathers it first)
     ins = input_nodes(node)
     current = tuple(R if a.op == "get_attr" else placed.get(a, R) for a in ins)
@@ -68,7 +70,8 @@ def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False):
         s = _as_two_rows(node, current, sliceable)
         if s is not None:
             return s
-    whole = all(_replicated(p) for p in current) or n == 1   # (one dp rank: nothing is split)
+    split = n > 1 or microbatches > 1
+    whole = all(_replicated(p) for p in current) or not split   # (one dp rank, one micro-batch: nothing is split)
     if whole and rule_for(node.target) is None:
         return None          # nothing sharded reaches it: no need to search the op's strategies
     strategies = strategies_for(OpInfo.from_node(node, n), n)
@@ -83,8 +86,17 @@ def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False):
             if all(_matches(r, c) or (slicing and ok and _free(r, c))
                    for r, c, ok in zip(s.inputs, current, sliceable)):
                 return s
-    if n == 1:       # one dp rank splits nothing: the op runs whole, as one without a rule does
+    if not split:    # one dp rank, one micro-batch: the op runs whole, as one without a rule does
         return None
+    if n == 1:
+        what = ("mixes the samples of its batch (a batch-wide statistic, or an order over all of it)"
+                if rule_for(node.target) is not None else
+                "has no sharding rule, and the search found no placement along the batch's dim at these "
+                "shapes, so autopar cannot tell that it keeps the samples apart")
+        raise ValueError(
+            f"node {node.name} ({node.target}) {what}; the pipeline runs each of its {microbatches} "
+            "micro-batches apart, which would change the result. Use microbatches=1, add a sharding rule "
+            "for the op in passes/rules/, or keep the op out of the pipelined model")
     raise ValueError(
         f"node {node.name} ({node.target}) cannot run on its inputs as data parallelism lays them "
         f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op mixes samples "
@@ -191,7 +203,7 @@ def _shard_dp(gm: fx.GraphModule, ctx: CompileContext) -> None:
         elif node.op == "placeholder":
             placed[node] = Shard(0) if isinstance(val, torch.Tensor) and val.dim() > 0 else R
         elif node.op == "call_function":
-            s = _choose(node, placed, n, two_rows)
+            s = _choose(node, placed, n, two_rows, ctx.plan.microbatches if ctx.microbatch_rows else 1)
             if s is None:
                 placed[node] = R if isinstance(val, torch.Tensor) else tuple(R for _ in val)
             else:

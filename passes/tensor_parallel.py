@@ -256,6 +256,8 @@ class _Walk:
         if have == want:
             return 0.0
         f = ring_bytes("all_gather", nbytes, self.t)
+        if have == Partial("avg") and want == R:
+            return 2 * f                               # all-reduce, then / t
         if isinstance(want, Partial) or (isinstance(have, Partial) and have != Partial("sum")):
             return INF
         if have == R:

@@ -13,7 +13,7 @@ import autopar
 from autopar import meta
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
 
-from jobs import hf, tensor_parallel
+from jobs import tensor_parallel
 from jobs.common import MODES, mlp_batch
 
 
@@ -54,14 +54,6 @@ def test_parity_dp2_tp2_every_dp_mode(ranks, sp, kw):
     modes = MODES if not kw else ("zero3",)
     _check(ranks(tensor_parallel.parity_tp, 4, 2, sp, modes, ("mlp", "gpt"), kw, timeout=500),
            f"dp=2 x tp=2 sp={sp} {kw}")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_hf_models_dp2_tp2(ranks):
-    """Hugging Face GPT-2 (fused c_attn through Conv1D's addmm, split into q, k, v) and Llama
-    (grouped-query attention, rotary embeddings, RMSNorm, SwiGLU), tp and tp+sp."""
-    _check(ranks(hf.hf_parity_tp, 4, ("ddp",), (False, True), timeout=500), "hf dp=2 x tp=2")
 
 
 # ---- the graph ------------------------------------------------------------------------------

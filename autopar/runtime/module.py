@@ -31,7 +31,7 @@ from .optim import PerTensorState, check_optimizer
 from .timeline import record
 from .tpcomm import gather_tp_param
 
-__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path"]
+__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss"]
 
 
 def attr_path(obj, dotted: str):
@@ -336,6 +336,30 @@ class DistributedModule(nn.Module):
         timeline.json: the measured step of every rank beside the predicted one (``cluster``:
         default the calibrated local preset, if on disk)."""
         return self._inspect("dump").dump(self, path, cluster)
+
+
+def model_loss(output) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss`` (a Hugging Face model called with
+    ``labels=``), ``output["loss"]``, or the output when it is a scalar tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"no loss_fn was given and the model's output ({type(output).__name__}) has no scalar "
+                         "loss: pass loss_fn(output, targets), or call the model so that it computes its loss "
+                         "(a Hugging Face model: labels=...)")
+    return loss
+
+
+def has_loss(out_spec) -> bool:
+    """Whether outputs of structure ``out_spec`` carry the model's own loss (see ``model_loss``)."""
+    try:
+        model_loss(pytree.tree_unflatten([torch.zeros(())] * out_spec.num_leaves, out_spec))
+        return True
+    except Exception:
+        return False
 
 
 def _describe(spec) -> str:

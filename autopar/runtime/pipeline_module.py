@@ -30,7 +30,7 @@ from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import DistributedModule, slice_batch
+from .module import DistributedModule, _describe, has_loss, model_loss, slice_batch
 from .optim import check_optimizer
 from .rng import draw_masks
 
@@ -78,7 +78,25 @@ class PipelineModule(DistributedModule):
                            "targets, loss_fn) (forward and backward over the micro-batches), then "
                            "the optimizer step")
 
+    def _inputs(self, inputs: tuple, kwargs, m: int):
+        """The call's leaves per micro-batch, checked against the captured call's structure."""
+        flat, spec = self._split((inputs, dict(kwargs or {})), m)
+        if spec != self.ctx.in_spec:
+            raise TypeError(f"the pipeline was captured with {_describe(self.ctx.in_spec)}, but train_step got "
+                            f"{_describe(spec)}; pass the inputs as the example inputs were given (positional "
+                            "ones in inputs=, keyword ones in kwargs=, same names)")
+        return flat, spec
+
+    @staticmethod
+    def _loss(result, target_leaves, t_spec, loss_fn):
+        """A micro-batch's loss: ``loss_fn(output, target)``, or the model's own."""
+        if loss_fn is not None:
+            return loss_fn(result, pytree.tree_unflatten(target_leaves, t_spec))
+        return model_loss(result)
+
     def _split(self, tree, m: int):
+        if tree is None:
+            return None, None
         leaves, spec = pytree.tree_flatten(tree)
         parts = []
         for i in range(m):
@@ -86,14 +104,18 @@ class PipelineModule(DistributedModule):
                           for x in leaves])
         return parts, spec
 
-    def train_step(self, inputs, targets, loss_fn):
+    def train_step(self, inputs=(), targets=None, loss_fn=None, *, kwargs=None):
         """One step over this rank's data-parallel slice: forward and backward of every
         micro-batch by the schedule; gradients reduced over dp and summed over tied copies.
-        Returns the mean loss over the slice (on every rank of the pipeline)."""
+        Returns the mean loss over the slice (on every rank of the pipeline).
+
+        ``inputs`` (and ``kwargs``) are called as the example inputs were. The loss of a
+        micro-batch is ``loss_fn(output, targets)``; without ``loss_fn`` it is the model's own
+        (a Hugging Face model called with ``labels=``: ``output.loss``; or a scalar output)."""
         if not isinstance(inputs, tuple):
             inputs = (inputs,)
         m = self.schedule.m
-        flat_in, _ = self._split((inputs, {}), m)
+        flat_in, _ = self._inputs(inputs, kwargs, m)
         flat_t, t_spec = self._split(targets, m)
         self._check_microbatch(flat_in[0])
         if self.training and self.ctx.rng_sites:   # every site's mask, in the single-device order
@@ -150,17 +172,19 @@ class PipelineModule(DistributedModule):
         finally:
             self._no_sync = prev
 
-    def eval_step(self, inputs, targets=None, loss_fn=None):
+    def eval_step(self, inputs=(), targets=None, loss_fn=None, *, kwargs=None):
         """Forward only, without autograd (``torch.no_grad``), over this rank's data-parallel
         slice in micro-batches through the stages (point-to-point, as GPipe's forward). Returns
-        the mean loss over the slice on every rank of the pipeline when ``loss_fn`` is given;
-        otherwise the last stage's outputs concatenated over the micro-batches (None on the
-        ranks without the last stage). Dropout follows the module's mode (``dm.eval()``)."""
+        the mean loss over the slice on every rank of the pipeline when ``loss_fn`` is given
+        or the model computes its own (``labels=``); otherwise the last stage's outputs
+        concatenated over the micro-batches (None on the ranks without the last stage).
+        Dropout follows the module's mode (``dm.eval()``)."""
         if not isinstance(inputs, tuple):
             inputs = (inputs,)
         m, last = self.schedule.m, self.schedule.n_stages - 1
-        flat_in, _ = self._split((inputs, {}), m)
-        flat_t, t_spec = self._split(targets, m) if targets is not None else (None, None)
+        flat_in, _ = self._inputs(inputs, kwargs, m)
+        flat_t, t_spec = self._split(targets, m)
+        own_loss = loss_fn is None and has_loss(self.ctx.out_spec)
         self._check_microbatch(flat_in[0])
         if self.training and self.ctx.rng_sites:
             draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
@@ -181,14 +205,14 @@ class PipelineModule(DistributedModule):
                     outs = list(out) if isinstance(out, (tuple, list)) else [out]
                     if k < last:
                         sends += self._isend(0, Action(k + 1, "F", mb), outs, k + 1)
-                    elif loss_fn is not None:
+                    elif loss_fn is not None or own_loss:
                         result = pytree.tree_unflatten(outs, self.ctx.out_spec)
-                        losses.append(loss_fn(result, pytree.tree_unflatten(flat_t[mb], t_spec)) / m)
+                        losses.append(self._loss(result, flat_t[mb] if flat_t else None, t_spec, loss_fn) / m)
                     else:
                         results.append(pytree.tree_unflatten(outs, self.ctx.out_spec))
             for w in sends:
                 w.wait()
-        if loss_fn is None:
+        if loss_fn is None and not own_loss:
             if not results:
                 return None
             return pytree.tree_map(lambda *xs: torch.cat(xs), *results) if len(results) > 1 else results[0]
@@ -298,8 +322,7 @@ class PipelineModule(DistributedModule):
         s.inputs[(a.stage, a.mb)] = received
         if a.stage == self.schedule.n_stages - 1:
             result = pytree.tree_unflatten(outs, self.ctx.out_spec)
-            target = pytree.tree_unflatten(flat_t[a.mb], t_spec)
-            loss = loss_fn(result, target)
+            loss = self._loss(result, flat_t[a.mb] if flat_t else None, t_spec, loss_fn)
             s.losses.append(loss.detach() / self.schedule.m)
             s.outputs[(a.stage, a.mb)] = [loss / self.schedule.m]
         else:

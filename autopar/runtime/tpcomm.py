@@ -214,7 +214,9 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, size):
         ctx.comm, ctx.dim, ctx.size = comm, dim, size
-        return _local(x, comm, dim, size).contiguous()
+        piece = _local(x, comm, dim, size)
+        # a copy, never a view of x: a consumer may update the piece in place (x /= ...)
+        return piece.clone() if piece.is_contiguous() else piece.contiguous()
 
     @staticmethod
     def backward(ctx, g):

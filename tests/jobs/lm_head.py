@@ -10,7 +10,7 @@ import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import parity
 
-from .hf import HF_ADAM_EPS
+from autopar.zoo import ADAM_EPS
 
 
 class NllGPT(torch.nn.Module):
@@ -104,7 +104,7 @@ def parity_hf(names=("gpt2", "llama"), sps=(False, True)):
     labels -100), their head split along the vocabulary; tp = world size."""
     batch = hf_batch(4)
     return {(name, sp): parity(lambda: Labelled(hf_lm(name)), autopar.Mesh(tp=dist.get_world_size()), _plan(sp=sp),
-                               batch, None, lambda loss, _: loss, eps=HF_ADAM_EPS)
+                               batch, None, lambda loss, _: loss, eps=ADAM_EPS)
             for name in names for sp in sps}
 
 

@@ -1,0 +1,299 @@
+"""The model zoo: Hugging Face ``transformers`` architectures from tiny random configs.
+
+Every entry builds a model of its family from the library's own config class, shrunk to a few
+thousand parameters (nothing is downloaded), and a batch it is called with the Hugging Face
+way: ``model(input_ids=..., labels=...)`` returning ``.loss`` for language models (causal,
+masked, sequence-to-sequence), ``model(pixel_values=..., labels=...)`` for a vision
+classifier. ``python -m autopar zoo`` trains each under the plans of ``PLANS`` against the
+single-device model (``autopar.testing.parity``) and prints the table the README shows.
+
+``transformers`` is a test extra; this module imports it when a model is built.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .mesh import Mesh
+from .planspec import Plan
+from .testing import RankPool, parity
+
+__all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table"]
+
+VOCAB = 96
+HIDDEN = 32
+HEADS = 4
+SEQ = 16
+
+# config fields a tiny model sets when its config class has them (the families name them
+# differently; each name that the class knows is set, the others are left alone)
+_TINY = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN,
+    "num_hidden_layers": 1, "n_layer": 1, "n_layers": 1, "num_layers": 1,
+    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
+    "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS,
+    "intermediate_size": 64, "ffn_hidden_size": 64, "ffn_dim": 64, "d_ff": 64, "hidden_dim": 64, "n_inner": 64,
+    "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "seq_length": 64,
+    "rotary_dim": 4, "partial_rotary_factor": 0.5,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
+    # dropout off: parity with dropout is its own test (tests/test_semantics.py)
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0, "attention_dropout": 0.0,
+    "activation_dropout": 0.0, "hidden_dropout": 0.0, "dropout_rate": 0.0, "classifier_dropout": 0.0,
+    "ffn_dropout": 0.0, "resid_dropout": 0.0, "embed_dropout": 0.0, "emb_dropout": 0.0,
+    "attn_dropout": 0.0, "qa_dropout": 0.0, "seq_classif_dropout": 0.0,
+    "use_cache": False, "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture of the zoo."""
+    name: str
+    model: str
+    """the transformers class"""
+    config: str
+    kind: str = "causal"
+    """causal | masked | seq2seq | vision"""
+    overrides: dict = field(default_factory=dict)
+    family: str = "decoder"
+    """decoder | moe | encoder | encoder-decoder | vision (the README table's grouping)"""
+
+
+def _moe(**kw):
+    # experts as ordinary parameters, routed per token: transformers' "batched_mm" experts gather
+    # each token's expert weights (index by expert id), which data parallelism splits like any
+    # per-token op; its "grouped_mm" sorts all tokens of the batch by expert, which a batch
+    # shard cannot follow op by op (autopar refuses it under dp, naming the sort)
+    return {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "_experts_implementation": "batched_mm", **kw}
+
+
+ARCHS = [
+    Arch("gpt2", "GPT2LMHeadModel", "GPT2Config"),
+    Arch("gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", overrides={"rotary_pct": 0.5}),
+    Arch("gptj", "GPTJForCausalLM", "GPTJConfig"),
+    Arch("gpt_neo", "GPTNeoForCausalLM", "GPTNeoConfig",
+         overrides={"attention_types": [[["global", "local"], 1]], "window_size": 8}),
+    Arch("gpt_bigcode", "GPTBigCodeForCausalLM", "GPTBigCodeConfig", overrides={"multi_query": True}),
+    Arch("codegen", "CodeGenForCausalLM", "CodeGenConfig"),
+    Arch("opt", "OPTForCausalLM", "OPTConfig", overrides={"word_embed_proj_dim": HIDDEN}),
+    Arch("bloom", "BloomForCausalLM", "BloomConfig"),
+    Arch("falcon", "FalconForCausalLM", "FalconConfig", overrides={"new_decoder_architecture": True,
+                                                                     "num_kv_heads": 2}),
+    Arch("phi", "PhiForCausalLM", "PhiConfig"),
+    Arch("phi3", "Phi3ForCausalLM", "Phi3Config"),
+    Arch("llama", "LlamaForCausalLM", "LlamaConfig"),
+    Arch("mistral", "MistralForCausalLM", "MistralConfig"),
+    Arch("qwen2", "Qwen2ForCausalLM", "Qwen2Config"),
+    Arch("qwen3", "Qwen3ForCausalLM", "Qwen3Config"),
+    Arch("gemma", "GemmaForCausalLM", "GemmaConfig"),
+    Arch("gemma2", "Gemma2ForCausalLM", "Gemma2Config"),
+    Arch("olmo", "OlmoForCausalLM", "OlmoConfig"),
+    Arch("olmo2", "Olmo2ForCausalLM", "Olmo2Config"),
+    Arch("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config"),
+    Arch("stablelm", "StableLmForCausalLM", "StableLmConfig"),
+    Arch("cohere", "CohereForCausalLM", "CohereConfig"),
+    Arch("granite", "GraniteForCausalLM", "GraniteConfig"),
+    Arch("persimmon", "PersimmonForCausalLM", "PersimmonConfig"),
+    Arch("nemotron", "NemotronForCausalLM", "NemotronConfig"),
+    Arch("glm", "GlmForCausalLM", "GlmConfig"),
+    Arch("helium", "HeliumForCausalLM", "HeliumConfig"),
+    Arch("mixtral", "MixtralForCausalLM", "MixtralConfig", overrides=_moe(), family="moe"),
+    Arch("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", overrides=_moe(), family="moe"),
+    Arch("olmoe", "OlmoeForCausalLM", "OlmoeConfig", overrides=_moe(), family="moe"),
+    Arch("granitemoe", "GraniteMoeForCausalLM", "GraniteMoeConfig", overrides=_moe(), family="moe"),
+    Arch("bert", "BertForMaskedLM", "BertConfig", kind="masked", family="encoder"),
+    Arch("roberta", "RobertaForMaskedLM", "RobertaConfig", kind="masked", family="encoder",
+         overrides={"pad_token_id": 1}),
+    Arch("distilbert", "DistilBertForMaskedLM", "DistilBertConfig", kind="masked", family="encoder"),
+    Arch("electra", "ElectraForMaskedLM", "ElectraConfig", kind="masked", family="encoder",
+         overrides={"embedding_size": HIDDEN}),
+    Arch("albert", "AlbertForMaskedLM", "AlbertConfig", kind="masked", family="encoder",
+         overrides={"embedding_size": 16}),
+    Arch("t5", "T5ForConditionalGeneration", "T5Config", kind="seq2seq", family="encoder-decoder",
+         overrides={"d_kv": HIDDEN // HEADS, "num_decoder_layers": 1, "decoder_start_token_id": 0}),
+    Arch("bart", "BartForConditionalGeneration", "BartConfig", kind="seq2seq", family="encoder-decoder",
+         overrides={"encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": HEADS,
+                    "decoder_attention_heads": HEADS, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}),
+    Arch("vit", "ViTForImageClassification", "ViTConfig", kind="vision", family="vision",
+         overrides={"image_size": 16, "patch_size": 4, "num_channels": 3, "num_labels": 10}),
+]
+
+PLANS = {
+    "zero3": ({"dp": 2}, {"dp": "zero3"}),
+    "tp": ({"tp": 2}, {"tp": True}),
+    "tp+sp": ({"tp": 2}, {"tp": True, "sp": True}),
+    "pp 1f1b": ({"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2}),
+    "dp x tp": ({"dp": 2, "tp": 2}, {"tp": True}),
+}
+"""plan name -> (Mesh axes, Plan fields): the zoo's columns."""
+
+
+def arch(name: str) -> Arch:
+    for a in ARCHS:
+        if a.name == name:
+            return a
+    raise KeyError(f"no architecture {name!r} in the zoo; it has {', '.join(a.name for a in ARCHS)}")
+
+
+def build(a: Arch | str, seed: int = 0) -> torch.nn.Module:
+    """The architecture's model from a tiny random config (``torch.manual_seed(seed)`` first)."""
+    import transformers
+    a = arch(a) if isinstance(a, str) else a
+    cfg_cls = getattr(transformers, a.config)
+    cfg = cfg_cls()
+    known = set(cfg.to_dict()) | set(getattr(cfg_cls, "attribute_map", {}))
+    for k, v in {**_TINY, **a.overrides}.items():
+        if k in known or k in a.overrides:
+            setattr(cfg, k, v)
+    cls = getattr(transformers, a.model)
+    torch.manual_seed(seed)
+    try:      # PyTorch's fused attention where the family supports it, its own matmuls otherwise
+        cfg._attn_implementation = "sdpa"
+        model = cls(cfg)
+    except ValueError:
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    return model.train()
+
+
+def batch(a: Arch | str, rows: int, seed: int = 0) -> dict:
+    """The keyword arguments of one call on ``rows`` examples, labels included."""
+    a = arch(a) if isinstance(a, str) else a
+    g = torch.Generator().manual_seed(seed)
+    if a.kind == "vision":
+        return {"pixel_values": torch.randn(rows, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 10, (rows,), generator=g)}
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=g)
+    if a.kind == "causal":
+        return {"input_ids": ids, "labels": ids.clone()}
+    if a.kind == "masked":
+        # the same number of masked positions in every row: the loss (a mean over the labelled
+        # tokens of a slice) then weighs every row alike on one device and on any dp slice
+        labels = torch.full_like(ids, -100)
+        pick = torch.zeros(ids.shape, dtype=torch.bool)
+        pick.scatter_(1, torch.rand(ids.shape, generator=g).argsort(1)[:, :SEQ // 4], True)
+        labels[pick] = ids[pick]
+        masked = ids.masked_fill(pick, 4)
+        return {"input_ids": masked, "labels": labels}
+    labels = torch.randint(3, VOCAB, (rows, SEQ // 2), generator=g)
+    return {"input_ids": ids, "labels": labels}
+
+
+ROWS = 4
+"""the global batch: 2 rows per data-parallel rank, or per micro-batch of a 2-stage pipeline"""
+STEPS = 2
+ADAM_EPS = 1e-6
+"""AdamW's eps in the zoo: a gradient that is zero in exact arithmetic (an attention key's bias)
+is float noise that differs with the summation order, and eps = 1e-8 would turn it into a step
+of about lr; at 1e-6 such noise moves a weight by under 1e-3 lr while a real gradient of 1e-5
+still takes a full step, so parity tests the program, not the noise"""
+CELL_TIMEOUT = 60.0
+"""seconds a collective of one cell may wait (a cell that hangs fails alone)"""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (architecture, plan) of the zoo: parity held, or why not in one line."""
+    arch: str
+    plan: str
+    ok: bool
+    why: str = ""
+    seconds: float = 0.0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(exc).__name__}: {line}"[:200]
+
+
+def run_cell(a: Arch | str, plan: str, steps: int = STEPS) -> Cell:
+    """Train ``a`` under the zoo plan ``plan`` on this rank's process group (world = the
+    plan's mesh size) next to the single-device model; the Hugging Face call with
+    ``labels=``, the model's own loss. Every rank returns the same verdict."""
+    a = arch(a) if isinstance(a, str) else a
+    axes, fields = PLANS[plan]
+    t0 = time.perf_counter()
+    try:
+        mesh = Mesh(timeout=CELL_TIMEOUT, **axes)
+        rep = parity(lambda: build(a), mesh, Plan(**fields), (), None, None, kwargs=batch(a, ROWS), steps=steps,
+                     eps=ADAM_EPS)
+        ok, why = rep.ok, ("" if rep.ok else
+                           f"parity off on rank {rep.rank}: output {rep.output_err:.3g}, loss {rep.loss_err:.3g}, "
+                           f"grad {rep.grad_err:.3g}, param {rep.param_err:.3g} (scaled errors; <= 1 passes)")
+    except Exception as exc:      # the cell's verdict: the error in one line
+        ok, why = False, _one_line(exc)
+    every = torch.tensor([float(ok)])     # every rank, failed or not, agrees on the verdict
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    if ok and not every.item():
+        ok, why = False, "parity off on another rank"
+    return Cell(a.name, plan, ok, why, time.perf_counter() - t0)
+
+
+def _run_cells(names: list, plans: list, steps: int) -> list:
+    torch.set_num_threads(1)
+    logging.getLogger("autopar").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    return [run_cell(n, p, steps) for n in names for p in plans]
+
+
+def run(names=None, plans=None, steps: int = STEPS, log=None) -> list:
+    """Every (architecture, plan) cell on local processes: one pool per world size."""
+    names = names or [a.name for a in ARCHS]
+    plans = plans or list(PLANS)
+    by_world = {}
+    for p in plans:
+        world = 1
+        for size in PLANS[p][0].values():
+            world *= size
+        by_world.setdefault(world, []).append(p)
+    cells = {}
+    for world, ps in sorted(by_world.items()):
+        pool = RankPool(world, timeout=CELL_TIMEOUT)
+        try:
+            for n in names:
+                got = pool.run(_run_cells, [n], ps, steps, timeout=CELL_TIMEOUT * 2 * len(ps) + 120)[0]
+                for c in got:
+                    cells[(c.arch, c.plan)] = c
+                    if log:
+                        log(f"{c.arch:12s} {c.plan:8s} {'ok' if c.ok else c.why} ({c.seconds:.1f} s)")
+                if not pool.alive:
+                    pool = RankPool(world, timeout=CELL_TIMEOUT)
+        finally:
+            pool.close()
+    return [cells[(n, p)] for n in names for p in plans]
+
+
+def table(cells: list) -> str:
+    """The zoo as a Markdown table (architecture x plan: ✓, or a numbered reason below)."""
+    names = list(dict.fromkeys(c.arch for c in cells))
+    plans = list(dict.fromkeys(c.plan for c in cells))
+    at = {(c.arch, c.plan): c for c in cells}
+    reasons: list = []
+    lines = ["| architecture | family | " + " | ".join(plans) + " |",
+             "|---|---|" + "---|" * len(plans)]
+    for n in names:
+        row = []
+        for p in plans:
+            c = at[(n, p)]
+            if c.ok:
+                row.append("✓")
+                continue
+            if c.why not in reasons:
+                reasons.append(c.why)
+            row.append(f"✗ ({reasons.index(c.why) + 1})")
+        lines.append(f"| {n} | {arch(n).family} | " + " | ".join(row) + " |")
+    held = sum(c.ok for c in cells)
+    lines.append("")
+    lines.append(f"{held} of {len(cells)} cells hold parity.")
+    for i, why in enumerate(reasons, 1):
+        lines.append(f"{i}. {why}")
+    return "\n".join(lines)

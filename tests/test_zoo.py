@@ -1,0 +1,61 @@
+"""The model zoo (``autopar.zoo``, ``python -m autopar zoo``): Hugging Face architectures from
+tiny random configs, called the Hugging Face way (``labels=`` -> ``.loss``), trained under
+ZeRO-3, tp, tp+sp, a 1F1B pipeline and dp x tp against the single-device model
+(``autopar.testing.parity``: outputs, loss, gathered gradients and parameters after AdamW
+steps). The fast tier runs a few rows; the slow tier every architecture."""
+import pytest
+
+from autopar import zoo
+
+FAST = ["llama", "mixtral"]
+"""a decoder LM whose loss shifts its labels with a pad, and a mixture of experts"""
+
+
+def _cells(ranks, names, plans, world):
+    got = ranks(zoo._run_cells, world, names, plans, zoo.STEPS, timeout=60 + 40 * len(names) * len(plans))
+    for rank_cells in got[1:]:            # every rank reaches the same verdicts
+        assert [(c.arch, c.plan, c.ok) for c in rank_cells] == [(c.arch, c.plan, c.ok) for c in got[0]]
+    return {(c.arch, c.plan): c for c in got[0]}
+
+
+def _world_plans(world):
+    return [p for p, (axes, _) in zoo.PLANS.items() if _size(axes) == world]
+
+
+def _size(axes):
+    n = 1
+    for s in axes.values():
+        n *= s
+    return n
+
+
+def _check(cells):
+    bad = [f"{a} under {p}: {c.why}" for (a, p), c in cells.items() if not c.ok]
+    assert not bad, "cells without parity:\n" + "\n".join(bad)
+
+
+@pytest.mark.timeout(300)
+def test_zoo_fast_rows(ranks):
+    """The labels= Llama and Mixtral under ZeRO-3, tp+sp and the 1F1B pipeline."""
+    _check(_cells(ranks, FAST, ["zero3", "tp+sp", "pp 1f1b"], 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 4])
+def test_zoo_every_cell(ranks, world):
+    """Every architecture under every zoo plan of this world size (the README's table)."""
+    names = [a.name for a in zoo.ARCHS]
+    _check(_cells(ranks, names, _world_plans(world), world))
+
+
+def test_zoo_covers_the_families():
+    """At least 30 architectures: decoder LMs, mixtures of experts, encoders, an
+    encoder-decoder and a vision model, each built from its transformers config class."""
+    fams = {}
+    for a in zoo.ARCHS:
+        fams.setdefault(a.family, []).append(a.name)
+    assert len(zoo.ARCHS) >= 30
+    assert len(fams["decoder"]) >= 20 and len(fams["moe"]) >= 2 and fams["encoder"]
+    assert fams["encoder-decoder"] and fams["vision"]
+    assert len({a.model for a in zoo.ARCHS}) == len(zoo.ARCHS)
