@@ -43,12 +43,16 @@ __all__ = ["compile", "estimate", "plan"]
 # ---- compile ---------------------------------------------------------------------------------------
 
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,
-            plan: Union[Plan, str] = "auto", cluster=None) -> DistributedModule:
+            plan: Union[Plan, str] = "auto", cluster=None, exported=None) -> DistributedModule:
     """Compile ``model`` for ``mesh``. ``example_inputs`` (and ``example_kwargs``) are one
     global batch: the graph is captured at its shapes (the logical program), and this rank's
     module runs on its data-parallel slice. ``plan="auto"`` lets the planner choose among the
     plans the mesh's axes allow, by the cost model of ``cluster`` (a preset name or a Cluster;
-    default: this machine's calibrated ``local`` preset)."""
+    default: this machine's calibrated ``local`` preset). ``exported``: the
+    ``torch.export.export(model, example_inputs, example_kwargs)`` of this very model, used
+    instead of exporting again (one model compiled under several plans exports once; copy the
+    two together, ``copy.deepcopy((model, exported))``); not for pipelines, which capture one
+    micro-batch."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
@@ -59,8 +63,12 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
     if plan.pp_schedule is not None:
+        if exported is not None:
+            raise ValueError("compile(exported=...) is for plans without a pipeline: a pipeline captures one "
+                             f"micro-batch (the batch / microbatches={plan.microbatches}), not the example "
+                             "inputs; leave exported out")
         return _compile_pipeline(model, ctx, args, kwargs)
-    gm = capture(model, args, kwargs, ctx, check_modes=True)   # the logical graph, at global shapes
+    gm = capture(model, args, kwargs, ctx, check_modes=True, exported=exported)   # the logical graph, at global shapes
     passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))

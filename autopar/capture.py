@@ -71,6 +71,27 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
             f"  fix: {_fix_for(exc)}") from exc
 
 
+def _check_exported(ep, model: nn.Module, args: tuple, kwargs: dict):
+    """``ep`` if it is an export of ``model`` itself on inputs of these shapes; else an error."""
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise TypeError(f"exported must be a torch.export.ExportedProgram, got {type(ep).__name__}")
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    foreign = [k for k, t in ep.state_dict.items() if own.get(k) is not t]
+    if foreign:
+        raise ValueError(f"exported holds {foreign[0]!r}, which is not the model's own tensor: export the model "
+                         "you compile (torch.export.export(model, ...)), or copy the two together, "
+                         "copy.deepcopy((model, exported))")
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    users = set(ep.graph_signature.user_inputs)
+    got = [tuple(n.meta[meta.VAL].shape) for n in ep.graph.nodes
+           if n.op == "placeholder" and n.name in users and isinstance(n.meta.get(meta.VAL), torch.Tensor)]
+    shapes = [tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)]
+    if spec != ep.call_spec.in_spec or shapes != got:
+        raise ValueError(f"exported was made on inputs of shapes {got}, the example inputs have {shapes}: export "
+                         "on the example inputs (the global batch), or leave exported out")
+    return ep
+
+
 def _drop_guards(gm: fx.GraphModule) -> None:
     """export's input guard module is replaced by autopar's own input check (clearer errors)."""
     for node in list(gm.graph.nodes):
@@ -243,14 +264,18 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
-            check_modes: bool = False) -> fx.GraphModule:
+            check_modes: bool = False, exported=None) -> fx.GraphModule:
     """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule.
     ``check_modes``: give the context a ``ModeCheck`` (``ctx.mode_difference``) that compares
-    the other train/eval mode's graph when a compiled module first runs in it."""
+    the other train/eval mode's graph when a compiled module first runs in it. ``exported``:
+    the model's own ExportedProgram on these inputs, used instead of exporting again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
     with _EXPORT_LOCK:
-        ep = _export(model, tuple(args), dict(kwargs))
+        if exported is None:
+            ep = _export(model, tuple(args), dict(kwargs))
+        else:
+            ep = _check_exported(exported, model, tuple(args), dict(kwargs))
         gm = ep.module()
     _drop_guards(gm)
     _check_buffer_updates(gm, model)

@@ -21,6 +21,7 @@ from .cost.estimate import predict_module
 from .cost.formulas import dp_comm_elements, evaluate, tp_layer_comm_elements
 from .cost.memory import model_state_bytes
 from .passes.pipeline import BALANCE_SLACK
+from .passes.tensor_parallel import whole_share
 from .runtime.pipeline_module import PipelineModule
 from .schedule import bubble_formula
 from .sizes import ring_bytes
@@ -198,7 +199,9 @@ def _tp_section(dm) -> list:
         if p.sharded or p.reason.startswith(("read by more", "Plan")):
             out.append(f"  {name:<36} {str(p):<22} {p.reason}")
     whole = sum(1 for p in dm.ctx.tp_params.values() if not p.sharded)
-    out.append(f"  ({whole} other parameters replicated: norms, embeddings, biases added after a reduction)")
+    kept = whole_share(dm.ctx)
+    out.append(f"  ({whole} other parameters replicated, {kept.share:.0%} of the trainable parameter bytes; "
+               f"largest: {kept.describe()})")
     out.append(f"  per transformer layer per step: {tp_layer_comm_elements()} elements "
                "(2 collectives of b·s·h forward, 2 backward)")
     by = {k: v for k, v in dm.comm_stats.bytes.items() if k[0] == "tp"}

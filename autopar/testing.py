@@ -388,7 +388,8 @@ def _compared(out, loss_fn):
     return out if loss_fn is not None or isinstance(out, torch.Tensor) else getattr(out, "logits", None)
 
 
-def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None, steps: int = 3, lr: float = 1e-3,
+def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None, exported=None, steps: int = 3,
+           lr: float = 1e-3,
            rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5,
            optimizer=torch.optim.AdamW, **optimizer_kwargs) -> ParityReport:
     """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
@@ -399,7 +400,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
 
     ``kwargs`` are keyword inputs of the global batch. With ``loss_fn=None`` the loss is the
     model's own (``output.loss``: a Hugging Face model called with ``labels=``; ``target`` is
-    then None) and the outputs compared are its ``logits``.
+    then None) and the outputs compared are its ``logits``. ``exported``: the ExportedProgram
+    of the model ``model_fn()`` returns, on the global batch (``compile(exported=...)``).
 
     Tolerances are scaled errors |x - x_ref| / (atol + rtol |x_ref|), fp32. Adam divides by
     sqrt(v): a gradient that is mathematically zero (an attention key bias) is float noise
@@ -411,7 +413,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     torch.manual_seed(0)
     ref = model_fn()
     kwargs = dict(kwargs or {})
-    dm = autopar_compile(copy.deepcopy(ref), mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan)
+    model, exported = copy.deepcopy((ref, exported))     # the program stays the copy's own
+    dm = autopar_compile(model, mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan, exported=exported)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
     opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
     opt = dm.optimizer(optimizer, lr=lr, **optimizer_kwargs)

@@ -11,6 +11,7 @@ single-device model (``autopar.testing.parity``) and prints the table the README
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -215,6 +216,21 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:200]
 
 
+_EXPORTED: dict = {}
+"""architecture -> (model, its ExportedProgram on the zoo's batch): each process exports an
+architecture once for every plan without a pipeline (a pipeline captures one micro-batch)"""
+
+
+def _model_and_program(a: Arch, pipelined: bool):
+    if pipelined:
+        return build(a), None
+    if a.name not in _EXPORTED:
+        model = build(a)
+        _EXPORTED.clear()            # one architecture at a time: the cells of one run it in a row
+        _EXPORTED[a.name] = (model, torch.export.export(model, (), batch(a, ROWS), strict=False))
+    return copy.deepcopy(_EXPORTED[a.name])    # the copy's program refers to the copy's tensors
+
+
 def run_cell(a: Arch | str, plan: str, steps: int = STEPS) -> Cell:
     """Train ``a`` under the zoo plan ``plan`` on this rank's process group (world = the
     plan's mesh size) next to the single-device model; the Hugging Face call with
@@ -224,8 +240,9 @@ def run_cell(a: Arch | str, plan: str, steps: int = STEPS) -> Cell:
     t0 = time.perf_counter()
     try:
         mesh = Mesh(timeout=CELL_TIMEOUT, **axes)
-        rep = parity(lambda: build(a), mesh, Plan(**fields), (), None, None, kwargs=batch(a, ROWS), steps=steps,
-                     eps=ADAM_EPS)
+        model, program = _model_and_program(a, "pp_schedule" in fields)
+        rep = parity(lambda: model, mesh, Plan(**fields), (), None, None, kwargs=batch(a, ROWS), exported=program,
+                     steps=steps, eps=ADAM_EPS)
         ok, why = rep.ok, ("" if rep.ok else
                            f"parity off on rank {rep.rank}: output {rep.output_err:.3g}, loss {rep.loss_err:.3g}, "
                            f"grad {rep.grad_err:.3g}, param {rep.param_err:.3g} (scaled errors; <= 1 passes)")

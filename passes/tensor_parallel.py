@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -454,8 +455,47 @@ def decide(gm: fx.GraphModule, ctx: CompileContext) -> None:
     ctx.tp_params = w.params
     for node, pm in w.rows:
         _split_bias(gm, node, pm)
+    kept = whole_share(ctx)
+    if kept.share > WHOLE_WARNING:
+        msg = (f"tensor parallelism keeps {kept.share:.0%} of the trainable parameter bytes whole on every tp rank "
+               f"({kept.describe()}): it splits only the 2-D weights that linear/mm products read, so memory "
+               "per rank falls little; split others with Plan(tp_layout=...) where a rule allows it")
+        log.warning("autopar: %s", msg)
+        ctx.notes.append(f"warning: {msg}")
     gm.graph.lint()
     gm.recompile()
+
+
+WHOLE_WARNING = 0.5
+"""share of the trainable parameter bytes tp may keep whole before compile warns (a plain
+transformer keeps its embeddings and norms whole: well under half at any real size)"""
+
+
+@dataclass(frozen=True)
+class WholeShare:
+    """What tensor parallelism keeps whole: share of trainable parameter bytes, largest ones."""
+    share: float
+    largest: tuple   # (name, bytes, reason) of the largest whole parameters with 2 or more dims
+
+    def describe(self) -> str:
+        return ", ".join(f"{n} {b / 2**10:.0f} KiB: {why}" for n, b, why in self.largest) or "norms and biases"
+
+
+def whole_share(ctx: CompileContext, top: int = 3) -> WholeShare:
+    """The trainable parameters ``ctx.tp_params`` leaves replicated along tp."""
+    total, whole, big = 0, 0, []
+    for name, info in ctx.params.items():
+        if not info.requires_grad or info.is_buffer:
+            continue
+        nbytes = info.numel * info.dtype.itemsize
+        total += nbytes
+        p = ctx.tp_params.get(name)
+        if p is None or not p.sharded:
+            whole += nbytes
+            if len(info.shape) >= 2:
+                big.append((name, nbytes, p.reason if p is not None else "not placed"))
+    big.sort(key=lambda x: -x[1])
+    return WholeShare(whole / total if total else 0.0, tuple(big[:top]))
 
 
 def annotate(gm: fx.GraphModule, ctx: CompileContext) -> None:

@@ -1,4 +1,6 @@
 """Capture: torch.export into a training-IR GraphModule with explicit parameters."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -123,3 +125,24 @@ def test_kwargs_are_captured():
     assert torch.allclose(dm(local, scale=s, use_cache=False), m(local, scale=s))
     with pytest.raises(ValueError, match="constant"):
         dm(local, scale=s, use_cache=True)
+
+
+def test_a_program_exported_beforehand_is_used_as_is():
+    """compile(exported=...) skips its own export: the same graph as exporting itself; a program
+    of another model (even a copy), of other shapes, or for a pipeline is refused."""
+    model, (tok, _) = TinyGPT(), gpt_batch(GPTConfig(), 8)
+    ep = torch.export.export(model, (tok,), strict=False)
+    mine = autopar.compile(model, autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok,),
+                           plan=autopar.Plan(dp="zero3"), exported=ep)
+    again = autopar.compile(TinyGPT(), autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok,),
+                            plan=autopar.Plan(dp="zero3"))
+    assert dict(mine.ctx.snapshots)["capture"] == dict(again.ctx.snapshots)["capture"]
+    with pytest.raises(ValueError, match=r"not the model's own tensor.*copy.deepcopy\(\(model, exported\)\)"):
+        autopar.compile(copy.deepcopy(model), autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok,),
+                        plan=autopar.Plan(dp="zero3"), exported=ep)
+    with pytest.raises(ValueError, match=r"made on inputs of shapes \[\(8, 16\)\], the example inputs have \[\(4, 16\)\]"):
+        autopar.compile(model, autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok[:4],),
+                        plan=autopar.Plan(dp="zero3"), exported=ep)
+    with pytest.raises(ValueError, match=r"exported=\.\.\.\) is for plans without a pipeline"):
+        autopar.compile(model, autopar.Mesh(pp=2, virtual=True, rank=0), example_inputs=(tok,),
+                        plan=autopar.Plan(pp_schedule="gpipe", microbatches=2), exported=ep)
