@@ -40,13 +40,26 @@ def test_zoo_fast_rows(ranks):
     _check(_cells(ranks, FAST, ["zero3", "tp+sp", "pp 1f1b"], 2))
 
 
+DP_BY_TP = ["gpt2", "falcon", "llama", "gemma2", "qwen3", "mixtral", "qwen2_moe", "bert", "t5", "vit"]
+"""the architectures the slow tier runs on Mesh(dp=2, tp=2): a fused Conv1D qkv, multi-query
+attention, grouped-query attention with rotary embeddings, eager attention with soft-capping,
+q/k norms, two MoE routers, an encoder, an encoder-decoder and a vision model (four processes
+a cell cost what two of the other columns do; ``python -m autopar zoo`` runs the whole column)"""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [2, 4])
-def test_zoo_every_cell(ranks, world):
-    """Every architecture under every zoo plan of this world size (the README's table)."""
+def test_zoo_every_cell_on_two_processes(ranks):
+    """Every architecture under ZeRO-3, tp, tp+sp and 1F1B (the README's table)."""
     names = [a.name for a in zoo.ARCHS]
-    _check(_cells(ranks, names, _world_plans(world), world))
+    _check(_cells(ranks, names, _world_plans(2), 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zoo_dp_by_tp(ranks):
+    """Ten architectures, one of each kind of block, under tp on Mesh(dp=2, tp=2)."""
+    _check(_cells(ranks, DP_BY_TP, _world_plans(4), 4))
 
 
 def test_zoo_covers_the_families():
