@@ -107,9 +107,11 @@ def test_the_walk_marks_the_batch_at_one_row_as_at_two(name):
 def test_cost_model_takes_a_one_sequence_example():
     x, _ = gpt_batch(C, 1)
     est = autopar.estimate(TinyGPT(C), autopar.Mesh(pp=2, virtual=True),
-                           autopar.Plan(pp_schedule="1f1b", microbatches=8), example_inputs=(x,), global_batch=8)
+                           autopar.Plan(pp_schedule="1f1b", microbatches=8), example_inputs=(x,), global_batch=8,
+                           cluster="dgx-h100")
     assert est.step_time_s > 0
-    report = autopar.plan(TinyGPT(C), 4, example_inputs=(x,), global_batch=8, top=2, detail=False)
+    report = autopar.plan(TinyGPT(C), 4, example_inputs=(x,), global_batch=8, top=2, detail=False,
+                          cluster="dgx-h100")
     assert report.candidates
 
 
@@ -129,9 +131,10 @@ def test_batch_that_does_not_divide_by_dp_names_the_axis():
                                              r"\(2 or 4 rows\)"):
             autopar.compile(TinyGPT(C), autopar.Mesh(dp=2, virtual=True), example_inputs=(x,), plan=plan)
     with pytest.raises(ValueError, match=r"1 row along dim 0, which does not divide by dp=2"):
-        autopar.estimate(TinyGPT(C), autopar.Mesh(dp=2, virtual=True), autopar.Plan(), example_inputs=(x[:1],))
+        autopar.estimate(TinyGPT(C), autopar.Mesh(dp=2, virtual=True), autopar.Plan(), example_inputs=(x[:1],),
+                         cluster="dgx-h100")
     with pytest.raises(autopar.InfeasiblePlan, match=r"Mesh\(dp=2\): the global batch has 3 rows.*dp=2"):
-        autopar.plan(TinyGPT(C), 2, example_inputs=(x,), mesh_axes={"dp": 2})
+        autopar.plan(TinyGPT(C), 2, example_inputs=(x,), mesh_axes={"dp": 2}, cluster="dgx-h100")
 
 
 def test_batch_that_does_not_divide_into_microbatches_names_the_axis():
