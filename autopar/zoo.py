@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from .mesh import Mesh
 from .planspec import Plan
 from .testing import RankPool, parity
 
-__all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table"]
+__all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table", "plan_world"]
 
 VOCAB = 96
 HIDDEN = 32
@@ -134,6 +135,11 @@ PLANS = {
     "dp x tp": ({"dp": 2, "tp": 2}, {"tp": True}),
 }
 """plan name -> (Mesh axes, Plan fields): the zoo's columns."""
+
+
+def plan_world(plan: str) -> int:
+    """Processes the zoo plan ``plan`` runs on (its mesh's size)."""
+    return math.prod(PLANS[plan][0].values())
 
 
 def arch(name: str) -> Arch:
@@ -268,10 +274,7 @@ def run(names=None, plans=None, steps: int = STEPS, log=None) -> list:
     plans = plans or list(PLANS)
     by_world = {}
     for p in plans:
-        world = 1
-        for size in PLANS[p][0].values():
-            world *= size
-        by_world.setdefault(world, []).append(p)
+        by_world.setdefault(plan_world(p), []).append(p)
     cells = {}
     for world, ps in sorted(by_world.items()):
         pool = RankPool(world, timeout=CELL_TIMEOUT)

@@ -19,14 +19,7 @@ def _cells(ranks, names, plans, world):
 
 
 def _world_plans(world):
-    return [p for p, (axes, _) in zoo.PLANS.items() if _size(axes) == world]
-
-
-def _size(axes):
-    n = 1
-    for s in axes.values():
-        n *= s
-    return n
+    return [p for p in zoo.PLANS if zoo.plan_world(p) == world]
 
 
 def _check(cells):
