@@ -8,6 +8,7 @@ and emit this rank's module. Every pass's result is snapshotted for ``dm.dump()`
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import logging
@@ -31,6 +32,7 @@ from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
 from .runtime import DistributedModule, PipelineModule, emit, slice_batch
+from .runtime.module import cast_input
 from .runtime.comm import CommStats
 from .sizes import batch_split_error
 from .schedule import SCHEDULES, Schedule, build_schedule, simulate
@@ -62,17 +64,27 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
+    ctx.device_type = _device_type(model, mesh)
+    source = model
+    if plan.mixed:
+        if exported is not None:
+            raise ValueError(f"compile(exported=...) with Plan(param_dtype={plan.param_dtype}): the program is "
+                             "captured from the model in the compute dtype, not from its own export; leave "
+                             "exported out")
+        source = compute_copy(model, plan.param_dtype)
     if plan.pp_schedule is not None:
         if exported is not None:
             raise ValueError("compile(exported=...) is for plans without a pipeline: a pipeline captures one "
                              f"micro-batch (the batch / microbatches={plan.microbatches}), not the example "
                              "inputs; leave exported out")
-        return _compile_pipeline(model, ctx, args, kwargs)
-    gm = capture(model, args, kwargs, ctx, check_modes=True, exported=exported)   # the logical graph, at global shapes
+        return _compile_pipeline(model, source, ctx, args, kwargs)
+    gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=True,
+                 exported=exported)               # the logical graph, at global shapes
+    gm = _autocast(gm, ctx)
     passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
     # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
-    ctx.input_dtypes = _dtypes((args, kwargs))
+    ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
     gm = _run_passes(gm, ctx)
@@ -83,6 +95,47 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     del gm
     gc.collect()   # export leaves reference cycles that hold the original weights
     return dm
+
+
+def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Mixed precision: a copy of ``model`` whose floating parameters are in ``dtype`` (its
+    buffers are the model's own, as FSDP's mixed-precision policy leaves buffers): the program
+    capture records. A model on the meta device stays there."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach(),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b
+    return copy.deepcopy(model, memo)
+
+
+def _compute_inputs(args: tuple, kwargs: dict, plan: Plan):
+    """The example inputs as the compute dtype's program takes them: floating inputs cast to
+    ``param_dtype`` (as ``DistributedModule.forward`` casts the inputs it is given)."""
+    if not plan.mixed:
+        return args, kwargs
+    return pytree.tree_map(lambda t: cast_input(t, plan.param_dtype), (args, kwargs))
+
+
+def _device_type(model: nn.Module, mesh: Mesh) -> str:
+    """The device type the module will run on: its parameters', or for a model on the meta
+    device, CUDA when the process group is NCCL's, else the CPU."""
+    tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, nn.Module) else []
+    for t in tensors:
+        if t.device.type != "meta":
+            return t.device.type
+    backend = dist.get_backend() if dist.is_initialized() else ""
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
+def _autocast(gm, ctx: CompileContext):
+    """Mixed precision: the casts torch.autocast makes, in the logical graph (snapshotted)."""
+    if not ctx.plan.mixed:
+        return gm
+    gm = passes.autocast(gm, ctx)
+    ctx.snapshots.append(("autocast", graph_text(gm)))
+    return gm
 
 
 def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
@@ -96,9 +149,12 @@ def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
     return gm
 
 
-def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict) -> PipelineModule:
-    """Pipeline parallelism: capture one micro-batch, cut the graph into stages, then run the
-    plan's passes over each stage this rank holds, as a model of its own."""
+def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, args: tuple,
+                      kwargs: dict) -> PipelineModule:
+    """Pipeline parallelism: capture one micro-batch (of ``source``: the model, or under mixed
+    precision its copy in the compute dtype), cut the graph into stages, then run the plan's
+    passes over each stage this rank holds, as a model of its own; the stages' tensors are
+    ``model``'s."""
     mesh, plan = ctx.mesh, ctx.plan
     p, m, v, n = mesh.axis_size("pp"), plan.microbatches, plan.virtual_stages, mesh.axis_size("dp")
     if p == 1 and v > 1:
@@ -118,10 +174,12 @@ def _compile_pipeline(model: nn.Module, ctx: CompileContext, args: tuple, kwargs
     _batch_rows(args, kwargs, n, m)
     ctx.microbatch_rows = rows[0] // m
     mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
-    gm = capture(model, mb_args, mb_kwargs, ctx, check_modes=True)   # the logical graph of one micro-batch
+    gm = capture(source, *_compute_inputs(mb_args, mb_kwargs, plan), ctx,
+                 check_modes=True)   # the logical graph of one micro-batch
+    gm = _autocast(gm, ctx)
     passes.find_sites(gm, ctx, microbatches=m)
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
-    ctx.input_dtypes = _dtypes((mb_args, mb_kwargs))
+    ctx.input_dtypes = _dtypes(_compute_inputs(mb_args, mb_kwargs, plan))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
     heads = tied_head_layouts(gm, ctx) if ctx.plan.tp else {}   # on the whole graph: both copies of a table alike

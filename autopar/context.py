@@ -60,6 +60,7 @@ class CompileContext:
     input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
     microbatch_rows: int = 0        # global rows of one micro-batch (pipeline)
+    device_type: str = "cpu"        # the device the module runs on ("cuda", "cpu"): the autocast rule's
     head_policy: Any = None         # LM head layout: policy(passes.lm_head.HeadChoice) -> (split, why),
                                     # the cost model's for the compile's cluster; None: passes.lm_head's default
     # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
@@ -76,6 +77,15 @@ class CompileContext:
     snapshots: list = field(default_factory=list)     # (pass name, readable graph text), for dm.dump()
     notes: list = field(default_factory=list)         # lines for explain()
     profile: Any = None             # the cost model's profile of the logical graph (cost.profile.Profile)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype the compiled module keeps parameter or buffer ``name`` in: under mixed
+        precision a trainable parameter is the optimizer's master (``plan.master_dtype``),
+        everything else the dtype the graph reads (``params[name].dtype``)."""
+        info = self.params[name]
+        if self.plan.mixed and info.requires_grad and not info.is_buffer:
+            return self.plan.master_dtype
+        return info.dtype
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The parameter's shape on this rank's slice of the ``tp`` axis (before ZeRO)."""

@@ -10,12 +10,43 @@ import ast
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import torch
+
 from .placement import parse_placement
 from .schedule import SCHEDULES as PP_SCHEDULES, Schedule
 
-__all__ = ["Plan", "DP_MODES", "PP_SCHEDULES"]
+__all__ = ["Plan", "DP_MODES", "PP_SCHEDULES", "DTYPES", "dtype_name"]
 
 DP_MODES = ("ddp", "zero1", "zero2", "zero3")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+"""The floating dtypes a plan's precision fields take, by name (also: fp32, bf16, fp16, fp64)."""
+_SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64", "float": "float32",
+          "half": "float16", "double": "float64"}
+_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "master_dtype")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_dtype(field: str, value):
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        name = _SHORT.get(value.strip().removeprefix("torch."), value.strip().removeprefix("torch."))
+        if name not in DTYPES:
+            raise ValueError(f"Plan({field}={value!r}) is not a dtype autopar knows; expected one of "
+                             f"{', '.join(DTYPES)} (or torch.bfloat16, ...)")
+        dtype = DTYPES[name]
+    else:
+        raise TypeError(f"Plan({field}={value!r}) takes a torch dtype (torch.bfloat16) or its name, got "
+                        f"{type(value).__name__}")
+    if dtype is not None and dtype not in DTYPES.values():
+        raise ValueError(f"Plan({field}={dtype}) is not a floating dtype; expected one of {', '.join(DTYPES)}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -77,8 +108,37 @@ class Plan:
     number drawn from the default generator per step, the site and the slice (slices held by
     several ranks get one mask; not the single-device masks, and the default generator ends
     the step elsewhere than one device's would)."""
+    param_dtype: Optional[torch.dtype] = None
+    """Mixed precision: the dtype forward and backward compute in (``torch.bfloat16``). The
+    optimizer then owns the parameters in ``master_dtype`` (this rank's shards under ZeRO; the
+    full copy under ddp); forward reads ``param_dtype`` copies of them (ZeRO-3 gathers them in
+    ``param_dtype``, ZeRO-1/2 keep ``param_dtype`` replicas, ddp casts once per forward), the
+    model's floating inputs are cast to it, and ops follow ``torch.autocast`` of the device the
+    module runs on (``passes/autocast.py``). None: the model's own dtypes, no master copy."""
+    reduce_dtype: Optional[torch.dtype] = None
+    """The dtype gradients are summed in on every axis (dp buckets; tp's all-reduces of the
+    gradients of replicated parameters and inputs, and the reduce-scatters of sp's); None: the
+    master dtype under ``param_dtype`` (fp32 sums of bf16 gradients), else the gradients' own."""
+    master_dtype: torch.dtype = torch.float32
+    """The dtype of the optimizer's copy of the parameters under ``param_dtype``."""
 
     def __post_init__(self):
+        for name in _DTYPE_FIELDS:
+            object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))
+        if self.master_dtype is None:
+            raise ValueError("Plan(master_dtype=None): the optimizer's copy needs a dtype; leave the default "
+                             "(torch.float32)")
+        if self.param_dtype == torch.float16:
+            raise ValueError("Plan(param_dtype=torch.float16) needs dynamic loss scaling (fp16's range underflows "
+                             "gradients), which autopar does not implement; use param_dtype=torch.bfloat16 (same "
+                             "bytes, fp32's range, no scaling)")
+        if self.param_dtype is not None and torch.finfo(self.master_dtype).bits < torch.finfo(self.param_dtype).bits:
+            raise ValueError(f"Plan(master_dtype={dtype_name(self.master_dtype)}) is narrower than "
+                             f"param_dtype={dtype_name(self.param_dtype)}: the master copy must hold at least "
+                             "the compute precision")
+        if self.reduce_dtype is not None and self.param_dtype is None:
+            raise ValueError(f"Plan(reduce_dtype={dtype_name(self.reduce_dtype)}) needs param_dtype: without mixed "
+                             "precision gradients are summed in their own dtype")
         if self.dp not in DP_MODES:
             raise ValueError(f"Plan(dp={self.dp!r}) is not a data-parallel mode; expected one of {DP_MODES}")
         if not isinstance(self.tp, bool) or not isinstance(self.sp, bool):
@@ -152,6 +212,18 @@ class Plan:
                              f"{self.virtual_stages}; make them agree")
 
     @property
+    def mixed(self) -> bool:
+        """Mixed precision: compute in ``param_dtype``, the optimizer's masters in ``master_dtype``."""
+        return self.param_dtype is not None
+
+    @property
+    def grad_reduce_dtype(self) -> Optional[torch.dtype]:
+        """The dtype gradient sums run in (None: the gradients' own)."""
+        if self.param_dtype is None:
+            return None
+        return self.reduce_dtype or self.master_dtype
+
+    @property
     def split_backward(self) -> bool:
         """The schedule runs each backward as B (input gradient) and W (weight gradients,
         deferred): zero-bubble, or a custom action list with W actions."""
@@ -185,8 +257,10 @@ class Plan:
         parts = []
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "master_dtype" and self.param_dtype is None:
+                continue      # only meaningful with param_dtype
             if f.name == "dp" or v != f.default:
-                parts.append(f"{f.name}={v!r}")
+                parts.append(f"{f.name}={dtype_name(v)!r}" if isinstance(v, torch.dtype) else f"{f.name}={v!r}")
         return f"Plan({', '.join(parts)})"
 
     @classmethod

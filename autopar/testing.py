@@ -356,6 +356,47 @@ def saved_activation_bytes(fn, exclude=()) -> int:
 
 # ---- parity -------------------------------------------------------------------------------------
 
+class MixedReference:
+    """The single-device model under a mixed-precision policy, the reference of a compiled
+    module with ``Plan(param_dtype=...)``: ``master`` (the model the optimizer steps, fp32)
+    and a copy of it whose floating parameters are in ``dtype``. A step runs forward on the
+    copy under ``torch.autocast`` of the inputs' device, with floating inputs cast to
+    ``dtype``; backward leaves the copy's gradients in ``dtype``, which become the masters'
+    gradients in their own dtype (one device sums nothing); after the optimizer steps the
+    masters, ``refresh`` writes them into the copy."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
+        self.master, self.dtype = master, dtype
+        self.copy = copy.deepcopy(master)
+        with torch.no_grad():
+            for p in self.copy.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+        self._pairs = list(zip(master.parameters(), self.copy.parameters()))
+
+    def _cast(self, tree):
+        return torch.utils._pytree.tree_map(
+            lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+
+    def forward_backward(self, inputs: tuple, kwargs: dict, loss_of):
+        """(outputs, loss) of the copy on the inputs; the masters' ``.grad`` set."""
+        args, kw = self._cast((tuple(inputs), dict(kwargs)))
+        device = next(iter(self.copy.parameters())).device.type
+        with torch.autocast(device, dtype=self.dtype):
+            out = self.copy(*args, **kw)
+        loss = loss_of(out)
+        for _, c in self._pairs:
+            c.grad = None
+        loss.backward()
+        for m, c in self._pairs:
+            m.grad = None if c.grad is None else c.grad.to(m.dtype)
+        return out, loss
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for m, c in self._pairs:
+                c.copy_(m)
+
 @dataclass
 class ParityReport:
     """Largest mismatches of a compiled module against the single-device model."""
@@ -383,6 +424,37 @@ def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask
     return float(e.max()) if e.numel() else 0.0
 
 
+MIXED_TOLERANCE = {"loss": 4, "grad": 16, "output": 16, "update": 16}
+"""Mixed-precision parity, in units of the compute dtype's epsilon (bf16: 2^-7): the loss
+within 4 eps of the reference's, relatively; each output and gradient tensor within 16 eps of
+the reference tensor's largest element; each master tensor's update over the steps
+(``p - p_0``) within 16 eps of the reference's, in norm. bf16 rounds every op's result to 8
+significant bits, a gradient passes through tens of rounded ops in backward, and the
+distributed program rounds partial results (a rank's slice of the batch, a tp rank's partial
+sum) that one device keeps unrounded, so the two programs differ by a few eps (measured: up to
+10 eps on the project's GPT under tp + sp; bf16 against fp32 differs by about 4 eps there). Adam
+normalises each element's step to about ``lr`` whatever its gradient's size, so an element
+whose gradient is rounding noise steps in a random direction: mixed parity runs Adam with an
+``eps`` above that noise (the tests pass eps=1e-4) so that the update compares the gradients."""
+
+
+def _mixed_err(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
+    """max |a - b| over ``MIXED_TOLERANCE`` eps of max |b| (<= 1 passes)."""
+    scale = float(b.float().abs().max()) if b.numel() else 0.0
+    if scale == 0.0:
+        return 0.0 if not a.numel() or float(a.float().abs().max()) == 0.0 else float("inf")
+    return float((a.float() - b.float()).abs().max()) / (MIXED_TOLERANCE["grad"] * torch.finfo(dtype).eps * scale)
+
+
+def _update_err(p: torch.Tensor, p_ref: torch.Tensor, p0: torch.Tensor, dtype: torch.dtype) -> float:
+    """|(p - p0) - (p_ref - p0)| / |p_ref - p0| (norms) over ``MIXED_TOLERANCE`` eps (<= 1 passes)."""
+    moved = float((p_ref.float() - p0.float()).norm())
+    off = float((p.float() - p_ref.float()).norm())
+    if moved == 0.0:
+        return 0.0 if off == 0.0 else float("inf")
+    return off / moved / (MIXED_TOLERANCE["update"] * torch.finfo(dtype).eps)
+
+
 def _compared(out, loss_fn):
     """The output parity compares: the output itself, or a model-computed loss's ``logits``."""
     return out if loss_fn is not None or isinstance(out, torch.Tensor) else getattr(out, "logits", None)
@@ -403,6 +475,10 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     then None) and the outputs compared are its ``logits``. ``exported``: the ExportedProgram
     of the model ``model_fn()`` returns, on the global batch (``compile(exported=...)``).
 
+    Mixed precision (``plan.param_dtype``): the reference is the single-device model under the
+    same policy (``MixedReference``), and the errors are scaled by ``MIXED_TOLERANCE`` (see
+    there); ``rtol``/``atol``/``noise_floor`` are the fp32 comparison's.
+
     Tolerances are scaled errors |x - x_ref| / (atol + rtol |x_ref|), fp32. Adam divides by
     sqrt(v): a gradient that is mathematically zero (an attention key bias) is float noise
     whose sign and size differ between the two summation orders, and Adam turns it into a
@@ -416,6 +492,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     model, exported = copy.deepcopy((ref, exported))     # the program stays the copy's own
     dm = autopar_compile(model, mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan, exported=exported)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
+    mixed = MixedReference(ref, plan.param_dtype) if plan.param_dtype is not None else None
+    initial = {k: p.detach().clone() for k, p in ref.named_parameters()} if mixed else {}
     opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
     opt = dm.optimizer(optimizer, lr=lr, **optimizer_kwargs)
     names = dict(ref.named_parameters())
@@ -429,9 +507,12 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     for step in range(steps):
         opt_ref.zero_grad()
         torch.manual_seed(1000 + step)     # dropout: one device and every rank draw from one seed
-        out_ref = ref(*inputs, **kwargs)
-        loss_ref = loss_of(out_ref, target)
-        loss_ref.backward()
+        if mixed is None:
+            out_ref = ref(*inputs, **kwargs)
+            loss_ref = loss_of(out_ref, target)
+            loss_ref.backward()
+        else:
+            out_ref, loss_ref = mixed.forward_backward(inputs, kwargs, lambda out: loss_of(out, target))
         opt.zero_grad()
         torch.manual_seed(1000 + step)
         if plan.pp_schedule is not None:   # a pipeline runs whole steps; it returns the slice's loss
@@ -441,7 +522,10 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
             loss = loss_of(out, local_t)
             loss.backward()
             got, want = _compared(out, loss_fn), _compared(out_ref, loss_fn)
-            if want is not None:
+            if want is not None and mixed is not None:
+                rep.output_err = max(rep.output_err, _mixed_err(got.detach(), dm.shard_batch(want.detach()),
+                                                                plan.param_dtype))
+            elif want is not None:
                 rep.output_err = max(rep.output_err, _scaled_err(got.detach(), dm.shard_batch(want.detach()),
                                                                  rtol, atol))
         gl = loss.detach().clone()
@@ -450,7 +534,11 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
             gl /= mesh.axis_size("dp")
         rep.losses.append(float(gl))
         rep.ref_losses.append(float(loss_ref.detach()))
-        rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), rtol, atol))
+        if mixed is not None:
+            eps = torch.finfo(plan.param_dtype).eps
+            rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), MIXED_TOLERANCE["loss"] * eps, 0.0))
+        else:
+            rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), rtol, atol))
         grads = dm.full_grads()
         gmax = max(float(p.grad.abs().max()) for p in names.values())
         for k, p in names.items():
@@ -460,10 +548,22 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
                 rep.messages.append(f"step {step}: no gradient for {k}")
                 rep.grad_err = float("inf")
                 continue
-            rep.grad_err = max(rep.grad_err, _scaled_err(grads[k], p.grad, rtol, 1e-6))
+            if mixed is not None:
+                rep.grad_err = max(rep.grad_err, _mixed_err(grads[k], p.grad, plan.param_dtype))
+            else:
+                rep.grad_err = max(rep.grad_err, _scaled_err(grads[k], p.grad, rtol, 1e-6))
         opt_ref.step()
+        if mixed is not None:
+            mixed.refresh()
         opt.step()
         full = dm.full_state_dict()
+        if mixed is not None:
+            for k, p in names.items():
+                if full[k].dtype != p.dtype:
+                    rep.messages.append(f"step {step}: the master of {k} is {full[k].dtype}, expected {p.dtype}")
+                    rep.param_err = float("inf")
+                rep.param_err = max(rep.param_err, _update_err(full[k], p.detach(), initial[k], plan.param_dtype))
+            continue
         for k, p in names.items():
             noisy[k] &= moved[k]
             rep.param_err = max(rep.param_err, _scaled_err(full[k], p.detach(), rtol, atol, ~noisy[k]))

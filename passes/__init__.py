@@ -2,7 +2,8 @@
 
 ``for_plan(plan)`` is the ordered list a graph goes through under a plan (the pipeline pass,
 which cuts the graph into stages first, and the order check, which compares ranks and
-rewrites nothing, are called by the compile driver apart from it):
+rewrites nothing, are called by the compile driver apart from it, as is autocast, which
+runs on the whole logical graph under mixed precision before anything else):
 
     shard               layouts: one placement per mesh axis on every node
     collectives         the communication the layouts need (dp gathers / buckets, tp redistributions)
@@ -12,6 +13,7 @@ rewrites nothing, are called by the compile driver apart from it):
     overlap             collectives as start / wait, placed to overlap compute
     weight_split        (a schedule that splits backward) weight gradients deferred to W
 """
+from .autocast import autocast
 from .shard import shard
 from .collectives import collectives
 from .localize import localize
@@ -22,7 +24,7 @@ from .overlap import overlap
 from .weight_split import weight_split
 from .order_check import check_collective_order
 
-__all__ = ["for_plan", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "overlap",
+__all__ = ["for_plan", "autocast", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "overlap",
            "weight_split", "check_collective_order"]
 
 

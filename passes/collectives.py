@@ -98,11 +98,29 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         # a pipeline stage with nothing to reduce: autograd accumulates the micro-batches'
         # gradients into .grad itself (no bucket holds a micro-batch's gradients)
         ctx.grad_buckets = []
+        _insert_compute_casts(gm, ctx, params)
     else:
         _insert_bucket_syncs(gm, ctx, params, specs, sync)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _insert_compute_casts(gm, ctx, params) -> None:
+    """Mixed precision where no dp node hands the parameters over (a pipeline stage on dp=1):
+    forward reads each master through a cast to the compute dtype, whose backward hands the
+    master its gradient in the master's dtype (micro-batches accumulate there)."""
+    if not ctx.plan.mixed:
+        return
+    g = gm.graph
+    position = {nd: i for i, nd in enumerate(g.nodes)}
+    for name, pnode in params.items():
+        users = list(pnode.users)
+        with g.inserting_before(min(users, key=position.__getitem__)):
+            cast = g.call_function(torch.ops.aten._to_copy.default, (pnode,), {"dtype": ctx.plan.param_dtype})
+        cast.meta.update({meta.VAL: pnode.meta.get(meta.VAL), meta.LAYOUT: pnode.meta.get(meta.LAYOUT)})
+        for u in users:
+            u.replace_input_with(pnode, cast)
 
 
 def _insert_local_slices(gm, ctx) -> None:
@@ -167,7 +185,7 @@ def _insert_bucket_syncs(gm, ctx, params, specs, sync) -> None:
                 owners.append(params[m])
             node = g.create_node("call_function", dp_bucket_sync, (sync, k, values, owners), name=f"bucket_{k}")
             nbytes = sum((specs[m].padded_numel if mode != "ddp" else specs[m].numel)
-                         * ctx.params[m].dtype.itemsize for m in bucket)
+                         * (ctx.plan.grad_reduce_dtype or ctx.params[m].dtype).itemsize for m in bucket)
             node.meta.update({meta.VAL: tuple(params[m].meta[meta.VAL] for m in bucket),
                               meta.LAYOUT: tuple(_whole_dp(params[m], ctx) for m in bucket),
                               meta.COMM: CommInfo(kind, "dp", ring_bytes(kind, nbytes, n), "backward",

@@ -47,10 +47,13 @@ class CommStats:
     def reset(self):
         self.bytes = defaultdict(float)
         self.calls = defaultdict(int)
+        self.dtype_bytes = defaultdict(float)    # (axis, kind, phase, dtype name) -> bytes
 
-    def record(self, axis: str, kind: str, phase: str, nbytes: float):
+    def record(self, axis: str, kind: str, phase: str, nbytes: float, dtype: torch.dtype | None = None):
         self.bytes[(axis, kind, phase)] += nbytes
         self.calls[(axis, kind, phase)] += 1
+        if dtype is not None:
+            self.dtype_bytes[(axis, kind, phase, str(dtype).removeprefix("torch."))] += nbytes
 
     def total(self, axis: str | None = None, kind: str | None = None, phase: str | None = None) -> float:
         return sum(b for (a, k, p), b in self.bytes.items()
@@ -65,10 +68,17 @@ class AxisComm(nn.Module):
     ``DataParallelSync``, held by the graph as ``self.sync_dp``) carries it as a submodule.
     """
 
-    def __init__(self, axis: str, size: int, index: int, group, stats: CommStats):
+    def __init__(self, axis: str, size: int, index: int, group, stats: CommStats,
+                 grad_dtype: torch.dtype | None = None):
         super().__init__()
         self.axis, self.size, self.index, self.group = axis, size, index, group
         self.stats = stats
+        self.grad_dtype = grad_dtype    # mixed precision: the dtype gradient sums run in (None: their own)
+
+    def summing(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient about to be summed over the axis, in ``grad_dtype`` (``g`` itself when it
+        is already, or without mixed precision): Plan(reduce_dtype) on the tp axis."""
+        return g if self.grad_dtype is None or g.dtype == self.grad_dtype else g.to(self.grad_dtype)
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, size={self.size}, index={self.index}"
@@ -101,7 +111,7 @@ class AxisComm(nn.Module):
         """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
         self._check()
         self.stats.record(self.axis, "all_gather", phase or self._phase(),
-                          ring_bytes("all_gather", out.numel() * out.element_size(), self.size))
+                          ring_bytes("all_gather", out.numel() * out.element_size(), self.size), out.dtype)
         if self.size == 1:
             out.copy_(inp.reshape(-1))
             return None
@@ -113,7 +123,7 @@ class AxisComm(nn.Module):
         """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
         self._check()
         self.stats.record(self.axis, "reduce_scatter", phase or self._phase(),
-                          ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size))
+                          ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size), inp.dtype)
         if self.size == 1:
             out.copy_(inp.reshape(-1))
             return None
@@ -126,7 +136,7 @@ class AxisComm(nn.Module):
         """In-place reduction (a sum unless ``op`` says otherwise) over the axis."""
         self._check()
         self.stats.record(self.axis, "all_reduce", phase or self._phase(),
-                          ring_bytes("all_reduce", t.numel() * t.element_size(), self.size))
+                          ring_bytes("all_reduce", t.numel() * t.element_size(), self.size), t.dtype)
         if self.size == 1:
             return None
         return self._run("all_reduce", label, t.numel() * t.element_size(),
@@ -192,7 +202,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _scatter_dim(g, ctx.comm, ctx.dim), None, None
+        return _scatter_dim(ctx.comm.summing(g), ctx.comm, ctx.dim).to(g.dtype), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -232,9 +242,10 @@ class _CopyToAxis(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.clone()
-        ctx.comm.all_reduce_(g, label="grad of replicated input")
-        return g, None
+        total = ctx.comm.summing(g)
+        total = total.clone() if total is g else total
+        ctx.comm.all_reduce_(total, label="grad of replicated input")
+        return total.to(g.dtype), None
 
 
 def all_gather(x: torch.Tensor, comm: AxisComm, dim: int = 0) -> torch.Tensor:

@@ -60,9 +60,14 @@ class DataParallelSync(nn.Module):
     def __init__(self, mode: str, comm: AxisComm, specs: dict[str, ShardSpec],
                  buckets: list[list[str]], params: dict[str, nn.Parameter],
                  replicas: dict[str, torch.Tensor], units: list[list[str]] = (), *,
-                 overlap: bool = True, prefetch_bytes: int | None = None, reduce_comm: AxisComm | None = None):
+                 overlap: bool = True, prefetch_bytes: int | None = None, reduce_comm: AxisComm | None = None,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         self.mode, self.comm, self.specs = mode, comm, specs
+        # mixed precision: the parameters are the optimizer's masters; forward reads them in
+        # compute_dtype (ZeRO-3 gathers, ZeRO-1/2 replicas, ddp's per-forward cast), gradients
+        # are summed in reduce_dtype and land in the masters' dtype. None: no conversion
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.reduce_comm = reduce_comm or comm      # gradient buckets' group (a second one with overlap)
         self.sharded = mode != "ddp"
         # overlap: buckets go out as they fill and are waited on when backward ends, backward
@@ -109,7 +114,18 @@ class DataParallelSync(nn.Module):
     def unit_bytes(self, k: int) -> int:
         """Bytes unit ``k``'s gather holds in flight (``sizes.gather_unit_bytes``)."""
         u = self.units[k]
-        return gather_unit_bytes(self.comm.size * u.width, self.comm.size, self._params[u.names[0]].element_size())
+        dtype = self.compute_dtype or self._params[u.names[0]].dtype
+        return gather_unit_bytes(self.comm.size * u.width, self.comm.size, dtype.itemsize)
+
+    def compute(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as forward reads it: in the compute dtype under mixed precision."""
+        cd = self.compute_dtype
+        return t if cd is None or t.dtype == cd or not t.is_floating_point() else t.to(cd)
+
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """A gradient in the dtype the reduction sums in."""
+        rd = self.reduce_dtype
+        return t if rd is None or t.dtype == rd else t.to(rd)
 
     def start_unit(self, k: int) -> None:
         """Forward (graph node ``dp_unit_start``): issue unit ``k``'s gather."""
@@ -125,7 +141,7 @@ class DataParallelSync(nn.Module):
     def _issue(self, k: int, phase: str) -> None:
         """Start the all-gather of unit ``k`` (asynchronously)."""
         u = self.units[k]
-        staging = torch.cat([self.specs[n].padded_local(self._params[n].detach()) for n in u.names])
+        staging = torch.cat([self.compute(self.specs[n].padded_local(self._params[n].detach())) for n in u.names])
         out = staging.new_empty(self.comm.size * u.width)
         work = self.comm.all_gather_flat(out, staging, label=f"unit {k}", async_op=True, phase=phase)
         self._inflight[k] = (work, out)
@@ -158,7 +174,7 @@ class DataParallelSync(nn.Module):
         """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica."""
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
-                staging = torch.cat([self.specs[n].padded_local(self._params[n]) for n in b.names])
+                staging = torch.cat([self.compute(self.specs[n].padded_local(self._params[n])) for n in b.names])
                 out = staging.new_empty(self.comm.size * b.width)
                 self.comm.all_gather_flat(out, staging, label=f"params, bucket {i}",
                                           phase="optimizer")
@@ -306,6 +322,7 @@ class DataParallelSync(nn.Module):
         the second makes a buffer of our own, later ones add into it in place."""
         if grad is None:
             return
+        grad = self._summed(grad)      # mixed precision: micro-batches accumulate in the reduce dtype
         prev = self._acc.get(name)
         if prev is None:
             self._acc[name] = grad
@@ -333,12 +350,14 @@ class DataParallelSync(nn.Module):
         if self._acc:        # micro-steps under no_sync: their local sums join this reduction
             grads = [_plus(g, self._acc.pop(m, None)) for m, g in zip(b.names, grads)]
             self._acc_owned.difference_update(b.names)
-        full = [g if g is not None else torch.zeros(self.specs[m].shape, dtype=self._params[m].dtype)
+        full = [g if g is not None else torch.zeros(self.specs[m].shape, dtype=self._grad_dtype(m),
+                                                     device=self._params[m].device)
                 for m, g in zip(b.names, grads)]
         if self.sharded:
             flat = torch.cat([self.specs[m].padded_chunks(g) for m, g in zip(b.names, full)], dim=1).view(-1)
         else:
             flat = torch.cat([g.reshape(-1) for g in full])
+        flat = self._summed(flat)
         if self.mode == "zero1":
             self._persistent[bi].add_(flat, alpha=1.0 / n)
         elif st["buf"] is None:
@@ -346,6 +365,10 @@ class DataParallelSync(nn.Module):
         else:
             st["buf"].add_(flat)
         st["ready"] = True
+
+    def _grad_dtype(self, name: str) -> torch.dtype:
+        """The dtype of a gradient autograd hands the reducer (the compute dtype's, mixed)."""
+        return self.compute_dtype or self._params[name].dtype
 
     def _begin_backward(self, queue: bool = True):
         self._in_backward = True
@@ -400,7 +423,7 @@ class DataParallelSync(nn.Module):
                 result.div_(n)
                 for name, off, size in zip(b.names, b.offsets, b.sizes):
                     p = self._params[name]
-                    g = result[off:off + p.numel()].view(p.shape)
+                    g = result[off:off + p.numel()].view(p.shape).to(p.dtype)   # mixed precision: to the master's
                     if p.grad is None:
                         p.grad = g
                     else:
@@ -420,8 +443,9 @@ class DataParallelSync(nn.Module):
         n = self.comm.size
         for bi, b in enumerate(self.buckets):
             if bi not in self._persistent:
-                dtype = self._params[b.names[0]].dtype
-                self._persistent[bi] = torch.zeros(n * b.width, dtype=dtype)
+                first = self._params[b.names[0]]
+                self._persistent[bi] = torch.zeros(n * b.width, dtype=self.reduce_dtype or first.dtype,
+                                                   device=first.device)
             own = self._persistent[bi].view(n, b.width)[self.comm.index]
             for name, off in zip(b.names, b.offsets):
                 p = self._params[name]
@@ -441,7 +465,7 @@ class DataParallelSync(nn.Module):
         own.copy_(out)
         for name, off in zip(b.names, b.offsets):
             p = self._params[name]
-            p.grad = own[off:off + p.numel()].view(p.shape)
+            p.grad = own[off:off + p.numel()].view(p.shape).to(p.dtype)   # the buffer itself unless mixed
 
 
 def _plus(a, b):
@@ -485,7 +509,7 @@ class _BucketSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sync, bucket, n_values, *tensors):
         ctx.sync, ctx.bucket, ctx.n_tensors = sync, bucket, len(tensors)
-        return tuple(v.detach() for v in tensors[:n_values])
+        return tuple(sync.compute(v.detach()) for v in tensors[:n_values])   # mixed precision: ddp casts here
 
     @staticmethod
     def backward(ctx, *grads):

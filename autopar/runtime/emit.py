@@ -45,12 +45,18 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
             if name in ctx.tp_params:                   # this rank's slice along tp (a copy if interleaved)
                 full = ctx.tp_params[name].local_of(full, tp_comm.size, tp_comm.index)
             if name not in specs:                       # buffers and frozen parameters: copied
-                root[name] = full.clone() if info.is_buffer else nn.Parameter(full.clone(), requires_grad=False)
+                root[name] = full.clone() if info.is_buffer else nn.Parameter(
+                    _in(full, ctx.plan.param_dtype).clone(), requires_grad=False)   # mixed: frozen ones in compute dtype
                 continue
+            master = _in(full, ctx.plan.master_dtype if ctx.plan.mixed else None)  # what the optimizer steps
             if mode == "zero3":
-                shard = nn.Parameter(specs[name].local_of(full).clone())
+                shard = nn.Parameter(specs[name].local_of(master).clone())
             elif mode == "ddp":
-                shard = nn.Parameter(full.clone())
+                shard = nn.Parameter(master.clone())
+            elif ctx.plan.mixed:   # replicas in the compute dtype; the master shard is a tensor of its own
+                replicas[name] = _in(full, ctx.plan.param_dtype).clone()
+                shard = nn.Parameter(specs[name].local_of(master).clone())
+                root[f"{REPLICAS}.{name}"] = replicas[name]
             else:   # the shard is a view of the replica's own rows: updating it updates the replica
                 replicas[name] = full.clone()
                 shard = nn.Parameter(specs[name].local_of(replicas[name]))
@@ -71,7 +77,8 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
         reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units,
                             overlap=ctx.plan.overlap, prefetch_bytes=ctx.plan.prefetch_bytes,
-                            reduce_comm=reduce_comm)
+                            reduce_comm=reduce_comm, compute_dtype=ctx.plan.param_dtype,
+                            reduce_dtype=ctx.plan.grad_reduce_dtype)
     root[SYNC] = sync
     if tp_comm is not None:
         root[COMM_TP] = tp_comm
@@ -92,7 +99,12 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
 def _axis_comm(ctx: CompileContext, axis: str, stats: CommStats) -> AxisComm:
     mesh = ctx.mesh
     return AxisComm(axis, mesh.axis_size(axis), mesh.coordinate(axis),
-                    mesh.group(axis) if axis in mesh.axes else None, stats)
+                    mesh.group(axis) if axis in mesh.axes else None, stats, grad_dtype=ctx.plan.grad_reduce_dtype)
+
+
+def _in(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating ``t`` in ``dtype`` (None: as it is)."""
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
 def _hasattr_path(mod: nn.Module, dotted: str) -> bool:

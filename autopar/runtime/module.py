@@ -31,7 +31,21 @@ from .optim import PerTensorState, check_optimizer
 from .timeline import record
 from .tpcomm import gather_tp_param
 
-__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss"]
+__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
+           "cast_inputs"]
+
+
+def cast_input(x, dtype):
+    """Mixed precision: a floating tensor input in the compute dtype ``dtype`` (as FSDP's
+    ``cast_forward_inputs``); anything else as it is."""
+    if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def cast_inputs(tree, dtype):
+    """``cast_input`` over every leaf of ``tree``."""
+    return tree if dtype is None else pytree.tree_map(lambda x: cast_input(x, dtype), tree)
 
 
 def attr_path(obj, dotted: str):
@@ -71,6 +85,7 @@ class DistributedModule(nn.Module):
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        args, kwargs = cast_inputs((args, kwargs), self.plan.param_dtype)
         self._check_inputs(args, kwargs)
         self._check_mode()
         masks = getattr(self.module, RNG, None)
@@ -243,7 +258,7 @@ class DistributedModule(nn.Module):
                     spec = self._sync.specs[name]
                     if self.plan.dp in ("zero1", "zero2"):
                         self._sync._replicas[name].copy_(full)
-                    else:
+                    if self.plan.dp not in ("zero1", "zero2") or self.plan.mixed:   # else a view of the replica
                         p.copy_(spec.local_of(full) if spec.n > 1 else full)
                 else:
                     attr_path(self.module, name).copy_(full)
@@ -256,9 +271,10 @@ class DistributedModule(nn.Module):
         for name, spec in self._sync.specs.items():
             # leaving the meta device makes new Parameter objects: point the sync at them
             self._sync._params[name] = self.module.get_parameter(name)
-            if self.plan.dp in ("zero1", "zero2"):   # the shards are views of the new replicas again
+            if self.plan.dp in ("zero1", "zero2"):
                 replica = attr_path(self.module, f"{REPLICAS}.{name}")
-                self.module.get_parameter(name).data = spec.local_of(replica)
+                if not self.plan.mixed:     # the shards are views of the new replicas again
+                    self.module.get_parameter(name).data = spec.local_of(replica)
                 self._sync._replicas[name] = replica
         self._sync.record_versions()
         return self
@@ -280,7 +296,7 @@ class DistributedModule(nn.Module):
         each element once (a tensor replicated along tp counted on the axis's first rank);
         ``skip(name)`` leaves a parameter out (a pipeline's second copy of a tied weight)."""
         first = self._tp is None or self._tp.index == 0
-        total = torch.zeros(())
+        total = torch.zeros((), device=self._device())
         for name, p in self.module.named_parameters():
             if p.grad is None or skip(name):
                 continue
@@ -294,7 +310,7 @@ class DistributedModule(nn.Module):
         """Clip gradients by the true global norm over all shards; returns that norm."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0))
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=self._device()))
             total = local.clone().float()
             for group in self._norm_groups():
                 flight.launch(group, "all_reduce", "grad norm (max)", 4, dist.all_reduce, total, dist.ReduceOp.MAX, group)
@@ -304,6 +320,14 @@ class DistributedModule(nn.Module):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
+
+    def _device(self) -> torch.device:
+        """The device this rank's parameters live on (what the runtime allocates on)."""
+        for p in self.module.parameters():
+            return p.device
+        for b in self.module.buffers():
+            return b.device
+        return torch.device("cpu")
 
     # ---- inspection --------------------------------------------------------------------
     def _inspect(self, what: str) -> Inspector:

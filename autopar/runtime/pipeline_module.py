@@ -30,7 +30,7 @@ from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import DistributedModule, _describe, has_loss, model_loss, slice_batch
+from .module import DistributedModule, _describe, cast_inputs, has_loss, model_loss, slice_batch
 from .optim import check_optimizer
 from .rng import draw_masks
 
@@ -80,7 +80,7 @@ class PipelineModule(DistributedModule):
 
     def _inputs(self, inputs: tuple, kwargs, m: int):
         """The call's leaves per micro-batch, checked against the captured call's structure."""
-        flat, spec = self._split((inputs, dict(kwargs or {})), m)
+        flat, spec = self._split(cast_inputs((inputs, dict(kwargs or {})), self.ctx.plan.param_dtype), m)
         if spec != self.ctx.in_spec:
             raise TypeError(f"the pipeline was captured with {_describe(self.ctx.in_spec)}, but train_step got "
                             f"{_describe(spec)}; pass the inputs as the example inputs were given (positional "
@@ -154,7 +154,9 @@ class PipelineModule(DistributedModule):
         return self._step_loss(state)
 
     def _step_loss(self, state):
-        loss = torch.stack(state.losses).sum() if state.losses else torch.zeros(())
+        # in fp32 on every rank (a mixed-precision loss may be bf16 on the last stage alone)
+        loss = torch.stack([x.float() for x in state.losses]).sum() if state.losses else \
+            torch.zeros((), device=self._device())
         last_rank = self._rank_of_stage(self.schedule.n_stages - 1)
         if self._pp_group is not None and self.p > 1:
             flight.launch(self._pp_group, "broadcast", "the step's loss", loss.numel() * loss.element_size(),
@@ -277,7 +279,7 @@ class PipelineModule(DistributedModule):
         return a.kind == "RECV_F" or (a.stage, a.mb) in s.outputs
 
     def _irecv(self, kind, a, shapes, dtypes, peer_stage):
-        bufs = [torch.empty(sh, dtype=dt) for sh, dt in zip(shapes, dtypes)]
+        bufs = [torch.empty(sh, dtype=dt, device=self._device()) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
         what = f"{'activations' if kind == 0 else 'gradients'} for {Action(a.stage, 'FB'[kind], a.mb)}"
         works = [flight.irecv(b, src, self._pp_group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
@@ -410,6 +412,10 @@ class PipelineModule(DistributedModule):
         for st in self.stages.values():
             st.gather_params()
 
+    def _device(self) -> torch.device:
+        """The device this rank's stages live on (what the executor allocates on)."""
+        return next(iter(self.stages.values()))._device()
+
     def _broadcast_full(self, name, per_stage):
         """The full tensor of ``name`` on every rank: the first stage holding it gathers it over
         dp and tp (``per_stage(stage module)``), then its pp rank broadcasts it."""
@@ -419,11 +425,12 @@ class PipelineModule(DistributedModule):
         if self.p == 1 or self._pp_group is None:
             return value
         src = self._rank_of_stage(owner)
-        flag = torch.tensor([int(value is not None)])      # a parameter may have no gradient
+        flag = torch.tensor([int(value is not None)], device=self._device())   # a parameter may have no gradient
         flight.launch(self._pp_group, "broadcast", f"{name}: present?", 8, dist.broadcast, flag, src, self._pp_group)
         if not int(flag):
             return None
-        buf = value if value is not None else torch.empty(info.shape, dtype=info.dtype)
+        buf = value if value is not None else torch.empty(info.shape, dtype=self.ctx.stored_dtype(name),
+                                                          device=self._device())
         flight.launch(self._pp_group, "broadcast", name, buf.numel() * buf.element_size(),
                       dist.broadcast, buf, src, self._pp_group)
         return buf
@@ -469,7 +476,7 @@ class PipelineModule(DistributedModule):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise NotImplementedError("a pipelined module clips by the 2-norm; pass norm_type=2.0")
-        total = torch.zeros(())
+        total = torch.zeros((), device=self._device())
         for k, st in self.stages.items():
             first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
             total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True))

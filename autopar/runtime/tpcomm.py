@@ -195,7 +195,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.partial:
-            return _scatter(g, ctx.comm, ctx.dim, ctx.size, f"grad of S({ctx.dim}) -> R"), None, None, None, None
+            summed = _scatter(ctx.comm.summing(g), ctx.comm, ctx.dim, ctx.size, f"grad of S({ctx.dim}) -> R")
+            return summed.to(g.dtype), None, None, None, None
         return _local(g, ctx.comm, ctx.dim, ctx.size).contiguous(), None, None, None, None
 
 
@@ -231,10 +232,10 @@ class _ParamSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = ctx.comm.summing(torch.cat([g.reshape(-1) for g in grads]))
         ctx.comm.all_reduce_(flat, label=f"grads of {len(grads)} replicated parameters read per rank")
         parts = flat.split([g.numel() for g in grads])
-        return (None,) + tuple(x.view_as(g) for x, g in zip(parts, grads))
+        return (None,) + tuple(x.view_as(g).to(g.dtype) for x, g in zip(parts, grads))
 
 
 _WAITS = {"all_reduce": _AllReduceWait, "all_gather": _GatherWait, "reduce_scatter": _ScatterWait}
@@ -257,7 +258,7 @@ class _CopyLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = gw = gb = work = None
         if ctx.needs_input_grad[0]:
-            gx = g.matmul(weight.to(g.dtype))
+            gx = ctx.comm.summing(g.matmul(weight.to(g.dtype)))
             work = ctx.comm.all_reduce_(gx, label="grad of replicated input (async, under the weight gradient)",
                                         async_op=True, phase="backward")
         g2 = g.reshape(-1, g.shape[-1])
@@ -267,6 +268,8 @@ class _CopyLinear(torch.autograd.Function):
             gb = g2.sum(0)
         if work is not None:
             work.wait()
+        if gx is not None:
+            gx = gx.to(g.dtype)
         return gx, gw, gb, None
 
 
