@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["chunk", "chunk_range", "local_size", "padded", "padded_numel", "RING_FACTOR", "ring_bytes",
-           "gather_unit_bytes", "cut_buckets", "state_bytes", "inflight_microbatches", "FIRST_BUCKET_BYTES",
+           "gather_unit_bytes", "cut_buckets", "state_bytes", "mixed_state_dtypes", "inflight_microbatches",
+           "FIRST_BUCKET_BYTES",
            "batch_split_error"]
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -128,6 +129,27 @@ def state_bytes(mode: str, psi, n, dtypes=(4, 4, 8), padded_psi=None):
     if mode == "zero3":
         return (p + g + k) * pad / n
     raise ValueError(f"unknown data-parallel mode {mode!r}; expected ddp, zero1, zero2 or zero3")
+
+
+def mixed_state_dtypes(mode: str, compute: int = 2, master: int = 4, reduce: int | None = None,
+                       optimizer: int = 8) -> tuple[int, int, int]:
+    """Bytes per parameter of (parameter copy forward reads, gradient, optimizer state) that
+    autopar's runtime keeps under ``Plan(param_dtype=...)``, for ``state_bytes``: the
+    optimizer state holds the master (``master`` bytes, fp32: 4) beside Adam's m and v
+    (``optimizer``, 8); gradients land in the master's dtype, except ZeRO-1's persistent
+    full-gradient buffer, kept in the ``reduce`` dtype (default the master's); a persistent
+    copy in the compute dtype (``compute``, bf16: 2) exists only for ZeRO-1/2's replicas (ddp
+    casts once per forward, ZeRO-3 gathers per use: transient). So
+
+        ddp    (4 + 12)·Ψ = 16Ψ          zero1  (2 + 4)·Ψ + 12·Ψ/N
+        zero2  2·Ψ + (4 + 12)·Ψ/N        zero3  (4 + 12)·Ψ/N = 16Ψ/N
+
+    against ZeRO's (2 + 2 + K)·Ψ with K = 12 (section 3): autopar keeps reduced gradients in
+    fp32 (the precision their fp32 sum bought) and no bf16 copy where none is read."""
+    reduce = master if reduce is None else reduce
+    p = compute if mode in ("zero1", "zero2") else 0
+    g = reduce if mode == "zero1" else master
+    return p, g, master + optimizer
 
 
 def inflight_microbatches(schedule: str | None, p: int, m: int, v: int = 1, stage: int = 0) -> float:

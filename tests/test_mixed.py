@@ -1,0 +1,150 @@
+"""Mixed precision (Plan(param_dtype=torch.bfloat16)): the plan fields, the autocast rule, and
+on real processes parity against the single-device model under the same policy, the dtype of
+every collective's buffer, bytes by dtype against the formula, and the model states' memory
+after a step against ``autopar.sizes.mixed_state_dtypes``.
+
+Parity tolerances are in units of bf16's epsilon (``autopar.testing.MIXED_TOLERANCE``)."""
+import pytest
+import torch
+
+import autopar
+from autopar.sizes import mixed_state_dtypes, padded_numel, ring_bytes, state_bytes
+from autopar.testing import MIXED_TOLERANCE
+
+from jobs import mixed
+
+BF16 = torch.bfloat16
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+def test_plan_precision_fields_round_trip_and_refuse_what_is_not_built():
+    p = autopar.Plan(dp="zero3", param_dtype=BF16)
+    assert str(p) == "Plan(dp='zero3', param_dtype='bfloat16')"
+    assert autopar.Plan.parse(str(p)) == p
+    assert autopar.Plan.parse("dp=zero2,param_dtype=bf16,reduce_dtype=bf16").reduce_dtype == BF16
+    assert p.grad_reduce_dtype == torch.float32          # sums in fp32 unless told otherwise
+    assert autopar.Plan().grad_reduce_dtype is None        # no mixed precision: as before
+    with pytest.raises(ValueError, match="loss scaling"):
+        autopar.Plan(param_dtype=torch.float16)
+    with pytest.raises(ValueError, match="needs param_dtype"):
+        autopar.Plan(reduce_dtype=torch.float32)
+    with pytest.raises(ValueError, match="narrower"):
+        autopar.Plan(param_dtype=torch.float32, master_dtype=BF16)
+    with pytest.raises(ValueError, match="not a dtype"):
+        autopar.Plan(param_dtype="int8")
+
+
+# ---- the autocast rule ------------------------------------------------------------------------
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 5)
+        self.ln = torch.nn.LayerNorm(8)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(self.ln(x)).softmax(-1), y)
+
+
+def test_autocast_pass_casts_what_torch_autocast_casts_on_this_device():
+    """The loss's input is cast to fp32 (CPU autocast's fp32 list), layer_norm, linear and
+    softmax stay in bf16; the graph's output dtype equals autocast's on the same copy."""
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    model = _Head()
+    dm = autopar.compile(model, autopar.Mesh(dp=1, virtual=True, rank=0), example_inputs=(x, y),
+                         plan=autopar.Plan(param_dtype=BF16))
+    text = dict(dm.ctx.snapshots)["autocast"]
+    casts = [line for line in text.splitlines() if "= aten._to_copy" in line]
+    assert len(casts) == 1 and "f32" in casts[0], text
+    nodes = {n.target: n for n in dm.module.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert nodes[aten.layer_norm.default].meta["val"].dtype == BF16
+    assert nodes[aten.linear.default].meta["val"].dtype == BF16
+    assert nodes[aten.cross_entropy_loss.default].meta["val"].dtype == torch.float32
+    ref = _Head()
+    ref.load_state_dict(model.state_dict())
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref.to(BF16)(x.to(BF16), y)
+    assert want.dtype == nodes[aten.cross_entropy_loss.default].meta["val"].dtype
+
+
+# ---- real processes ---------------------------------------------------------------------------
+
+def _check(reports, name):
+    for r in (rep[name] for rep in reports):
+        assert r.ok, (f"{name} rank {r.rank}: output {r.output_err:.3g} loss {r.loss_err:.3g} grad {r.grad_err:.3g} "
+                      f"master update {r.param_err:.3g} (1 = the tolerance {MIXED_TOLERANCE}) {r.messages}")
+        assert r.ref_losses[-1] < r.ref_losses[0]
+
+
+@pytest.mark.timeout(300)
+def test_zero3_bf16_matches_one_device_under_the_same_policy(ranks):
+    _check(ranks(mixed.mixed_parity, 2, ["zero3", "tp+sp"], timeout=240), "zero3")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_plan_in_bf16_matches_one_device_under_the_same_policy(ranks):
+    names = ["ddp", "zero1", "zero2", "zero3", "tp", "tp+sp", "pp 1f1b"]
+    reports = ranks(mixed.mixed_parity, 2, names, timeout=500)
+    for name in names:
+        _check(reports, name)
+    _check(ranks(mixed.mixed_parity, 8, ["pp x zero2 x tp+sp"], timeout=500), "pp x zero2 x tp+sp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bf16_loss_curve_stays_near_fp32_over_twenty_steps(ranks):
+    fp32, bf16 = ranks(mixed.loss_curves, 2, timeout=240)[0]
+    assert fp32[-1] < 0.8 * fp32[0] and bf16[-1] < 0.8 * bf16[0]     # both train
+    # bf16 rounds the loss itself to 8 bits (4 eps relative at most) and the two runs' steps
+    # differ by rounding; over 20 steps of lr 3e-3 we allow 2% of the loss, step by step
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) <= 0.02 * a, (fp32, bf16)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
+def test_every_collective_runs_in_the_dtype_its_plan_says(ranks, reduce):
+    """ZeRO-2 x tp+sp on 4 ranks, as the buffers handed to torch.distributed show: parameters
+    gathered in bf16; gradient sums (dp reduce-scatter, tp all-reduce of replicated parameters'
+    and inputs' gradients, sp's reduce-scatter of gradients) in the reduce dtype; tp's
+    activation collectives in bf16."""
+    plan = f"dp=zero2,tp,sp,param_dtype=bf16,reduce_dtype={reduce}"
+    seen, by_dtype = ranks(mixed.collective_dtypes, 4, {"dp": 2, "tp": 2}, plan, timeout=240)[0]
+    want = "float32" if reduce == "fp32" else "bfloat16"
+    kinds = {(axis, kind, phase, dtype) for axis, kind, phase, dtype in seen}
+    assert ("dp", "reduce_scatter_single", "backward", want) in kinds, kinds      # gradient buckets
+    assert ("dp", "all_gather_single", "other", "bfloat16") in kinds, kinds       # replicas after the step
+    assert ("tp", "all_reduce", "backward", want) in kinds, kinds                 # norms' / biases' gradients
+    assert ("tp", "reduce_scatter_single", "backward", want) in kinds, kinds      # sp: gradient of a gather
+    assert ("tp", "all_gather_single", "other", "bfloat16") in kinds, kinds       # activations
+    for axis, kind, phase, dtype in kinds:
+        summing = kind in ("reduce_scatter_single", "all_reduce") and phase == "backward"
+        assert dtype == (want if summing else "bfloat16"), (axis, kind, phase, dtype)
+    assert by_dtype[("dp", "reduce_scatter", "backward", want)] > 0
+
+
+@pytest.mark.timeout(300)
+def test_zero_bytes_by_dtype_equal_the_formula(ranks):
+    """ZeRO-2 bf16 on 2 ranks: the replicas' all-gather after the step moves bf16, (N-1)/N of
+    2 bytes per padded parameter; the gradient reduce-scatter fp32, 4 bytes."""
+    seen, by_dtype = ranks(mixed.collective_dtypes, 2, {"dp": 2}, "dp=zero2,param_dtype=bf16", timeout=240)[0]
+    cfg = autopar.models.GPTConfig()
+    model = autopar.models.TinyGPT(cfg)
+    padded = sum(padded_numel(tuple(p.shape), 2) for p in model.parameters())
+    assert by_dtype[("dp", "all_gather", "optimizer", "bfloat16")] == ring_bytes("all_gather", 2 * padded, 2)
+    assert by_dtype[("dp", "reduce_scatter", "backward", "float32")] == ring_bytes("reduce_scatter", 4 * padded, 2)
+    assert not [k for k in by_dtype if k[3] not in ("bfloat16", "float32")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
+def test_model_states_after_a_bf16_step_equal_the_formula(ranks, mode):
+    by_kind, state, psi, padded = ranks(mixed.model_state_bytes_after_step, 2, mode, timeout=240)[0]
+    assert all(k.split()[1] == ("bfloat16" if k.startswith("replica") else "float32") for k in by_kind), by_kind
+    held = sum(by_kind.values()) + state
+    # the formula on the runtime's padded shards: (p + g)·Ψ and K·Ψ/N terms as sizes.state_bytes has them
+    want = state_bytes(mode, psi, 2, mixed_state_dtypes(mode), padded_psi=padded)
+    assert held == pytest.approx(float(want), rel=0.01), (by_kind, state, psi, padded)
