@@ -24,7 +24,7 @@ from .passes.pipeline import BALANCE_SLACK
 from .passes.tensor_parallel import whole_share
 from .runtime.pipeline_module import PipelineModule
 from .schedule import bubble_formula
-from .sizes import ring_bytes
+from .sizes import mixed_state_dtypes, ring_bytes
 from .trace import ChromeTrace
 
 __all__ = ["Inspector", "graph_text", "explain", "explain_pipeline", "dump", "dump_pipeline"]
@@ -126,9 +126,19 @@ def explain(dm, cluster=None) -> str:
     # volume against the formula
     formula = dp_comm_elements(mode)
     item = next((ctx.params[x].dtype.itemsize for x in sync.specs), 4)
-    predicted = evaluate(formula, Psi=psi_pad, N=n) * item
+    if dm.plan.mixed:     # gathers move the compute dtype, gradient sums the reduce dtype
+        item = (dm.plan.param_dtype.itemsize if mode != "ddp" else 0, dm.plan.grad_reduce_dtype.itemsize)
+    if isinstance(item, tuple):
+        grads_part = ring_bytes("all_reduce" if mode == "ddp" else "reduce_scatter", psi_pad, n)
+        predicted = (evaluate(formula, Psi=psi_pad, N=n) - grads_part) * item[0] + grads_part * item[1]
+        lines.append(f"\nbytes per step on dp: formula {formula}, the parameter gathers x {item[0]} B "
+                     f"({_dtype(dm.plan.param_dtype)}), the gradient sums x {item[1]} B "
+                     f"({_dtype(dm.plan.grad_reduce_dtype)}) = {_mb(predicted)}")
+        item = item[0] or item[1]
+    else:
+        predicted = evaluate(formula, Psi=psi_pad, N=n) * item
+        lines.append(f"\nbytes per step on dp: formula {formula} x {item} B = {_mb(predicted)}")
     measured = dm.comm_stats.total(axis="dp")
-    lines.append(f"\nbytes per step on dp: formula {formula} x {item} B = {_mb(predicted)}")
     if mode == "zero3":
         lines.append("  (3Ψ counts a backward re-gather of every parameter; autopar gathers again only what "
                      "backward reads, so a table or bias that backward never reads costs 2Ψ_i(N−1)/N)")
@@ -137,17 +147,32 @@ def explain(dm, cluster=None) -> str:
         lines.append(f"  measured since the counters were last reset: {_mb(measured)} "
                      "(dm.comm_stats.reset() before a step measures that step)")
         for (axis, k, phase), v in sorted(by.items()):
-            lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls")
+            dtypes = ", ".join(f"{_mb(b)} {d}" for (a, kk, ph, d), b in sorted(dm.comm_stats.dtype_bytes.items())
+                               if (a, kk, ph) == (axis, k, phase))
+            lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls ({dtypes})")
         if mode == "zero3":
             extra = sum(sync.specs[x].padded_numel for x in sync.saved_in_backward)
-            exact = ring_bytes("all_gather", (2 * psi_pad + extra) * item, n)
-            lines.append(f"    exact for this graph: (2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B = {_mb(exact)} "
-                         f"(Ψ_read_by_backward = {extra:,})")
+            if dm.plan.mixed:    # gathers in the compute dtype, the reduce-scatter in the reduce dtype
+                gi, ri = dm.plan.param_dtype.itemsize, dm.plan.grad_reduce_dtype.itemsize
+                exact = ring_bytes("all_gather", (psi_pad + extra) * gi, n) + ring_bytes("reduce_scatter", psi_pad * ri, n)
+                how = f"((Ψ + Ψ_read_by_backward) x {gi} B + Ψ x {ri} B) (N−1)/N"
+            else:
+                exact = ring_bytes("all_gather", (2 * psi_pad + extra) * item, n)
+                how = f"(2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B"
+            lines.append(f"    exact for this graph: {how} = {_mb(exact)} (Ψ_read_by_backward = {extra:,})")
     else:
         lines.append("  measured: no step run yet")
     # memory
-    lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
-    mem = model_state_bytes(mode)
+    if dm.plan.mixed:
+        dts = mixed_state_dtypes(mode, dm.plan.param_dtype.itemsize, dm.plan.master_dtype.itemsize,
+                                 dm.plan.grad_reduce_dtype.itemsize)
+        lines.append(f"\nper-rank memory of parameters + gradients + AdamW state (mixed precision: "
+                     f"{_dtype(dm.plan.param_dtype)} copies forward reads, {dts[0]} B/param persistent; gradients "
+                     f"{dts[1]} B; {_dtype(dm.plan.master_dtype)} master + m + v {dts[2]} B):")
+        mem = model_state_bytes(mode, dts)
+    else:
+        lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
+        mem = model_state_bytes(mode)
     lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
     seen: set = set()
 
@@ -160,10 +185,16 @@ def explain(dm, cluster=None) -> str:
                 total += st.nbytes()
         return total
 
+    by_dtype: dict = {}
+    for t in list(dm.parameters()) + list(sync._replicas.values()):
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in seen:
+            by_dtype[_dtype(t.dtype)] = by_dtype.get(_dtype(t.dtype), 0) + t.untyped_storage().nbytes()
     params = held(list(dm.parameters()) + list(sync._replicas.values()))
     grads = held([p.grad for p in dm.parameters() if p.grad is not None] + list(sync._persistent.values()))
     opt = dm._optimizer() if dm._optimizer is not None else None
-    line = f"  held now: parameters {_mb(params)}, gradients {_mb(grads)}"
+    line = f"  held now: parameters {_mb(params)}" + (
+        f" ({', '.join(f'{_mb(b)} {d}' for d, b in sorted(by_dtype.items()))})" if len(by_dtype) > 1 else "") + \
+        f", gradients {_mb(grads)}"
     if opt is not None:
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -173,6 +204,10 @@ def explain(dm, cluster=None) -> str:
     lines.append(line)
     lines += predicted_section(dm, cluster)
     return "\n".join(lines)
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def predicted_section(dm, cluster) -> list:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from functools import partial
 import datetime
 import gc
 import io
@@ -49,11 +50,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def harness_device() -> torch.device:
+    """The device the parity harness runs on: ``AUTOPAR_TEST_DEVICE=cuda`` (with CUDA present)
+    puts each rank on its own GPU (``rank % device_count``) under NCCL; otherwise the CPU with
+    gloo."""
+    if os.environ.get("AUTOPAR_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.is_available():
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _init(rank: int, world: int, port: int, timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    cuda = os.environ.get("AUTOPAR_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
 
 
 def _call(rank, seq, fn, args, results) -> None:
@@ -455,6 +469,10 @@ def _update_err(p: torch.Tensor, p_ref: torch.Tensor, p0: torch.Tensor, dtype: t
     return off / moved / (MIXED_TOLERANCE["update"] * torch.finfo(dtype).eps)
 
 
+def _to_device(tree, device):
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
 def _compared(out, loss_fn):
     """The output parity compares: the output itself, or a model-computed loss's ``logits``."""
     return out if loss_fn is not None or isinstance(out, torch.Tensor) else getattr(out, "logits", None)
@@ -463,7 +481,7 @@ def _compared(out, loss_fn):
 def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None, exported=None, steps: int = 3,
            lr: float = 1e-3,
            rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5,
-           optimizer=torch.optim.AdamW, **optimizer_kwargs) -> ParityReport:
+           optimizer=torch.optim.AdamW, device=None, **optimizer_kwargs) -> ParityReport:
     """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
     otherwise, with ``optimizer_kwargs``) on the global batch on one device and
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
@@ -485,10 +503,15 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     step of about lr. Elements whose reference gradient stays below ``noise_floor`` times
     the model's largest gradient at every step are therefore checked against Adam's step
     bound (|Δp| <= 4 lr per step) instead of the tight tolerance; the report counts them.
+
+    ``device``: where the model and batch live (default ``harness_device()``: the CPU, or with
+    ``AUTOPAR_TEST_DEVICE=cuda`` this rank's GPU).
     """
     torch.manual_seed(0)
-    ref = model_fn()
-    kwargs = dict(kwargs or {})
+    device = torch.device(device) if device is not None else harness_device()
+    ref = model_fn().to(device)
+    move = partial(_to_device, device=device)
+    inputs, target, kwargs = move(tuple(inputs)), move(target), move(dict(kwargs or {}))
     model, exported = copy.deepcopy((ref, exported))     # the program stays the copy's own
     dm = autopar_compile(model, mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan, exported=exported)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)

@@ -66,9 +66,10 @@ class RandomMasks(nn.Module):
     at the start of a step and sets ``microbatch`` before each stage forward."""
 
     def __init__(self, sites: tuple[MaskSite, ...], local: dict[int, LocalSite], external: bool = False,
-                 mode: str = "exact"):
+                 mode: str = "exact", device: str | torch.device = "cpu"):
         super().__init__()
         self.sites, self.local, self.external, self.mode = tuple(sites), dict(local), external, mode
+        self.device = torch.device(device)    # masks are drawn by this device's generator, as one device draws them
         self.masks: dict[tuple[int, int], torch.Tensor] = {}
         self.microbatch = 0
 
@@ -97,8 +98,9 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
     holder runs is drawn alone from a generator seeded by (that number, site, slice)."""
     for h in holders:
         h.masks = {}
+    device = holders[0].device if holders else torch.device("cpu")
     if mode == "local":
-        step = int(torch.randint(0, 2 ** 62, (1,)))
+        step = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))   # a host number: the CPU generator
         for h in holders:
             for index, local in h.local.items():
                 site = sites[index]
@@ -106,17 +108,17 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
                     shape = list(local.shape)
                     for dim, lo, hi in ranges:
                         shape[dim] = hi - lo
-                    g = torch.Generator().manual_seed(hash((step, index, ranges)) & (2 ** 63 - 1))
-                    mask = torch.empty(shape, dtype=site.dtype).bernoulli_(1 - site.p, generator=g)
+                    g = torch.Generator(device=device).manual_seed(hash((step, index, ranges)) & (2 ** 63 - 1))
+                    mask = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p, generator=g)
                     h.masks[(index, mb)] = mask.div_(1 - site.p)
         return
     for site in sites:
         users = [h for h in holders if site.index in h.local]
         if not users:   # another rank's site: drawn only to advance the generator alike
-            torch.empty(site.numel, dtype=site.dtype).bernoulli_(1 - site.p)
+            torch.empty(site.numel, dtype=site.dtype, device=device).bernoulli_(1 - site.p)
             continue
         shape = users[0].local[site.index].shape
-        full = torch.empty(shape, dtype=site.dtype).bernoulli_(1 - site.p)
+        full = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p)
         full.div_(1 - site.p)
         for h in users:
             local = h.local[site.index]
