@@ -202,8 +202,22 @@ def explain(dm, cluster=None) -> str:
     else:
         line += " (no dm.optimizer(...) built yet)"
     lines.append(line)
+    lines += _dtype_section(dm)
     lines += predicted_section(dm, cluster)
     return "\n".join(lines)
+
+
+def _dtype_section(dm) -> list:
+    """Every axis's measured bytes by collective, phase and dtype (mixed precision: what moves
+    in the compute dtype, what sums in the reduce dtype)."""
+    rows = sorted((k, b) for k, b in dm.comm_stats.dtype_bytes.items() if b)
+    if not rows:
+        return []
+    out = ["\nbytes by dtype since the counters were last reset (axis, collective, phase):"]
+    if dm.plan.mixed:
+        out[0] += (f" compute {_dtype(dm.plan.param_dtype)}, gradient sums {_dtype(dm.plan.grad_reduce_dtype)}")
+    out += [f"  {axis:<3} {kind:<15} {phase:<10} {dtype:<9} {_mb(b)}" for (axis, kind, phase, dtype), b in rows]
+    return out
 
 
 def _dtype(dtype) -> str:
