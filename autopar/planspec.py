@@ -196,6 +196,11 @@ class Plan:
         if self.dropout_rng not in ("exact", "local"):
             raise ValueError(f"Plan(dropout_rng={self.dropout_rng!r}): expected 'exact' (the single-device "
                              "masks) or 'local' (each rank draws only its slice)")
+        if self.collective_matmul and self.param_dtype is not None and self.grad_reduce_dtype != self.param_dtype:
+            raise ValueError(f"Plan(collective_matmul=True, param_dtype={dtype_name(self.param_dtype)}): the collective "
+                             "matmul's backward ring sums gradient partials in the compute dtype, not in "
+                             f"reduce_dtype={dtype_name(self.grad_reduce_dtype)}; drop collective_matmul, or set "
+                             f"reduce_dtype={dtype_name(self.param_dtype)} to sum in the compute dtype everywhere")
         if self.collective_matmul and not self.sp:
             raise ValueError("Plan(collective_matmul=True) needs tp=True and sp=True: it decomposes the "
                              "sequence-parallel all-gather / reduce-scatter around the tp matmuls")

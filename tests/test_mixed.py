@@ -33,6 +33,9 @@ def test_plan_precision_fields_round_trip_and_refuse_what_is_not_built():
         autopar.Plan(param_dtype=torch.float32, master_dtype=BF16)
     with pytest.raises(ValueError, match="not a dtype"):
         autopar.Plan(param_dtype="int8")
+    with pytest.raises(ValueError, match="backward ring sums"):     # its ring would not honour reduce_dtype
+        autopar.Plan(tp=True, sp=True, collective_matmul=True, param_dtype=BF16)
+    assert autopar.Plan(tp=True, sp=True, collective_matmul=True, param_dtype=BF16, reduce_dtype=BF16).sp
 
 
 # ---- the autocast rule ------------------------------------------------------------------------
