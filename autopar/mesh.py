@@ -22,6 +22,24 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)   # how long a collective may wa
 
 __all__ = ["Mesh", "AXIS_ROLES", "DEFAULT_TIMEOUT"]
 
+# (ranks, timeout, description) -> (the default group it was made under, the group). new_group
+# is a rendezvous through the store (about 0.1 s on gloo); a mesh of a shape already made in
+# this process (a compile per plan, a test per plan) takes the groups of the first. Every rank
+# makes every mesh's groups in one order, so every rank hits or misses alike; a new world (after
+# destroy_process_group) has another default group and makes its own.
+_GROUPS: dict = {}
+
+
+def _new_group(dist, row: list, timeout, desc: str):
+    world = dist.distributed_c10d._get_default_group()
+    key = (tuple(row), timeout, desc)
+    hit = _GROUPS.get(key)
+    if hit is not None and hit[0] is world:
+        return hit[1]
+    group = dist.new_group(row, timeout=timeout, group_desc=desc)
+    _GROUPS[key] = (world, group)
+    return group
+
 
 class Mesh:
     """Axis name -> size, outermost first. Names are roles: ``dp``, ``tp``, ``pp``, ``cp``.
@@ -115,7 +133,7 @@ class Mesh:
         rows = self._ranks().movedim(list(self.axes).index(axis), -1).reshape(-1, self.axes[axis])
         mine = None
         for row in rows.tolist():
-            g = dist.new_group(row, timeout=self.timeout, group_desc=f"{axis}:{channel}" if channel else axis)
+            g = _new_group(dist, row, self.timeout, f"{axis}:{channel}" if channel else axis)
             if self.rank in row:
                 mine = g
         return mine
