@@ -125,18 +125,17 @@ def explain(dm, cluster=None) -> str:
         lines.append(f"  optimizer step             all_gather[dp] of the updated shards, {len(sync.buckets)} buckets")
     # volume against the formula
     formula = dp_comm_elements(mode)
+    # bytes per element the parameter gathers and the gradient sums move (mixed precision:
+    # the compute dtype and the reduce dtype; else both the parameters' own)
     item = next((ctx.params[x].dtype.itemsize for x in sync.specs), 4)
-    if dm.plan.mixed:     # gathers move the compute dtype, gradient sums the reduce dtype
-        item = (dm.plan.param_dtype.itemsize if mode != "ddp" else 0, dm.plan.grad_reduce_dtype.itemsize)
-    if isinstance(item, tuple):
-        grads_part = ring_bytes("all_reduce" if mode == "ddp" else "reduce_scatter", psi_pad, n)
-        predicted = (evaluate(formula, Psi=psi_pad, N=n) - grads_part) * item[0] + grads_part * item[1]
-        lines.append(f"\nbytes per step on dp: formula {formula}, the parameter gathers x {item[0]} B "
-                     f"({_dtype(dm.plan.param_dtype)}), the gradient sums x {item[1]} B "
+    gi, ri = item, (dm.plan.grad_reduce_dtype.itemsize if dm.plan.mixed else item)
+    grads_part = ring_bytes("all_reduce" if mode == "ddp" else "reduce_scatter", psi_pad, n)
+    predicted = (evaluate(formula, Psi=psi_pad, N=n) - grads_part) * gi + grads_part * ri
+    if dm.plan.mixed:
+        lines.append(f"\nbytes per step on dp: formula {formula}, the parameter gathers x {gi} B "
+                     f"({_dtype(dm.plan.param_dtype)}), the gradient sums x {ri} B "
                      f"({_dtype(dm.plan.grad_reduce_dtype)}) = {_mb(predicted)}")
-        item = item[0] or item[1]
     else:
-        predicted = evaluate(formula, Psi=psi_pad, N=n) * item
         lines.append(f"\nbytes per step on dp: formula {formula} x {item} B = {_mb(predicted)}")
     measured = dm.comm_stats.total(axis="dp")
     if mode == "zero3":
@@ -152,13 +151,9 @@ def explain(dm, cluster=None) -> str:
             lines.append(f"    {phase:<10} {k:<15} {_mb(v)} in {dm.comm_stats.calls[(axis, k, phase)]} calls ({dtypes})")
         if mode == "zero3":
             extra = sum(sync.specs[x].padded_numel for x in sync.saved_in_backward)
-            if dm.plan.mixed:    # gathers in the compute dtype, the reduce-scatter in the reduce dtype
-                gi, ri = dm.plan.param_dtype.itemsize, dm.plan.grad_reduce_dtype.itemsize
-                exact = ring_bytes("all_gather", (psi_pad + extra) * gi, n) + ring_bytes("reduce_scatter", psi_pad * ri, n)
-                how = f"((Ψ + Ψ_read_by_backward) x {gi} B + Ψ x {ri} B) (N−1)/N"
-            else:
-                exact = ring_bytes("all_gather", (2 * psi_pad + extra) * item, n)
-                how = f"(2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B"
+            exact = ring_bytes("all_gather", (psi_pad + extra) * gi, n) + ring_bytes("reduce_scatter", psi_pad * ri, n)
+            how = (f"((Ψ + Ψ_read_by_backward) x {gi} B + Ψ x {ri} B) (N−1)/N" if gi != ri else
+                   f"(2Ψ + Ψ_read_by_backward) (N−1)/N x {item} B")
             lines.append(f"    exact for this graph: {how} = {_mb(exact)} (Ψ_read_by_backward = {extra:,})")
     else:
         lines.append("  measured: no step run yet")
@@ -175,6 +170,7 @@ def explain(dm, cluster=None) -> str:
         mem = model_state_bytes(mode)
     lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
     seen: set = set()
+    by_dtype: dict = {}
 
     def held(tensors) -> int:   # bytes of storages not counted yet (shards can be views of replicas)
         total = 0
@@ -183,17 +179,16 @@ def explain(dm, cluster=None) -> str:
             if t.device.type != "meta" and st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
+                by_dtype[_dtype(t.dtype)] = by_dtype.get(_dtype(t.dtype), 0) + st.nbytes()
         return total
 
-    by_dtype: dict = {}
-    for t in list(dm.parameters()) + list(sync._replicas.values()):
-        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in seen:
-            by_dtype[_dtype(t.dtype)] = by_dtype.get(_dtype(t.dtype), 0) + t.untyped_storage().nbytes()
     params = held(list(dm.parameters()) + list(sync._replicas.values()))
+    params_by_dtype = dict(by_dtype)
     grads = held([p.grad for p in dm.parameters() if p.grad is not None] + list(sync._persistent.values()))
     opt = dm._optimizer() if dm._optimizer is not None else None
     line = f"  held now: parameters {_mb(params)}" + (
-        f" ({', '.join(f'{_mb(b)} {d}' for d, b in sorted(by_dtype.items()))})" if len(by_dtype) > 1 else "") + \
+        f" ({', '.join(f'{_mb(b)} {d}' for d, b in sorted(params_by_dtype.items()))})"
+        if len(params_by_dtype) > 1 else "") + \
         f", gradients {_mb(grads)}"
     if opt is not None:
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()

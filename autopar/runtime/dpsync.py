@@ -61,13 +61,14 @@ class DataParallelSync(nn.Module):
                  buckets: list[list[str]], params: dict[str, nn.Parameter],
                  replicas: dict[str, torch.Tensor], units: list[list[str]] = (), *,
                  overlap: bool = True, prefetch_bytes: int | None = None, reduce_comm: AxisComm | None = None,
-                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.mode, self.comm, self.specs = mode, comm, specs
         # mixed precision: the parameters are the optimizer's masters; forward reads them in
         # compute_dtype (ZeRO-3 gathers, ZeRO-1/2 replicas, ddp's per-forward cast), gradients
-        # are summed in reduce_dtype and land in the masters' dtype. None: no conversion
-        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        # are summed in the axis's grad_dtype (comm.summing) and land in the masters' dtype.
+        # None: no conversion
+        self.compute_dtype = compute_dtype
         self.reduce_comm = reduce_comm or comm      # gradient buckets' group (a second one with overlap)
         self.sharded = mode != "ddp"
         # overlap: buckets go out as they fill and are waited on when backward ends, backward
@@ -122,10 +123,6 @@ class DataParallelSync(nn.Module):
         cd = self.compute_dtype
         return t if cd is None or t.dtype == cd or not t.is_floating_point() else t.to(cd)
 
-    def _summed(self, t: torch.Tensor) -> torch.Tensor:
-        """A gradient in the dtype the reduction sums in."""
-        rd = self.reduce_dtype
-        return t if rd is None or t.dtype == rd else t.to(rd)
 
     def start_unit(self, k: int) -> None:
         """Forward (graph node ``dp_unit_start``): issue unit ``k``'s gather."""
@@ -322,7 +319,7 @@ class DataParallelSync(nn.Module):
         the second makes a buffer of our own, later ones add into it in place."""
         if grad is None:
             return
-        grad = self._summed(grad)      # mixed precision: micro-batches accumulate in the reduce dtype
+        grad = self.comm.summing(grad)      # mixed precision: micro-batches accumulate in the reduce dtype
         prev = self._acc.get(name)
         if prev is None:
             self._acc[name] = grad
@@ -357,7 +354,7 @@ class DataParallelSync(nn.Module):
             flat = torch.cat([self.specs[m].padded_chunks(g) for m, g in zip(b.names, full)], dim=1).view(-1)
         else:
             flat = torch.cat([g.reshape(-1) for g in full])
-        flat = self._summed(flat)
+        flat = self.comm.summing(flat)
         if self.mode == "zero1":
             self._persistent[bi].add_(flat, alpha=1.0 / n)
         elif st["buf"] is None:
@@ -444,7 +441,7 @@ class DataParallelSync(nn.Module):
         for bi, b in enumerate(self.buckets):
             if bi not in self._persistent:
                 first = self._params[b.names[0]]
-                self._persistent[bi] = torch.zeros(n * b.width, dtype=self.reduce_dtype or first.dtype,
+                self._persistent[bi] = torch.zeros(n * b.width, dtype=self.comm.grad_dtype or first.dtype,
                                                    device=first.device)
             own = self._persistent[bi].view(n, b.width)[self.comm.index]
             for name, off in zip(b.names, b.offsets):

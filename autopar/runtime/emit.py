@@ -74,11 +74,11 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
     # condition depends on the plan and mesh only
     reduce_comm = None
     if ctx.plan.overlap and comm.size > 1 and not ctx.mesh.virtual:
-        reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats)
+        reduce_comm = AxisComm("dp", comm.size, comm.index, ctx.mesh.group("dp", "grads"), stats,
+                               grad_dtype=comm.grad_dtype)
     sync = DataParallelSync(mode, comm, specs, ctx.grad_buckets, shards, replicas, ctx.gather_units,
                             overlap=ctx.plan.overlap, prefetch_bytes=ctx.plan.prefetch_bytes,
-                            reduce_comm=reduce_comm, compute_dtype=ctx.plan.param_dtype,
-                            reduce_dtype=ctx.plan.grad_reduce_dtype)
+                            reduce_comm=reduce_comm, compute_dtype=ctx.plan.param_dtype)
     root[SYNC] = sync
     if tp_comm is not None:
         root[COMM_TP] = tp_comm
