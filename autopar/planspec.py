@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .placement import parse_placement
 from .schedule import SCHEDULES as PP_SCHEDULES, Schedule
 
-__all__ = ["Plan", "DP_MODES", "PP_SCHEDULES", "DTYPES", "dtype_name"]
+__all__ = ["Plan", "DP_MODES", "RECOMPUTE", "OFFLOAD", "PP_SCHEDULES", "DTYPES", "dtype_name"]
 
 DP_MODES = ("ddp", "zero1", "zero2", "zero3")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = (None, "optimizer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -121,6 +123,17 @@ class Plan:
     master dtype under ``param_dtype`` (fp32 sums of bf16 gradients), else the gradients' own."""
     master_dtype: torch.dtype = torch.float32
     """The dtype of the optimizer's copy of the parameters under ``param_dtype``."""
+    recompute: Union[str, int] = "none"
+    """Activation recomputation (``passes/recompute.py``): ``"none"``; ``"selective"``, the
+    attention core of each layer (scores, softmax, dropout, the product with V) is recomputed
+    in backward instead of kept (Korthikanti et al., 2023); ``"full"``, each numbered layer
+    keeps only its inputs and runs its forward again in backward; or a budget in bytes per rank:
+    per layer, the cost model chooses what to keep so that the predicted peak fits, the
+    cheapest recomputation first (selective before full)."""
+    offload: Optional[str] = None
+    """``"optimizer"``: the optimizer's state and step live in host memory (ZeRO-Offload): this
+    rank's gradients go down to the host, the step runs there, the updated parameters come
+    back. None: everything stays on the device."""
 
     def __post_init__(self):
         for name in _DTYPE_FIELDS:
@@ -201,6 +214,12 @@ class Plan:
                              "matmul's backward ring sums gradient partials in the compute dtype, not in "
                              f"reduce_dtype={dtype_name(self.grad_reduce_dtype)}; drop collective_matmul, or set "
                              f"reduce_dtype={dtype_name(self.param_dtype)} to sum in the compute dtype everywhere")
+        if isinstance(self.recompute, bool) or not (self.recompute in RECOMPUTE or (
+                isinstance(self.recompute, int) and self.recompute > 0)):
+            raise ValueError(f"Plan(recompute={self.recompute!r}): expected one of {RECOMPUTE} or a memory "
+                             "budget in bytes per rank (a positive integer)")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"Plan(offload={self.offload!r}): expected one of {OFFLOAD}")
         if self.collective_matmul and not self.sp:
             raise ValueError("Plan(collective_matmul=True) needs tp=True and sp=True: it decomposes the "
                              "sequence-parallel all-gather / reduce-scatter around the tp matmuls")
