@@ -221,6 +221,7 @@ def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
     sctx.captured_training, sctx.mode_difference = ctx.captured_training, ctx.mode_difference
     sctx.head_policy = ctx.head_policy
     sctx.device_type = ctx.device_type
+    sctx.recompute_layers = ctx.recompute_layers
     n = ctx.mesh.axis_size("dp")
     vals = [x.meta.get(meta.VAL) for x in sgm.graph.nodes if x.op == "placeholder"]
     sctx.in_spec = pytree.tree_flatten((tuple(vals), {}))[1]

@@ -61,6 +61,9 @@ class CompileContext:
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
     microbatch_rows: int = 0        # global rows of one micro-batch (pipeline)
     device_type: str = "cpu"        # the device the module runs on ("cuda", "cpu"): the autocast rule's
+    recompute_layers: dict = field(default_factory=dict)  # numbered layer -> "none" | "selective" | "full"
+                                    # (the plan's mode for every layer, or the cost model's choice
+                                    # under a memory budget)
     head_policy: Any = None         # LM head layout: policy(passes.lm_head.HeadChoice) -> (split, why),
                                     # the cost model's for the compile's cluster; None: passes.lm_head's default
     # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
@@ -70,6 +73,7 @@ class CompileContext:
     stages: list = field(default_factory=list)        # pipeline: a passes.pipeline.StageSpec per stage
     rng_sites: tuple = ()           # rng.find_sites: every random site of the model (runtime.rng.MaskSite)
     rng_local: dict = field(default_factory=dict)     # rng: site -> runtime.rng.LocalSite this graph keeps
+    recomputed: list = field(default_factory=list)    # recompute: (module name, layer, kind, node names) per region
     captured_training: bool = True  # the model's mode when compile captured it
     mode_difference: Any = ""       # capture: a callable -> how the other train/eval mode's graph differs
                                     # ("" = dropout only), worked out when first needed

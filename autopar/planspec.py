@@ -218,6 +218,11 @@ class Plan:
                 isinstance(self.recompute, int) and self.recompute > 0)):
             raise ValueError(f"Plan(recompute={self.recompute!r}): expected one of {RECOMPUTE} or a memory "
                              "budget in bytes per rank (a positive integer)")
+        if self.recompute != "none" and self.split_backward:
+            raise ValueError(f"Plan(recompute={self.recompute!r}) with a schedule that splits backward "
+                             f"({self.pp_schedule if self.pp_schedule in PP_SCHEDULES else 'custom, with W actions'}): "
+                             "the deferred weight gradients would have to recompute the layer a second time; "
+                             "use pp_schedule='1f1b' or 'interleaved' with recompute, or recompute='none'")
         if self.offload not in OFFLOAD:
             raise ValueError(f"Plan(offload={self.offload!r}): expected one of {OFFLOAD}")
         if self.collective_matmul and not self.sp:

@@ -497,7 +497,8 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     the loss's copy of them, ZeRO-3's gathered units. Backward, layer by layer in reverse: the
     layer's working set (its largest activation and that one's gradient), gradients waiting for
     their bucket, each bucket's flat buffer when it completes (ddp: it becomes .grad; ZeRO-2/3:
-    kept until backward ends, with the reduced shard), activations freed as layers finish.
+    freed once its reduce-scatter is waited on, when the next bucket launches, the reduced
+    shard kept), activations freed as layers finish.
     With a pipeline, gradients accumulate across micro-batches (whole) until the flush.
     ``staging``: the backend copies a reduce-scatter's input (gloo does; NCCL does not).
     ZeRO-3 gathers into a flat buffer and copies out per parameter (two copies of a unit in
@@ -521,10 +522,14 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
     accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
-    unit_bwd = [3 * top] if mode == "zero3" else []
+    # ZeRO-3 in backward: the unit in use and the next one prefetched (two units), three while a
+    # gathered unit is copied out of its flat buffer (before its layer's gradients exist)
+    unit_bwd = [2 * top] if mode == "zero3" else []
     for i in reversed(range(len(gs))):
         g = gs[i]
         work = 2 * g.max_value + (sum(unit_bwd) if unit_bwd else 0.0)
+        if unit_bwd:
+            work = max(work, 3 * top)
         peak = max(peak, base + rem + pending + flats + outs + grads + accumulated + work)
         rem -= saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
         if pipelined:
@@ -534,23 +539,31 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         while buckets and all(x in done for x in buckets[0]):
             b = buckets.pop(0)
             flat = gb * padded_sum({x: shapes[x] for x in b}, n if zero else 1)
-            launch = flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0)
-            peak = max(peak, base + rem + pending + flats + outs + grads + launch + sum(unit_bwd))
+            live = base + rem + pending + outs + grads + sum(unit_bwd)
+            if mode in ("zero2", "zero3"):   # filled beside the previous bucket's, which then goes
+                peak = max(peak, live + flats + flat, live + flat + flat / n + (flat if staging else 0.0))
+            else:
+                peak = max(peak, live + flats + flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0))
             pending -= gb * sum(math.prod(shapes[x]) for x in b)
             if mode == "ddp":
                 grads += flat
             elif mode in ("zero2", "zero3"):
-                flats += flat
+                flats = flat            # freed as reduced: kept until the next bucket launches
                 outs += flat / n
     if pipelined:     # the flush: every bucket's flat buffer at once over the accumulated gradients
         flat_all = gb * (pad if zero else psi)
-        peak = max(peak, base + accumulated + flat_all + (flat_all / n if mode in ("zero2", "zero3") else 0.0))
+        if mode in ("zero2", "zero3"):   # bucket by bucket, each freed as reduced
+            top_flat = max((gb * padded_sum({x: shapes[x] for x in b}, n) for b in buckets), default=0.0)
+            peak = max(peak, base + accumulated + 2 * top_flat + flat_all / n)
+        else:
+            peak = max(peak, base + accumulated + flat_all)
         grads = gb * (pad / n if zero else psi) if mode != "zero1" else 0.0
     else:
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
     opt_tmp = 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)
-    if mode in ("zero1", "zero2"):
-        opt_tmp += pb * pad
+    if mode in ("zero1", "zero2"):   # the replicas' all-gather, a bucket at a time: its shard and result
+        opt_tmp += pb * max((padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n)
+                             for b in _grad_buckets(gs, shapes, n, pb, bucket_bytes)), default=0.0)
     peak = max(peak, base + grads + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
 

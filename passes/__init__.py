@@ -12,6 +12,7 @@ runs on the whole logical graph under mixed precision before anything else):
     sequence_parallel   (sp) each sequence-sharded pointwise region fused into one node
     overlap             collectives as start / wait, placed to overlap compute
     weight_split        (a schedule that splits backward) weight gradients deferred to W
+    recompute           (recompute) layers or attention cores recomputed in backward
 """
 from .autocast import autocast
 from .shard import shard
@@ -22,22 +23,25 @@ from .sequence_parallel import sequence_parallel
 from .pipeline import pipeline
 from .overlap import overlap
 from .weight_split import weight_split
+from .recompute import recompute
 from .order_check import check_collective_order
 
 __all__ = ["for_plan", "autocast", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "overlap",
-           "weight_split", "check_collective_order"]
+           "weight_split", "recompute", "check_collective_order"]
 
 
 def for_plan(plan) -> list:
     """The passes a graph (a whole model, or one pipeline stage) goes through under ``plan``,
     in order: layouts first (collectives and localize read them), localize on the final
     graph, then the sequence-parallel regions become one node each (they hold localized ops),
-    overlap on the final order of the nodes, and the weight-gradient split last (it rewrites
-    the matmuls overlap left in place)."""
+    overlap on the final order of the nodes, the weight-gradient split (it rewrites the
+    matmuls overlap left in place), and recomputation last (its regions hold the final nodes)."""
     out = [shard, collectives, localize, rng]
     if plan.sp:
         out.append(sequence_parallel)
     out.append(overlap)
     if plan.split_backward:
         out.append(weight_split)
+    if plan.recompute != "none":
+        out.append(recompute)
     return out

@@ -21,6 +21,7 @@ from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Shard
 from autopar.passes.tensor_parallel import sp_op
+from autopar.passes.recompute import node_layer
 
 PREFIX = "sp_region_"
 
@@ -33,17 +34,23 @@ def _member(node: fx.Node) -> bool:
             and val.dim() >= 2 and lay["tp"] == Shard(val.dim() - 2))
 
 
-def regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
+def regions(gm: fx.GraphModule, by_layer: bool = False) -> list[list[fx.Node]]:
     """Groups of sequence-sharded pointwise nodes, in graph order. Each node joins the region(s)
     of its member inputs when the result can still be one node (no path leaves the region and
     comes back, as the residual stream would through a tensor-parallel block); otherwise it
-    opens a region. The regions are then exactly the stretches between the collectives."""
+    opens a region. The regions are then exactly the stretches between the collectives.
+    ``by_layer`` (under recomputation): a region also ends where a numbered layer does (the
+    residual add of one layer and the norm of the next become two regions), so that each
+    layer can be recomputed alone, keeping only its input."""
     region: dict[fx.Node, int] = {}
     groups: list[list[fx.Node]] = []
+    layer: dict[int, str] = {}
     for n in gm.graph.nodes:
         if not _member(n):
             continue
-        cands = sorted({region[a] for a in n.all_input_nodes if a in region}, reverse=True)
+        key = node_layer(n) if by_layer else None
+        cands = sorted({region[a] for a in n.all_input_nodes if a in region
+                        and (key is None or layer.get(region[a]) in (None, key))}, reverse=True)
         tries = ([cands] if len(cands) > 1 else []) + [[c] for c in cands]
         for ids in tries:
             merged = [m for i in sorted(ids) for m in groups[i]] + [n]
@@ -56,9 +63,13 @@ def regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
                         groups[i] = []
                 groups[keep] = sorted(merged, key=_order(gm))
                 region[n] = keep
+                if key is not None:
+                    layer[keep] = key
                 break
         else:
             region[n] = len(groups)
+            if key is not None:
+                layer[len(groups)] = key
             groups.append([n])
     return [g for g in groups if len(g) > 1]
 
@@ -71,7 +82,7 @@ def _order(gm):
 def sequence_parallel(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.plan.sp:
         return gm
-    ok = regions(gm)
+    ok = regions(gm, by_layer=ctx.plan.recompute != "none")
     ops = [[n.name for n in g] for g in ok]
     metas = [{n.name: dict(n.meta) for n in g} for g in ok]
     fuse_by_partitions(gm, [dict.fromkeys(g) for g in ok], prefix=PREFIX)

@@ -21,9 +21,11 @@ for tokens, and backward gathers a unit again when it first needs it, issuing th
 ahead within ``prefetch_bytes``.
 
 Gradients are reduced in buckets fixed at compile time (the collectives pass), in reverse
-order of first use, each launched asynchronously as soon as all its members are ready and
-waited on when backward ends (ddp: all-reduce; ZeRO-2/3: reduce-scatter, the full gradient
-dropped at once; ZeRO-1: accumulated into a persistent full-gradient buffer, its bucket
+order of first use, each launched asynchronously as soon as all its members are ready
+(ddp: all-reduce, waited on when backward ends; ZeRO-2/3: reduce-scatter, freed as reduced:
+a bucket's full-size flat buffer is released once its reduce-scatter completes, waited on
+when the next bucket launches, so backward holds at most two buckets of full gradients
+besides the shards; ZeRO-1: accumulated into a persistent full-gradient buffer, its bucket
 reduce-scattered). Buckets launch strictly in order on every rank, so ranks issue the same
 collectives. Gradients are averaged over the axis, as DDP and FSDP do. With ``overlap`` off
 each collective is waited on as soon as it is issued.
@@ -386,6 +388,7 @@ class DataParallelSync(nn.Module):
                 if not force:
                     return
                 self._fill(bi, st["grads"])   # members without a gradient send zeros
+            self._retire(bi - 1)     # free as you reduce: the previous bucket's full gradients go
             buf = self._persistent[bi] if self.mode == "zero1" else st["buf"]
             label = f"grads, bucket {bi}"
             if self.sharded:
@@ -394,11 +397,23 @@ class DataParallelSync(nn.Module):
                                                                   phase="backward")
             else:
                 st["work"] = self.reduce_comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
-            if not self.overlap and st["work"] is not None:     # the baseline: wait now
-                st["work"].wait()
-                st["work"] = _DONE
+            if not self.overlap:     # the baseline: wait now
+                self._retire(bi)
             self.events.append(("launch", bi))
             self._next += 1
+
+    def _retire(self, bi: int) -> None:
+        """Wait for bucket ``bi``'s reduction (launched) and, under ZeRO-2/3, free its full-size
+        flat buffer: its shard is all that remains (the collective's handle is dropped too, as
+        it holds the buffer). ddp's buffer becomes the gradients; ZeRO-1's persists."""
+        if bi < 0 or not self._state or self._state[bi]["work"] is None:
+            return
+        st = self._state[bi]
+        if st["work"] is not _DONE:
+            st["work"].wait()
+            st["work"] = _DONE
+        if self.mode in ("zero2", "zero3"):
+            st["buf"] = None
 
     def _finish_backward(self):
         late = [n for st, b in zip(self._state, self.buckets) if st["work"] is not None
@@ -411,8 +426,7 @@ class DataParallelSync(nn.Module):
         n = self.comm.size
         with torch.no_grad():
             for bi, (b, st) in enumerate(zip(self.buckets, self._state)):
-                if st["work"] is not None:
-                    st["work"].wait()
+                self._retire(bi)
                 if self.mode == "zero1":
                     self._finish_zero1(bi, b, st["out"])
                     continue

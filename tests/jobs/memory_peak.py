@@ -1,0 +1,107 @@
+"""Peak memory during a training step (forward + backward + optimizer step), per rank: what
+lives between steps (the census after zero_grad) plus the profiler's peak of what the step
+allocates on top (``autopar.testing.profiled_peak_bytes``)."""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.runtime.dpsync import _DONE, DataParallelSync
+from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_live_bytes
+
+# parameters dominate this GPT's memory (the gradients are what ZeRO-2 frees as it reduces)
+PARAM_HEAVY = GPTConfig(vocab=128, seq=8, dim=128, heads=4, layers=4, max_seq=8)
+PARAM_HEAVY_BATCH = 4
+BUCKET_BYTES = 256 << 10
+
+
+def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
+    """(body: forward, backward, optimizer step; dm; opt) of ``TinyGPT(config)`` under ``kw``."""
+    torch.manual_seed(seed)
+    model = TinyGPT(config)
+    x, t = gpt_batch(config, batch)
+    plan = autopar.Plan(**kw)
+    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    del model
+    if hold_reduced:        # the reducer as it was: every full-size bucket kept until backward ends
+        sync = dm._sync
+        sync._retire = _holding_retire.__get__(sync, DataParallelSync)
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+
+    def body():
+        if plan.pp_schedule:
+            dm.train_step(lx, lt, lm_loss)
+        else:
+            loss = lm_loss(dm(*lx), lt)
+            loss.backward()
+            del loss
+        opt.step()
+    return body, dm, opt
+
+
+def _holding_retire(self, bi):
+    """``DataParallelSync._retire`` without the release: waits, keeps the buffer."""
+    if bi < 0 or not self._state or self._state[bi]["work"] is None:
+        return
+    st = self._state[bi]
+    if st["work"] is not _DONE:
+        st["work"].wait()
+        st["work"] = _DONE
+
+
+def peak_of(body, opt) -> dict:
+    """The step's peak: the steady census after zero_grad plus the median of three profiled steps."""
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        body()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    base = steady_live_bytes(3)
+    peaks = []
+    for _ in range(3):
+        peaks.append(base + profiled_peak_bytes(body))
+        opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    return {"peak": sorted(peaks)[1], "peaks": peaks, "base": base}
+
+
+def dp_peaks(modes=("ddp", "zero1", "zero2", "zero3")) -> dict:
+    """The param-heavy GPT at dp = world under each mode (small buckets), and ZeRO-2 again with
+    the reducer holding every bucket to the end of backward."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    out = {}
+    for mode in modes:
+        body, dm, opt = prepared(PARAM_HEAVY, PARAM_HEAVY_BATCH, {"dp": world},
+                                 {"dp": mode, "bucket_bytes": BUCKET_BYTES})
+        out[mode] = peak_of(body, opt)
+        out[mode]["psi"] = sum(p.numel() for p in TinyGPT(PARAM_HEAVY).parameters())
+        del body, dm, opt
+        gc.collect()
+    body, dm, opt = prepared(PARAM_HEAVY, PARAM_HEAVY_BATCH, {"dp": world},
+                             {"dp": "zero2", "bucket_bytes": BUCKET_BYTES}, hold_reduced=True)
+    out["zero2 holding"] = peak_of(body, opt)
+    return out
+
+
+def saved_bytes_per_layer(config, batch, axes, kw) -> dict:
+    """Bytes autograd saves for backward in one forward of the compiled GPT, and the same with
+    one more layer (the difference is one layer's), parameters excluded."""
+    torch.set_num_threads(1)
+    out = {}
+    for layers in (config.layers, config.layers + 1):
+        c = GPTConfig(**{**config.__dict__, "layers": layers})
+        body, dm, opt = prepared(c, batch, axes, kw)
+        x, _ = gpt_batch(c, batch)
+        lx = dm.shard_batch((x,))
+        params = {p.untyped_storage().data_ptr() for p in dm.parameters()}
+        params |= {b.untyped_storage().data_ptr() for b in dm.buffers()}
+        out[layers] = saved_activation_bytes(lambda: dm(*lx), exclude=params)
+        del body, dm, opt
+        gc.collect()
+    return out
