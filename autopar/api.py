@@ -23,7 +23,7 @@ from . import meta, passes
 from .capture import capture
 from .context import CompileContext
 from .cost.cluster import get_cluster
-from .cost.estimate import Estimate, Profiles, estimate_plan
+from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
 from .cost.lm_head import head_policy
 from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
@@ -79,7 +79,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
             raise ValueError("compile(exported=...) is for plans without a pipeline: a pipeline captures one "
                              f"micro-batch (the batch / microbatches={plan.microbatches}), not the example "
                              "inputs; leave exported out")
-        return _compile_pipeline(model, source, ctx, args, kwargs)
+        return _compile_pipeline(model, source, ctx, args, kwargs, cluster)
     gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=True,
                  exported=exported)               # the logical graph, at global shapes
     gm = _autocast(gm, ctx)
@@ -89,6 +89,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
+    _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
     gm = _run_passes(gm, ctx)
     passes.check_collective_order([(gm, ctx)], ctx)   # before any communication: a mismatch is an error, not a hang
     dm = emit(gm, model, ctx)
@@ -152,7 +153,7 @@ def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
 
 
 def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, args: tuple,
-                      kwargs: dict) -> PipelineModule:
+                      kwargs: dict, cluster=None) -> PipelineModule:
     """Pipeline parallelism: capture one micro-batch (of ``source``: the model, or under mixed
     precision its copy in the compute dtype), cut the graph into stages, then run the plan's
     passes over each stage this rank holds, as a model of its own; the stages' tensors are
@@ -184,6 +185,7 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
     ctx.input_dtypes = _dtypes(_compute_inputs(mb_args, mb_kwargs, plan))
     ctx.snapshots.append(("capture", graph_text(gm)))
     ctx.profile = _profile(gm, ctx)
+    _recompute_budget(ctx, cluster, rows[0])
     heads = tied_head_layouts(gm, ctx) if ctx.plan.tp else {}   # on the whole graph: both copies of a table alike
     top = passes.pipeline(gm, ctx)
     ctx.snapshots.append(("pipeline", top.code + "".join(
@@ -258,6 +260,25 @@ def _dtypes(tree) -> tuple:
     return tuple(x.dtype if isinstance(x, torch.Tensor) else None for x in pytree.tree_leaves(tree))
 
 
+def _recompute_budget(ctx: CompileContext, cluster, rows: int) -> None:
+    """``Plan(recompute=<bytes>)``: what each layer recomputes, chosen by the cost model
+    (``cost.estimate.choose_recompute``) so that the predicted peak fits the budget; noted for
+    ``explain()``. Every rank computes the same choice from the same profile."""
+    budget = ctx.plan.recompute
+    if isinstance(budget, str):
+        return
+    if ctx.profile is None:
+        raise ValueError(f"Plan(recompute={budget}) needs the cost model's profile of the graph to choose what "
+                         "to recompute, and none could be made (see the log); give recompute='selective' or "
+                         "'full' instead")
+    c = get_cluster(cluster if cluster is not None else "local")
+    est = evaluate_plan(ctx.profile, dict(ctx.mesh.axes), ctx.plan, c, rows)
+    ctx.recompute_layers = {g.name: est.recompute_layers.get(g.name, "none") for g in ctx.profile.groups
+                            if g.name not in ("pre", "post")}
+    ctx.notes.append(f"recompute within {budget:,} B per rank: predicted peak {est.memory_bytes:,.0f} B with "
+                     + (", ".join(f"{k} {v}" for k, v in est.recompute_layers.items()) or "nothing recomputed"))
+
+
 def _profile(gm, ctx: CompileContext):
     """The cost model's profile of the logical graph for this plan's tp / sp (numbers only:
     ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
@@ -282,8 +303,8 @@ def _resolve_plan(plan: Union[Plan, str], mesh: Mesh, model, example_inputs, exa
 
 
 def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tuple[Plan, str]:
-    """plan='auto': rank 0 runs the planner over the plans this mesh's axes allow (without
-    recomputation, which compile does not implement) and broadcasts its choice, so every rank
+    """plan='auto': rank 0 runs the planner over the plans this mesh's axes allow (recomputation
+    included: the plan it returns carries it) and broadcasts its choice, so every rank
     compiles the same program whatever its own measurements would say."""
     chosen = [None, None]
     if mesh.rank == 0 or mesh.virtual:
@@ -291,8 +312,7 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
             c = get_cluster(cluster if cluster is not None else "local")
             rows = _batch_rows(tuple(example_inputs), dict(example_kwargs or {}))
             report = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                               cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
-                               recompute=("none",))
+                               cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes))
             runner_up = report.candidates[1] if len(report.candidates) > 1 else None
             chosen = [str(report.plan), (
                 f"plan='auto' picked {report.plan} on {mesh} with the cost model ({c.name}): predicted "
@@ -312,13 +332,14 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
 # ---- the cost model's entry points ----------------------------------------------------------------------
 
 def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inputs, example_kwargs=None,
-             cluster="local", global_batch: Optional[int] = None, recompute: str = "none",
+             cluster="local", global_batch: Optional[int] = None, recompute=None,
              flash_attention: bool = True, profiles: Optional[Profiles] = None) -> Estimate:
     """Predict ``plan`` for ``model`` on ``mesh`` (real or ``virtual=True``) and ``cluster`` (a
     preset name or an ``autopar.cost.cluster.Cluster``) without running it: per-rank step time,
     memory, bytes and bubble (``autopar.cost.estimate.Estimate``). ``example_inputs`` are one
     batch (meta tensors are fine); ``global_batch`` (rows per step, default: the example's)
-    scales it. ``recompute`` is ``none``, ``selective`` or ``full`` activation recomputation;
+    scales it. ``recompute`` (``none``, ``selective``, ``full`` or a budget in bytes) overrides
+    the plan's ``recompute``;
     ``flash_attention=False`` models attention that keeps its a·s² probabilities.
     ``plan="auto"`` asks the planner first."""
     if plan == "auto":

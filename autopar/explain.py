@@ -17,12 +17,14 @@ from torch import fx
 
 from . import meta
 from .cost.cluster import cached_local
-from .cost.estimate import predict_module
+from .cost.estimate import predict_module, saved_bytes
 from .cost.formulas import dp_comm_elements, evaluate, tp_layer_comm_elements
 from .cost.memory import model_state_bytes
+from .passes.analysis import batch_dependent
 from .passes.pipeline import BALANCE_SLACK
 from .passes.tensor_parallel import whole_share
 from .runtime.pipeline_module import PipelineModule
+from .runtime.recompute import Recomputed
 from .schedule import bubble_formula
 from .sizes import mixed_state_dtypes, ring_bytes
 from .trace import ChromeTrace
@@ -37,7 +39,7 @@ class Inspector:
     def explain(self, dm, cluster=None) -> str:
         return explain_pipeline(dm, cluster) if isinstance(dm, PipelineModule) else explain(dm, cluster)
 
-    def predict(self, dm, cluster="local", global_batch=None, recompute: str = "none"):
+    def predict(self, dm, cluster="local", global_batch=None, recompute=None):
         return predict_module(dm, cluster, global_batch, recompute)
 
     def dump(self, dm, path: str, cluster=None) -> list[str]:
@@ -111,6 +113,7 @@ def explain(dm, cluster=None) -> str:
                  + (f" ({psi_pad:,} with padding to {n} equal shards)" if psi_pad != psi else ""))
     if dm.plan.tp:
         lines += _tp_section(dm)
+    lines += _recompute_section(dm)
     # collectives in the graph and in backward
     lines.append("\ncollectives (per step, this rank):")
     for node in dm.module.graph.nodes:
@@ -200,6 +203,37 @@ def explain(dm, cluster=None) -> str:
     lines += _dtype_section(dm)
     lines += predicted_section(dm, cluster)
     return "\n".join(lines)
+
+
+def _recompute_section(dm) -> list:
+    """Per recomputed region: its layer and kind, what forward keeps for it (its activation
+    inputs, with bytes; parameters are kept by reference, or as ZeRO-3 re-gather tokens), what
+    backward runs again, and the cost model's bytes of the layer without recomputation."""
+    regions = [(node, dm.module.get_submodule(node.target)) for node in dm.module.graph.nodes
+               if node.op == "call_module" and isinstance(dm.module.get_submodule(node.target), Recomputed)]
+    if dm.plan.recompute == "none" and not regions:
+        return []
+    head = f"\nactivation recomputation (recompute={dm.plan.recompute!r}): {len(regions)} regions"
+    if not regions:
+        return [head + ": nothing to recompute (no numbered layer, or no attention core that keeps a·s² "
+                "scores: a fused attention kernel keeps none)"]
+    batch = batch_dependent(dm.module.graph)
+    groups = {g.name: g for g in dm.ctx.profile.groups} if dm.ctx.profile is not None else {}
+    share = 1 / dm.mesh.axis_size("dp")
+    out = [head + "; per region what forward keeps for backward, and what backward runs again:"]
+    for node, mod in regions:
+        kept = [a for a in node.all_input_nodes if a in batch and isinstance(a.meta.get(meta.VAL), torch.Tensor)]
+        nbytes = sum(a.meta[meta.VAL].numel() * a.meta[meta.VAL].element_size() for a in kept)
+        ops = [n for n in mod.region.graph.nodes if n.op in ("call_function", "call_module")]
+        line = (f"  {mod.layer:<12} {mod.kind:<9} keeps {_mb(nbytes)}: "
+                + ", ".join(f"{a.name} {_type(a.meta[meta.VAL])}" for a in kept)
+                + f"; recomputes {len(ops)} ops ({', '.join(_target(n) for n in ops[:4])}{', ...' if len(ops) > 4 else ''})")
+        g = groups.get(mod.layer)
+        if g is not None:
+            line += (f"; the layer keeps {saved_bytes(g, 'none') * share:,.0f} B without recomputation, "
+                     f"{saved_bytes(g, mod.kind) * share:,.0f} B with (cost model)")
+        out.append(line)
+    return out
 
 
 def _dtype_section(dm) -> list:

@@ -29,6 +29,7 @@ forms, which equal them for uniform layers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -85,6 +86,7 @@ class Estimate:
     timeline: list = field(default_factory=list)     # (rank, lane, name, start, end)
     fits: bool = True
     device_memory: float = 0.0
+    recompute_layers: dict = field(default_factory=dict)   # layer -> "selective" | "full" (the others keep all)
 
     def explain(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_axes.items())
@@ -258,10 +260,20 @@ def partition(times: list[float], stages: int) -> list[int]:
 
 
 def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c, global_batch: int, *,
-                  simulate: bool = True, recompute: str = "none") -> Estimate:
-    """The prediction of ``plan`` on a mesh of ``axes`` (name -> size) for cluster ``c``."""
+                  simulate: bool = True, recompute=None) -> Estimate:
+    """The prediction of ``plan`` on a mesh of ``axes`` (name -> size) for cluster ``c``.
+    ``recompute``: ``none`` / ``selective`` / ``full``, a dict of layer -> one of them, or a
+    memory budget in bytes (``choose_recompute``); default: the plan's ``recompute``."""
+    rc = plan.recompute if recompute is None else recompute
+    if isinstance(rc, int) and not isinstance(rc, bool):
+        return choose_recompute(profiles, axes, plan, c, global_batch, rc, simulate=simulate)
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
     prof = profiles.get(t, plan.sp) if isinstance(profiles, Profiles) else profiles
+    kinds = dict(rc) if isinstance(rc, dict) else {g.name: rc for g in prof.groups if g.name not in ("pre", "post")}
+    for kind in kinds.values():
+        if kind not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={kind!r}: expected one of {RECOMPUTE_MODES}, a dict of layer -> one "
+                             "of them, or a budget in bytes")
     m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
     error = batch_split_error(global_batch, n, m)
     if error:
@@ -279,7 +291,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     cslow = 1.0 if shared else slow
     link_tp, link_dp, link_pp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
     # per group: forward / backward / W compute and the tp collectives on the compute stream
-    passes = [group_passes(g, c, t, link_tp, recompute, cslow) for g in groups]
+    passes = [group_passes(g, c, t, link_tp, kinds.get(g.name, "none"), cslow) for g in groups]
     F, B, W, f_raw, tpf, tpb = (list(x) for x in zip(*passes))
     starts = partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
     bounds = list(zip(starts, starts[1:] + [len(groups)]))
@@ -398,7 +410,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     for r in range(p):
         mine = [s for s in range(S) if s % p == r]
         tot = {}
-        tp_b = m * sum(b for s in mine for g in stage_groups[s] for _, b, _ in g.tp_forward + g.tp_backward)
+        tp_b = m * sum(b for s in mine for g in stage_groups[s] for _, b, _ in g.tp_forward + g.tp_backward
+                       + (g.tp_forward if kinds.get(g.name) == "full" else []))   # a recomputed layer's again
         if t > 1:
             tot["tp"] = tp_b
         if n > 1:
@@ -416,7 +429,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         flight = inflight_microbatches(plan.pp_schedule, p, m, v, stage=r)
-        mem_rank.append(_memory(gs, names, prof, mode, n, dt, plan.bucket_bytes, recompute, flight, S > 1,
+        mem_rank.append(_memory(gs, names, prof, mode, n, dt, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local"))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
@@ -449,7 +462,48 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     time_breakdown={"forward (busiest stage)": max(stage_sum(F, s) for s in range(S)) * m,
                                     "backward (busiest stage)": max(stage_sum(B, s) for s in range(S)) * m,
                                     "optimizer": max(opt_time)},
-                    formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem)
+                    formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem,
+                    recompute_layers={k: v for k, v in kinds.items() if v != "none"})
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def choose_recompute(profiles, axes: dict, plan: Plan, c, global_batch: int, budget: int, *,
+                     simulate: bool = True) -> Estimate:
+    """``Plan(recompute=<bytes>)``: the estimate of the cheapest recomputation whose predicted
+    peak per rank fits ``budget``. The choices are taken in order of cost, each adding to the
+    last: the attention core of each layer that keeps a·s² scores (selective: a layer's
+    attention FLOPs again), layer by layer; then whole layers (full: a layer's forward again),
+    layer by layer. The peak falls along this order, so the first prefix that fits is found by
+    bisection. A ValueError says how far the budget is from what full recomputation needs."""
+    prof = profiles.get(axes.get("tp", 1), plan.sp) if isinstance(profiles, Profiles) else profiles
+    layers = [g for g in prof.groups if g.name not in ("pre", "post")]
+    steps = [(g.name, "selective") for g in layers if g.saved_quadratic > 0] + [(g.name, "full") for g in layers]
+
+    def at(k: int) -> Estimate:
+        kinds = {g.name: "none" for g in layers}
+        kinds.update(dict(steps[:k]))
+        return evaluate_plan(profiles, axes, plan, c, global_batch, simulate=simulate, recompute=kinds)
+
+    lo, hi = 0, len(steps)
+    last = at(hi)
+    if last.memory_bytes > budget:
+        raise ValueError(f"Plan(recompute={budget}): no recomputation fits {budget / 2**20:.1f} MiB per rank; "
+                         f"recomputing every layer the cost model predicts {last.memory_bytes / 2**20:.1f} MiB "
+                         f"({plan} on {axes}). Raise the budget, or shard more (a higher ZeRO stage, tp, pp)")
+    best = last
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = at(mid)
+        if e.memory_bytes <= budget:
+            hi, best = mid, e
+        else:
+            lo = mid + 1
+    best.formulas.append(("recompute within budget", f"peak <= {budget:,} B",
+                          f"{best.memory_bytes:,.0f} B with {len(best.recompute_layers)} of {len(layers)} layers "
+                          f"recomputed ({', '.join(f'{k} {v}' for k, v in best.recompute_layers.items()) or 'none'})"))
+    return best
 
 
 def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
@@ -510,7 +564,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     zero = mode != "ddp"
     base = persistent_bytes(mode, psi, n, dt, pad)
     states = state_bytes(mode, psi, n, dt, padded_psi=pad)
-    saved = [saved_bytes(g, recompute) * flight for g in gs]
+    saved = [saved_bytes(g, recompute.get(g.name, "none")) * flight for g in gs]
     final = sum(g.final_bytes for g in gs) * flight
     act = sum(saved) + final * 2                       # outputs, and the loss's copy of them
     units = [pb * padded_sum(g.params, n) for g in gs if g.name not in ("pre", "post")]
@@ -658,28 +712,30 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
 
 
 
-def predict_module(dm, cluster="local", global_batch=None, recompute: str = "none") -> Estimate:
+def predict_module(dm, cluster="local", global_batch=None, recompute=None) -> Estimate:
     """``dm.predict``: the estimate of a compiled module's plan from the profile of the graph it
     was compiled from (``global_batch`` defaults to the example's)."""
     prof = dm.ctx.profile
     if prof is None:
         raise RuntimeError("no cost-model profile was recorded at compile time (see the log for why)")
     rows = global_batch or prof.rows * (dm.plan.microbatches if dm.plan.pp_schedule else 1)
+    if recompute is None and dm.ctx.recompute_layers and not isinstance(dm.plan.recompute, str):
+        recompute = dm.ctx.recompute_layers      # a budget: the layers compile chose
     return evaluate_plan(prof, dict(dm.mesh.axes), dm.plan, get_cluster(cluster), rows, recompute=recompute)
 
 
 def estimate_plan(model, mesh: Mesh, plan: Plan, *, example_inputs, example_kwargs=None, cluster="local",
-                  global_batch: Optional[int] = None, recompute: str = "none", flash_attention: bool = True,
+                  global_batch: Optional[int] = None, recompute=None, flash_attention: bool = True,
                   profiles: Optional[Profiles] = None) -> Estimate:
     """The prediction of ``plan`` for ``model`` on ``mesh`` (``autopar.estimate`` without the
-    planner: see there)."""
+    planner: see there). ``recompute`` overrides the plan's (None: the plan's)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan or 'auto', got {plan!r}")
     plan.check_mesh(mesh)
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective' or 'full'")
+    if recompute is not None:
+        plan = dataclasses.replace(plan, recompute=recompute)   # validated as a plan's
     profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention, cluster=cluster)
     gb = global_batch or profiles.base.rows
     return evaluate_plan(profiles, dict(mesh.axes), plan, get_cluster(cluster), gb, recompute=recompute)

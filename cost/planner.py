@@ -306,15 +306,16 @@ def _plans_for(axes, gb, layers, recompute, max_microbatches):
         if dp == 1 and mode != "ddp":
             continue
         for sp in ((False, True) if tp > 1 else (False,)):
-            base = Plan(dp=mode, tp=tp > 1, sp=sp)
             for rc in recompute:
+                base = Plan(dp=mode, tp=tp > 1, sp=sp, recompute=rc)   # the plan carries its recomputation
                 if pp == 1:
                     yield axes, base, rc
                     continue
                 for m in _divisors(rows):
                     if m > max_microbatches or m < pp:
                         continue
-                    for sched in ("gpipe", "1f1b", "zero_bubble"):
+                    # zero-bubble defers weight gradients out of backward: not with recomputation
+                    for sched in ("gpipe", "1f1b") + (("zero_bubble",) if rc == "none" else ()):
                         yield axes, replace(base, pp_schedule=sched, microbatches=m), rc
                     for v in (2, 4):
                         if m % pp == 0 and layers and layers % (pp * v) == 0:
@@ -435,9 +436,6 @@ def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cl
     if note:
         report.notes.append(note)
     report.notes += [f"not searched: {r.splitlines()[0]}" for r in refused]
-    if best.recompute != "none":
-        report.notes.append(f"the best plan recomputes activations ({best.recompute}); autopar.compile does not "
-                            "implement recomputation yet, so compile(plan='auto') takes the best plan without it")
     return report
 
 

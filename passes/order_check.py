@@ -11,6 +11,7 @@ stages by design: the schedule's sends and receives are matched by its simulatio
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext
@@ -24,7 +25,7 @@ def collective_sequences(graphs, ctx: CompileContext) -> dict[str, list[str]]:
     causes), the ZeRO-3 gather units and the gradient buckets with their members and widths."""
     seq: dict[str, list[str]] = {axis: [f"plan {ctx.plan} on {ctx.mesh}"] for axis in ctx.mesh.axes}
     for gm, gctx in graphs:
-        for node in gm.graph.nodes:
+        for node in _nodes(gm):
             info = node.meta.get(meta.COMM)
             if info is not None:
                 seq.setdefault(info.axis, []).append(f"{node.name}: {info}")
@@ -36,6 +37,17 @@ def collective_sequences(graphs, ctx: CompileContext) -> dict[str, list[str]]:
                 seq.setdefault("dp", []).append(f"{kind} {i}: {len(names)} tensors, {width} elements/rank "
                                                 f"({', '.join(names)})")
     return {axis: s for axis, s in seq.items() if ctx.mesh.axis_size(axis) > 1}
+
+
+def _nodes(gm: fx.GraphModule):
+    """The graph's nodes in order, a fused region's (sp, recompute) in place of its node."""
+    for node in gm.graph.nodes:
+        sub = gm.get_submodule(node.target) if node.op == "call_module" else None
+        sub = getattr(sub, "region", sub)
+        if isinstance(sub, fx.GraphModule):
+            yield from _nodes(sub)
+        else:
+            yield node
 
 
 def check_collective_order(graphs, ctx: CompileContext) -> None:

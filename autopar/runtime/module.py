@@ -342,10 +342,11 @@ class DistributedModule(nn.Module):
         local preset on disk) the cost model's predicted step, each cost as formula and number."""
         return self._inspect("explain").explain(self, cluster)
 
-    def predict(self, cluster="local", global_batch=None, recompute: str = "none"):
+    def predict(self, cluster="local", global_batch=None, recompute=None):
         """The cost model's prediction of one training step of this plan (the estimate of the
         graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
-        ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's."""
+        ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's;
+        ``recompute`` overrides the plan's (None: the layers compile chose)."""
         return self._inspect("predict").predict(self, cluster, global_batch, recompute)
 
     def record_timeline(self):

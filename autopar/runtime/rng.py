@@ -141,8 +141,10 @@ def rng_sdpa(q, k, v, attn_mask, masks: RandomMasks, site: int, p: float, is_cau
     if not masks.training:
         return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
                                                            enable_gqa=enable_gqa)
-    # the probabilities alone: an empty value dim makes the kernel's own product free
-    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, v[..., :0], attn_mask, 0.0, is_causal,
+    # the probabilities alone: an empty value dim makes the kernel's own product free (a tensor
+    # of its own, not a view of v: autograd would keep v's whole storage for it)
+    empty = v.new_empty((*v.shape[:-1], 0))
+    _, probs = torch.ops.aten._scaled_dot_product_attention_math(q, k, empty, attn_mask, 0.0, is_causal,
                                                                  scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and v.shape[-3] != q.shape[-3]:
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
