@@ -81,7 +81,7 @@ def _job(steps: int, warmup: int):
         t0 = time.perf_counter()
         for site in masks.sites:
             local = masks.masks[(site.index, 0)]
-            torch.empty(local.shape, dtype=local.dtype).bernoulli_(1 - site.p).div_(1 - site.p)
+            torch.empty(local.shape, dtype=site.dtype).bernoulli_(1 - site.p).bool()
         draw_local.append(time.perf_counter() - t0)
     out = {k: statistics.median(v) for k, v in times.items()}
     out["draw whole masks"] = statistics.median(draw_whole)

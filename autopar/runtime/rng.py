@@ -93,8 +93,8 @@ class RandomMasks(nn.Module):
 
 def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str = "exact") -> None:
     """``exact``: draw every site's single-device mask in order; each holder that runs a site
-    keeps its slices (per micro-batch), scaled by 1 / (1 - p) as the single-device kernel
-    scales them. ``local``: one number from the default generator keys this step; each slice a
+    keeps its slices (per micro-batch) as booleans, one byte an element (``rng_dropout``
+    scales them by 1 / (1 - p) as the single-device kernel does, where they are used). ``local``: one number from the default generator keys this step; each slice a
     holder runs is drawn alone from a generator seeded by (that number, site, slice)."""
     for h in holders:
         h.masks = {}
@@ -110,7 +110,7 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
                         shape[dim] = hi - lo
                     g = torch.Generator(device=device).manual_seed(hash((step, index, ranges)) & (2 ** 63 - 1))
                     mask = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p, generator=g)
-                    h.masks[(index, mb)] = mask.div_(1 - site.p)
+                    h.masks[(index, mb)] = mask.bool()
         return
     for site in sites:
         users = [h for h in holders if site.index in h.local]
@@ -118,12 +118,32 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
             torch.empty(site.numel, dtype=site.dtype, device=device).bernoulli_(1 - site.p)
             continue
         shape = users[0].local[site.index].shape
-        full = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p)
-        full.div_(1 - site.p)
+        full = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p).bool()
         for h in users:
             local = h.local[site.index]
             for mb in range(len(local.slices)):
                 h.masks[(site.index, mb)] = local.take(full, mb)
+
+
+class _Dropout(torch.autograd.Function):
+    """``x`` times the kept elements scaled by 1 / (1 - p), as the single-device kernel
+    computes it (the mask in the site's dtype, divided, times ``x``: bitwise its result);
+    backward saves the mask as it is kept, one byte an element, not the scaled copy."""
+
+    @staticmethod
+    def forward(ctx, x, mask, p, dtype):
+        ctx.save_for_backward(mask)
+        ctx.p, ctx.dtype = p, dtype
+        return x * _scaled(mask, p, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * _scaled(mask, ctx.p, ctx.dtype), None, None, None
+
+
+def _scaled(mask: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    return mask.to(dtype).div_(1 - p)
 
 
 def rng_dropout(x: torch.Tensor, masks: RandomMasks, site: int) -> torch.Tensor:
@@ -131,7 +151,8 @@ def rng_dropout(x: torch.Tensor, masks: RandomMasks, site: int) -> torch.Tensor:
     identity in eval mode."""
     if not masks.training:
         return x
-    return x * masks.mask(site)
+    s = masks.sites[site]
+    return _Dropout.apply(x, masks.mask(site), s.p, s.dtype)
 
 
 def rng_sdpa(q, k, v, attn_mask, masks: RandomMasks, site: int, p: float, is_causal: bool = False,
@@ -148,4 +169,5 @@ def rng_sdpa(q, k, v, attn_mask, masks: RandomMasks, site: int, p: float, is_cau
                                                                  scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and v.shape[-3] != q.shape[-3]:
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    return torch.matmul(probs * masks.mask(site), v)
+    s = masks.sites[site]
+    return torch.matmul(_Dropout.apply(probs, masks.mask(site), s.p, s.dtype), v)

@@ -105,3 +105,21 @@ def saved_bytes_per_layer(config, batch, axes, kw) -> dict:
         del body, dm, opt
         gc.collect()
     return out
+
+
+# activations dominate this GPT's memory (what recomputation trades for compute)
+ACTIVATION_HEAVY = GPTConfig(vocab=64, seq=32, dim=64, heads=4, layers=2, max_seq=32, dropout=0.1)
+ACTIVATION_HEAVY_BATCH = 16
+
+
+def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> dict:
+    """The step's peak of each (name, mesh axes, plan kwargs), each compiled alone in turn."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, axes, kw in cases:
+        body, dm, opt = prepared(config, batch, axes, kw)
+        out[name] = peak_of(body, opt)
+        out[name]["recomputed"] = sorted((m.layer, m.kind) for m in dm.modules() if hasattr(m, "recomputes"))
+        del body, dm, opt
+        gc.collect()
+    return out

@@ -98,7 +98,7 @@ def dropout_masks(name):
     for h in holders:
         for (site, mb), local in h.masks.items():
             kind = dm.ctx.rng_sites[site].kind
-            want = _expected_slice(rec.masks[site].div(0.9), kind, axes, plan, mb, m)
+            want = _expected_slice(rec.masks[site].bool(), kind, axes, plan, mb, m)
             checked.append((site, mb, kind, tuple(local.shape), bool(torch.equal(local, want))))
     return {"checked": checked, "sites": len(rec.masks), "generator_state_equal": bool(torch.equal(after_ref, after_dm))}
 
@@ -277,7 +277,7 @@ def local_masks(axes):
         loss = lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt))
         loss.backward()
         runs.append({k[0]: v.clone() for k, v in dm.module.rng_masks.masks.items()})
-    zeros = torch.cat([(m == 0).float().reshape(-1) for m in runs[0].values()])
+    zeros = torch.cat([(~m).float().reshape(-1) for m in runs[0].values()])
     kinds = {s.index: s.kind for s in dm.ctx.rng_sites}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {k: v for k, v in runs[0].items()})
