@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.autograd.profiler import profile
+from torch.autograd.profiler import profile, record_function
 from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
 from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalGroup, _install_threaded_pg,
                                                                    _uninstall_threaded_pg)
@@ -336,17 +336,31 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def profiled_peak_bytes(fn) -> int:
+def profiled_peak_bytes(fn, before=None) -> int:
     """Peak of (allocated - freed) bytes of tensor storage while ``fn`` runs, from the
-    profiler's allocator records ([memory] events): the CPU has no allocator peak counter."""
+    profiler's allocator records ([memory] events): the CPU has no allocator peak counter.
+    The profiler does not see a free of a block allocated before it started, so what ``fn``
+    frees of older tensors is not subtracted; ``before`` (e.g. the previous training step)
+    runs inside the window first, so that what ``fn`` frees of its allocations is seen, and
+    the peak is taken from where ``fn`` starts."""
     with profile(profile_memory=True, use_kineto=True) as prof:
-        fn()
-    events = sorted((e for e in prof.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
+        if before is not None:
+            before()
+        with record_function(_MEASURED):
+            fn()
+    events = prof.kineto_results.events()
+    start = next((e.start_ns() for e in events if e.name() == _MEASURED), 0) if before is not None else 0
+    cur = peak = level = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if e.start_ns() < start:
+            level += e.nbytes()
+            continue
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+_MEASURED = "autopar::measured"
 
 
 def saved_activation_bytes(fn, exclude=()) -> int:

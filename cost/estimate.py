@@ -576,34 +576,45 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
     accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
-    # ZeRO-3 in backward: the unit in use and the next one prefetched (two units), three while a
-    # gathered unit is copied out of its flat buffer (before its layer's gradients exist)
+    # ZeRO-3 in backward: the unit in use and the next one prefetched (two units; a unit is
+    # copied out of its flat buffer before the next is issued)
     unit_bwd = [2 * top] if mode == "zero3" else []
     for i in reversed(range(len(gs))):
         g = gs[i]
-        work = 2 * g.max_value + (sum(unit_bwd) if unit_bwd else 0.0)
-        if unit_bwd:
-            work = max(work, 3 * top)
+        kind = recompute.get(g.name, "none")
+        # a recomputed layer's activations live again while its backward runs (one micro-batch's),
+        # with the recomputed forward's own working set (its largest value) under full recomputation
+        redo = g.saved + g.max_value if kind == "full" else (g.saved_quadratic if kind == "selective" else 0.0)
+        if kind == "full" and staging and prof.sp:   # its sequence gathers, staged by the backend (gloo)
+            redo += prof.tp * g.out_bytes
+        work = 2 * g.max_value + redo + (sum(unit_bwd) if unit_bwd else 0.0)
         peak = max(peak, base + rem + pending + flats + outs + grads + accumulated + work)
         rem -= saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
         if pipelined:
             continue
-        pending += gb * sum(math.prod(sh) for x, sh in g.params.items() if x in shapes)
-        done |= set(g.params)
-        while buckets and all(x in done for x in buckets[0]):
-            b = buckets.pop(0)
-            flat = gb * padded_sum({x: shapes[x] for x in b}, n if zero else 1)
-            live = base + rem + pending + outs + grads + sum(unit_bwd)
-            if mode in ("zero2", "zero3"):   # filled beside the previous bucket's, which then goes
-                peak = max(peak, live + flats + flat, live + flat + flat / n + (flat if staging else 0.0))
-            else:
-                peak = max(peak, live + flats + flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0))
-            pending -= gb * sum(math.prod(shapes[x]) for x in b)
-            if mode == "ddp":
-                grads += flat
-            elif mode in ("zero2", "zero3"):
-                flats = flat            # freed as reduced: kept until the next bucket launches
-                outs += flat / n
+        # the layer's gradients arrive one at a time (the reverse of forward's order); each
+        # bucket goes out as soon as its last member's has
+        for x in reversed([x for x in g.params if x in shapes]):
+            pending += gb * math.prod(shapes[x])
+            done.add(x)
+            while buckets and all(y in done for y in buckets[0]):
+                b = buckets.pop(0)
+                flat = gb * padded_sum({y: shapes[y] for y in b}, n if zero else 1)
+                # ZeRO-3: the next unit in flight, and what of this layer's unit backward still reads
+                # (a weight is dropped once the matmul that saved it has run: its gradient exists)
+                units_now = (top + pb * sum(math.prod(sh) for y, sh in g.params.items() if y in shapes and y not in done)
+                             if unit_bwd else 0.0)
+                live = base + rem + pending + outs + grads + units_now
+                if mode in ("zero2", "zero3"):   # filled beside the previous bucket's, which then goes
+                    peak = max(peak, live + flats + flat, live + flat + flat / n + (flat if staging else 0.0))
+                else:
+                    peak = max(peak, live + flats + flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0))
+                pending -= gb * sum(math.prod(shapes[y]) for y in b)
+                if mode == "ddp":
+                    grads += flat
+                elif mode in ("zero2", "zero3"):
+                    flats = flat            # freed as reduced: kept until the next bucket launches
+                    outs += flat / n
     if pipelined:     # the flush: every bucket's flat buffer at once over the accumulated gradients
         flat_all = gb * (pad if zero else psi)
         if mode in ("zero2", "zero3"):   # bucket by bucket, each freed as reduced

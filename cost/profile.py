@@ -358,10 +358,13 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
 
 
 def _mark_flash(gm: fx.GraphModule, flash: bool) -> None:
-    """Mark each attention node fused (flash / memory-efficient kernel) or math form."""
+    """Mark each attention node fused (flash / memory-efficient kernel) or math form. Attention
+    with dropout runs the math form whatever the kernel: autopar applies the single-device
+    mask to the probabilities (``runtime.rng.rng_sdpa``)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and _op(n) in ATTENTION:
-            n.meta[meta.FLASH] = flash
+            dropout = (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) or 0.0
+            n.meta[meta.FLASH] = flash and not dropout
 
 
 def _rows(gm: fx.GraphModule) -> int:

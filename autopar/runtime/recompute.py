@@ -15,9 +15,13 @@ each unit once, for the recomputation and its gradients alike.
 Dropout in a region reads this forward's masks (``RandomMasks``): a region notes the masks
 and micro-batch it ran with and replays with the same ones, so the recomputation draws
 nothing and is bitwise the forward it repeats (a pipeline's backward runs while another
-micro-batch is current; a second forward before this backward has drawn new masks).
+micro-batch is current; a second forward before this backward has drawn new masks). Under
+sequence parallelism the recomputation saves column inputs as sequence shards, gathered
+again by their backward, as forward does (``tpcomm.SavedRegather``).
 """
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 from torch import fx, nn
@@ -71,7 +75,10 @@ class _Recompute(torch.autograd.Function):
         try:
             for m, masks, mb in ctx.masks:
                 m.masks, m.microbatch = masks, mb
-            with torch.enable_grad():
+            with torch.enable_grad(), ExitStack() as scopes:
+                for a in ctx.others:   # sequence parallelism: column inputs saved as shards, as in forward
+                    if getattr(a, "regather", None) is not None:
+                        scopes.enter_context(a.regather.scope())
                 out = ctx.holder.region(*args)
         finally:
             for m, masks, mb in replay:

@@ -11,12 +11,15 @@ import torch.distributed as dist
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.runtime.dpsync import _DONE, DataParallelSync
+from autopar.runtime.rng import RandomMasks
 from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_live_bytes
 
 # parameters dominate this GPT's memory (the gradients are what ZeRO-2 frees as it reduces)
 PARAM_HEAVY = GPTConfig(vocab=128, seq=8, dim=128, heads=4, layers=4, max_seq=8)
 PARAM_HEAVY_BATCH = 4
 BUCKET_BYTES = 256 << 10
+STEPS = 5            # profiled steps per plan; the median is the plan's peak (gloo frees a collective's
+                     # buffers from its own thread, a moment after the wait: steps differ a little)
 
 
 def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
@@ -54,20 +57,29 @@ def _holding_retire(self, bi):
         st["work"] = _DONE
 
 
-def peak_of(body, opt) -> dict:
-    """The step's peak: the steady census after zero_grad plus the median of three profiled steps."""
+def peak_of(body, opt, dm=None) -> dict:
+    """The step's peak: the steady census after zero_grad plus the median of ``STEPS`` profiled
+    steps. The profiler does not see frees of blocks allocated before it started, so what a
+    step frees of the last one's (its dropout masks, dropped at the next draw) is dropped
+    before the census."""
+    masks = [m for m in dm.modules() if isinstance(m, RandomMasks)] if dm is not None else []
     for _ in range(2):
         opt.zero_grad(set_to_none=True)
         body()
-    opt.zero_grad(set_to_none=True)
+    def between():      # what separates two steps; the census is taken at this point
+        opt.zero_grad(set_to_none=True)
+        for m in masks:
+            m.masks = {}
+
+    between()
     gc.collect()
     base = steady_live_bytes(3)
     peaks = []
-    for _ in range(3):
-        peaks.append(base + profiled_peak_bytes(body))
-        opt.zero_grad(set_to_none=True)
+    for _ in range(STEPS):   # the step measured after another in the same window (see profiled_peak_bytes)
+        peaks.append(base + profiled_peak_bytes(body, before=lambda: (body(), between())))
+        between()
     dist.barrier()
-    return {"peak": sorted(peaks)[1], "peaks": peaks, "base": base}
+    return {"peak": sorted(peaks)[len(peaks) // 2], "peaks": peaks, "base": base}
 
 
 def dp_peaks(modes=("ddp", "zero1", "zero2", "zero3")) -> dict:
@@ -79,13 +91,13 @@ def dp_peaks(modes=("ddp", "zero1", "zero2", "zero3")) -> dict:
     for mode in modes:
         body, dm, opt = prepared(PARAM_HEAVY, PARAM_HEAVY_BATCH, {"dp": world},
                                  {"dp": mode, "bucket_bytes": BUCKET_BYTES})
-        out[mode] = peak_of(body, opt)
+        out[mode] = peak_of(body, opt, dm)
         out[mode]["psi"] = sum(p.numel() for p in TinyGPT(PARAM_HEAVY).parameters())
         del body, dm, opt
         gc.collect()
     body, dm, opt = prepared(PARAM_HEAVY, PARAM_HEAVY_BATCH, {"dp": world},
                              {"dp": "zero2", "bucket_bytes": BUCKET_BYTES}, hold_reduced=True)
-    out["zero2 holding"] = peak_of(body, opt)
+    out["zero2 holding"] = peak_of(body, opt, dm)
     return out
 
 
@@ -118,7 +130,7 @@ def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> 
     out = {}
     for name, axes, kw in cases:
         body, dm, opt = prepared(config, batch, axes, kw)
-        out[name] = peak_of(body, opt)
+        out[name] = peak_of(body, opt, dm)
         out[name]["recomputed"] = sorted((m.layer, m.kind) for m in dm.modules() if hasattr(m, "recomputes"))
         del body, dm, opt
         gc.collect()
