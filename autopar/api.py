@@ -61,8 +61,6 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     _batch_rows(args, kwargs, mesh.axis_size("dp"))   # before planning, which would find no plan and not say why
     plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     plan.check_mesh(mesh)
-    if plan.offload is not None:
-        raise NotImplementedError(f"Plan(offload={plan.offload!r}) is not implemented yet")
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
