@@ -61,8 +61,6 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     _batch_rows(args, kwargs, mesh.axis_size("dp"))   # before planning, which would find no plan and not say why
     plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     plan.check_mesh(mesh)
-    if plan.offload is not None:
-        raise NotImplementedError(f"Plan(offload={plan.offload!r}) is not implemented yet")
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
@@ -284,7 +282,7 @@ def _profile(gm, ctx: CompileContext):
     ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
     try:
         return profile(gm, ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
-                       tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel)
+                       tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True)
     except Exception as exc:     # the cost model must never stop a compile
         log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
         return None
@@ -311,8 +309,10 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
         try:
             c = get_cluster(cluster if cluster is not None else "local")
             rows = _batch_rows(tuple(example_inputs), dict(example_kwargs or {}))
+            profiles = Profiles(model, example_inputs, example_kwargs, cluster=c, dropout_math=True)   # as it will run
             report = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
-                               cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes))
+                               cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
+                               profiles=profiles)
             runner_up = report.candidates[1] if len(report.candidates) > 1 else None
             chosen = [str(report.plan), (
                 f"plan='auto' picked {report.plan} on {mesh} with the cost model ({c.name}): predicted "

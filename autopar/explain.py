@@ -172,6 +172,14 @@ def explain(dm, cluster=None) -> str:
         lines.append("\nper-rank memory of parameters + gradients + AdamW state (fp32):")
         mem = model_state_bytes(mode)
     lines.append(f"  formula {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
+    if dm.plan.offload == "optimizer":    # what stays: parameters, gradients, and under mixed precision the masters
+        p_b, g_b, k_b = mixed_state_dtypes(mode, dm.plan.param_dtype.itemsize, dm.plan.master_dtype.itemsize,
+                                           dm.plan.grad_reduce_dtype.itemsize) if dm.plan.mixed else (4, 4, 8)
+        kept = dm.plan.master_dtype.itemsize if dm.plan.mixed else 0
+        mem = model_state_bytes(mode, (p_b, g_b, kept))
+        lines.append(f"  on the device with the optimizer offloaded ({k_b - kept} B/param of state on the host"
+                     + (f"; the {_dtype(dm.plan.master_dtype)} master shards stay" if kept else "")
+                     + f"): {mem} = {_mb(evaluate(mem, Psi=psi_pad, N=n))}")
     seen: set = set()
     by_dtype: dict = {}
 
@@ -193,13 +201,16 @@ def explain(dm, cluster=None) -> str:
         f" ({', '.join(f'{_mb(b)} {d}' for d, b in sorted(params_by_dtype.items()))})"
         if len(params_by_dtype) > 1 else "") + \
         f", gradients {_mb(grads)}"
-    if opt is not None:
+    if opt is not None and dm._offload is not None:
+        line += f", optimizer state none (on the host, below); total {_mb(params + grads)}"
+    elif opt is not None:
         state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         line += f", optimizer state {_mb(state)}; total {_mb(params + grads + state)}"
     else:
         line += " (no dm.optimizer(...) built yet)"
     lines.append(line)
+    lines += offload_section(dm) if cluster is not False else []    # a pipeline's stage: the pipeline's section
     lines += _dtype_section(dm)
     lines += predicted_section(dm, cluster)
     return "\n".join(lines)
@@ -233,6 +244,32 @@ def _recompute_section(dm) -> list:
             line += (f"; the layer keeps {saved_bytes(g, 'none') * share:,.0f} B without recomputation, "
                      f"{saved_bytes(g, mod.kind) * share:,.0f} B with (cost model)")
         out.append(line)
+    return out
+
+
+def offload_section(dm) -> list:
+    """``Plan(offload="optimizer")``: what lives on the host, the bytes one step moves over the
+    host link (from this rank's tensors: gradients down, parameters up), the host memory held,
+    and what ``dm.offload_stats`` measured."""
+    if dm.plan.offload is None:
+        return []
+    off = dm._offload
+    if off is None:
+        return ["\noptimizer offload: the optimizer's state and step go to the host once dm.optimizer(...) is built"]
+    down, up = off.step_bytes()
+    elements = sum(p.numel() for p in off.device_params.values())
+    opt = dm._optimizer() if dm._optimizer is not None else None
+    held = off.host_bytes(opt)
+    link = off.link
+    out = [f"\noptimizer offload: the optimizer's copy of this rank's {elements:,} elements "
+           f"({len(off.device_params)} tensors), their gradients and the optimizer state live on the host "
+           f"({link.host}{', pinned' if link.pinned else ''}); the step runs there",
+           f"  host link per step: gradients down {_mb(down)}, parameters up {_mb(up)} (E x itemsize each way: "
+           "gradients before the step, parameters after it)",
+           f"  host memory held: {_mb(sum(held.values()))} ("
+           + ", ".join(f"{k} {_mb(v)}" for k, v in held.items()) + ")"]
+    for (axis, kind, phase), b in sorted(dm.offload_stats.bytes.items()):
+        out.append(f"  measured {phase:<10} {kind:<4} {_mb(b)} in {dm.offload_stats.calls[(axis, kind, phase)]} copies")
     return out
 
 
@@ -352,6 +389,7 @@ def explain_pipeline(pm, cluster=None) -> str:
     sent = {k: v for k, v in (pm.comm_stats.bytes.items() if pm.comm_stats else []) if k[0] == "pp"}
     for (axis, k, phase), v in sorted(sent.items()):
         lines.append(f"  sent point to point, {phase}: {_mb(v)} in {pm.comm_stats.calls[(axis, k, phase)]} messages")
+    lines += offload_section(pm)
     lines += predicted_section(pm, cluster)
     for k, st in pm.stages.items():
         lines.append(f"\n---- stage {k} ----")

@@ -5,6 +5,7 @@
     calibration                       measuring this machine for the local preset (runs processes)
     profile                           what one rank computes, keeps and sends, read from the graph
     lm_head                           an LM head whole or split along the vocabulary: priced, chosen
+    offload                           Plan(offload="optimizer"): the host link and the step on the host
     estimate, replay                  a plan's step composed from those; the pipeline replayed
     planner                           the search over plans
 

@@ -15,6 +15,9 @@ collectives and parameters):
   gradient buckets, cut as the collectives pass cuts them, ZeRO-1's too, are reduced while
   backward continues; ZeRO-1/2's parameter all-gather after the step is exposed); with
   ``Plan(overlap=False)`` every collective is exposed, one after another;
+- optimizer offload (``Plan(offload="optimizer")``, ``cost.offload``): the device's optimizer
+  step becomes the host link's transfers plus the step on the host, and the optimizer state
+  leaves the device's memory;
 - pipeline: the plan's schedule replayed in event time (``cost.replay``) with each stage's F,
   B (and W) times and the point-to-point transfer of the activation that crosses each cut;
   the deferred data-parallel reduction and the optimizer step follow;
@@ -48,6 +51,8 @@ from .compute import GROUP_TIME_FORMULA, compute_time, group_time
 from .formulas import dp_comm_elements, tp_layer_comm_elements
 from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
+from .offload import device_dtypes, host_bytes_per_element, host_link_bytes, host_link_formula, offload_elements, \
+    offload_time
 from .profile import GroupCost, Profile, profile
 from .replay import pipeline_placement, pipeline_time
 
@@ -87,6 +92,8 @@ class Estimate:
     fits: bool = True
     device_memory: float = 0.0
     recompute_layers: dict = field(default_factory=dict)   # layer -> "selective" | "full" (the others keep all)
+    host_bytes: float = 0.0          # Plan(offload="optimizer"): bytes over the host link per step (down + up)
+    host_memory_bytes: float = 0.0   # Plan(offload="optimizer"): host memory the optimizer's copy and state hold
 
     def explain(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_axes.items())
@@ -96,6 +103,9 @@ class Estimate:
                  f"  memory / rank   {self.memory_bytes / 2**30:12.3f} GiB  "
                  f"({'fits' if self.fits else 'DOES NOT FIT'} in {self.device_memory / 2**30:.1f} GiB)",
                  f"  bytes / rank    {self.comm_bytes:14,.0f} B per step"]
+        if self.host_bytes:
+            lines.append(f"  host link       {self.host_bytes:14,.0f} B per step (gradients down, parameters up); "
+                         f"host memory {self.host_memory_bytes / 2**20:.3f} MiB")
         for k, v in self.memory_breakdown.items():
             lines.append(f"    memory {k:18s} {v / 2**20:14.3f} MiB")
         for k, v in self.comm_bytes_by_axis.items():
@@ -135,20 +145,23 @@ class Estimate:
 
 class Profiles:
     """``cost.profile`` results per (tp size, sp), captured once and re-annotated per
-    variant: the planner's cache."""
+    variant: the planner's cache. ``flash``: attention as a fused kernel; ``dropout_math``:
+    except attention with dropout, which autopar runs in the math form (``cost.profile``)."""
 
-    def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True, cluster=None):
+    def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True, cluster=None,
+                 dropout_math: bool = False):
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
         # LM heads laid out as a compile for ``cluster`` would (None: passes.lm_head's default)
         self._ctx.head_policy = head_policy(cluster) if cluster is not None else None
         self._gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), self._ctx)
-        self.flash = flash
+        self.flash, self.dropout_math = flash, dropout_math
         self._cache: dict = {}
 
     def get(self, tp: int, sp: bool) -> Profile:
         key = (tp, sp and tp > 1)
         if key not in self._cache:
-            self._cache[key] = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash)
+            self._cache[key] = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash,
+                                       dropout_math=self.dropout_math)
         return self._cache[key]
 
     @property
@@ -307,7 +320,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     mode = plan.dp
     formulas = []
     dp_bytes, dp_time_tail, dp_fwd_gather, dp_bwd_gather, dp_bwd_reduce = [], [], [], [], []
-    states, psi_stage, n_tensors = [], [], []
+    states, psi_stage, n_tensors, opt_elements = [], [], [], []
     for s, gs in enumerate(stage_groups):
         # a stage holds every parameter it reads (a tied table lives in each stage reading it)
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
@@ -327,6 +340,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dp_bytes.append(by)
         psi_stage.append(psi)
         n_tensors.append(len(shapes))
+        opt_elements.append(offload_elements(mode, psi, pad, n))     # the elements the optimizer steps
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
         fwd_g = [collective_time("all_gather", padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
                  for g, f in zip(gs, f_stage[s])]
@@ -350,6 +364,11 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                 held = math.prod(shp) if mode == "ddp" else padded_numel(shp, n) // n
                 tied_bytes += held * pbytes
     opt_time = [optimizer_time(mode, states[s], n_tensors[s], c) * slow for s in range(S)]
+    dt_device = dt
+    if plan.offload == "optimizer":    # host link + the step on the host, one after another (cost.offload)
+        host_t = [offload_time(opt_elements[s], n_tensors[s], dt, c) for s in range(S)]
+        opt_time = [(link + step_h) * slow for link, step_h in host_t]
+        dt_device = device_dtypes(dt)
     sync = [sync_time(mode, n_tensors[s], c) * slow for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
@@ -429,7 +448,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         flight = inflight_microbatches(plan.pp_schedule, p, m, v, stage=r)
-        mem_rank.append(_memory(gs, names, prof, mode, n, dt, plan.bucket_bytes, kinds, flight, S > 1,
+        mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local"))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
@@ -440,9 +459,23 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                      f"{lay.dense_flops:,.0f} FLOP, {lay.attention_flops:,.0f} FLOP, {lay.attention_heads:,.0f} "
                      f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops -> {group_time(lay, c) * 1e3:.4g} ms"
                      + (f" x {slow:.2f}" if slow > 1 else "")))
-    formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'})",
-                     str(model_state_bytes(mode, dt)), f"{st:,.0f} B at Psi={psi_total:,} (sharded terms padded to N "
-                     f"equal chunks), N={n}"))
+    formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'}"
+                     f"{', optimizer state on the host' if plan.offload else ''})",
+                     str(model_state_bytes(mode, dt_device)), f"{st:,.0f} B at Psi={psi_total:,} (sharded terms padded "
+                     f"to N equal chunks), N={n}"))
+    host_bytes = host_memory = 0.0
+    host_times = {}
+    if plan.offload == "optimizer":
+        worst_s = max(range(S), key=lambda s: opt_time[s])    # the "optimizer" time is their sum there
+        host_times = {"host link": host_t[worst_s][0] * slow, "host step": host_t[worst_s][1] * slow}
+        per_rank_host = [sum(sum(host_link_bytes(opt_elements[s], dt)) for s in range(S) if s % p == r)
+                         for r in range(p)]
+        host_bytes = max(per_rank_host)
+        host_memory = max(sum(host_bytes_per_element(dt, c.mixed_precision) * opt_elements[s] for s in range(S)
+                              if s % p == r) for r in range(p))
+        formulas.append(("host link bytes / step (offload)", f"{host_link_formula(mode, dt)} (gradients down, "
+                         f"parameters up; ZeRO's Psi/N padded)", f"{host_bytes:,.0f} B over {c.host.name} at "
+                         f"{c.host.bandwidth / 1e9:.1f} GB/s"))
     formulas.append(("activations", f"saved per micro-batch x in-flight ({plan.pp_schedule or 'no pipeline'})",
                      f"{act:,.0f} B"))
     if t > 1:
@@ -461,8 +494,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     memory_breakdown={"model states": st, "activations": act, "transient": transient},
                     time_breakdown={"forward (busiest stage)": max(stage_sum(F, s) for s in range(S)) * m,
                                     "backward (busiest stage)": max(stage_sum(B, s) for s in range(S)) * m,
-                                    "optimizer": max(opt_time)},
+                                    "optimizer": max(opt_time), **host_times},
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem,
+                    host_bytes=host_bytes, host_memory_bytes=host_memory,
                     recompute_layers={k: v for k, v in kinds.items() if v != "none"})
 
 

@@ -231,11 +231,12 @@ def _signature(nodes: list[fx.Node]) -> tuple:
 
 
 def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
-            tp_layout: tuple = (), vocab_parallel: Optional[bool] = None) -> Profile:
+            tp_layout: tuple = (), vocab_parallel: Optional[bool] = None, dropout_math: bool = False) -> Profile:
     """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
     ``ctx0``; neither is changed: the passes run on a copy) on one rank of a tp group of size
     ``tp`` (see the module docstring). ``flash``: attention runs as a fused kernel (no a·s²
-    probabilities kept). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
+    probabilities kept; ``dropout_math``: but attention with dropout keeps them, as autopar's
+    runtime does, see ``_mark_flash``). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
     as the compile lays them out."""
     plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else (),
                 vocab_parallel=vocab_parallel if tp > 1 else None)
@@ -259,7 +260,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
                 for name in ctx.params}
     batch_before = batch_dependent(gm.graph)
-    _mark_flash(gm, flash)
+    _mark_flash(gm, flash, dropout_math)
     gm = passes.shard(gm, ctx)
     if tp > 1:
         gm = passes.collectives(gm, ctx)
@@ -357,14 +358,15 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                    heads=_heads(gm))
 
 
-def _mark_flash(gm: fx.GraphModule, flash: bool) -> None:
-    """Mark each attention node fused (flash / memory-efficient kernel) or math form. Attention
-    with dropout runs the math form whatever the kernel: autopar applies the single-device
-    mask to the probabilities (``runtime.rng.rng_sdpa``)."""
+def _mark_flash(gm: fx.GraphModule, flash: bool, dropout_math: bool = False) -> None:
+    """Mark each attention node fused (flash / memory-efficient kernel) or math form.
+    ``dropout_math``: attention with dropout runs the math form whatever the kernel, as
+    autopar's runtime runs it (``runtime.rng.rng_sdpa`` applies the single-device mask to the
+    probabilities); without, the fused kernel is assumed to drop out inside (Megatron's)."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and _op(n) in ATTENTION:
             dropout = (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) or 0.0
-            n.meta[meta.FLASH] = flash and not dropout
+            n.meta[meta.FLASH] = flash and not (dropout_math and dropout)
 
 
 def _rows(gm: fx.GraphModule) -> int:

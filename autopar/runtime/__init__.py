@@ -10,6 +10,8 @@
     wgrad             the zero-bubble weight-gradient stash
     rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)
     timeline          measured timelines of a step
+    offload           Plan(offload="optimizer"): the optimizer's copy and state on the host, the
+                      host link's copies counted
     module            DistributedModule
     pipeline_module   PipelineModule: a rank's stages and the schedule that drives them
     emit              the rewritten graph -> this rank's DistributedModule

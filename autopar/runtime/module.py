@@ -27,12 +27,13 @@ from ..sizes import batch_split_error
 from . import flight
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
+from .offload import HostLink, OptimizerOffload
 from .optim import PerTensorState, check_optimizer
 from .timeline import record
 from .tpcomm import gather_tp_param
 
 __all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
-           "cast_inputs"]
+           "cast_inputs", "refuse_per_tensor_offload"]
 
 
 def cast_input(x, dtype):
@@ -80,6 +81,8 @@ class DistributedModule(nn.Module):
         self._tp = tp_comm              # the tp axis (None without tensor parallelism)
         self._names = list(sync.specs)  # trainable parameters, canonical names
         self._optimizer = None
+        self.offload_stats = CommStats()  # Plan(offload="optimizer"): bytes over the host link
+        self._offload: OptimizerOffload | None = None
         self.timelines: list = []       # per rank, from the last record_timeline()
         self.inspector: Inspector | None = None   # set by autopar.compile
 
@@ -149,9 +152,18 @@ class DistributedModule(nn.Module):
         other optimizer (LAMB, Adafactor, Muon, L-BFGS, ...) there is refused, unless
         ``per_tensor=True``, which steps full copies of the parameters on every rank (see
         ``autopar.runtime.optim``). The result is an instance of ``cls``: learning-rate
-        schedulers of ``torch.optim.lr_scheduler`` work on it."""
-        check_optimizer(cls, self._sharded_by(), per_tensor)
-        if per_tensor:
+        schedulers of ``torch.optim.lr_scheduler`` work on it.
+
+        ``Plan(offload="optimizer")``: the optimizer steps host copies of this rank's
+        parameters (``autopar.runtime.offload``), its state lives on the host, and each step
+        moves the gradients down and the parameters up (``dm.offload_stats`` counts the bytes);
+        after the step the device holds no gradients."""
+        check_optimizer(cls, self._sharded_by(), per_tensor, per_tensor_built=self.plan.offload is None)
+        if per_tensor and self.plan.offload is not None:
+            raise ValueError(refuse_per_tensor_offload(self.plan))
+        if self.plan.offload == "optimizer":
+            opt = self._offloaded_optimizer(cls, dict(self.named_parameters()), **kwargs)
+        elif per_tensor:
             state = PerTensorState(dict(zip(self._names, (self.module.get_parameter(n) for n in self._names))),
                                    self._full, self._local_piece)
             opt = cls(list(state.copies.values()), **kwargs)
@@ -162,7 +174,20 @@ class DistributedModule(nn.Module):
             opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
+        if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
+            opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
         self._optimizer = weakref.ref(opt)   # explain() reports its state
+        return opt
+
+    def _offloaded_optimizer(self, cls, named: dict, **kwargs) -> torch.optim.Optimizer:
+        """``cls`` over host copies of the trainable ones of ``named`` (name -> device
+        parameter), its step hooked to move gradients down before it and parameters up after
+        (registered first: ZeRO-1/2's replica refresh must read the updated shards)."""
+        trainable = {name: p for name, p in named.items() if p.requires_grad}
+        self._offload = offload = OptimizerOffload(trainable, HostLink(self._device(), self.offload_stats))
+        opt = cls(offload.parameters(), **kwargs)
+        opt.register_step_pre_hook(lambda *_: offload.grads_down())
+        opt.register_step_post_hook(lambda *_: offload.params_up())
         return opt
 
     def _sharded_by(self) -> str:
@@ -361,6 +386,14 @@ class DistributedModule(nn.Module):
         timeline.json: the measured step of every rank beside the predicted one (``cluster``:
         default the calibrated local preset, if on disk)."""
         return self._inspect("dump").dump(self, path, cluster)
+
+
+def refuse_per_tensor_offload(plan) -> str:
+    """Why ``per_tensor=True`` is refused under ``plan``'s offload, and what to do instead."""
+    return (f"dm.optimizer(..., per_tensor=True) with Plan(offload={plan.offload!r}): per_tensor steps full "
+            "copies of the parameters gathered on every rank, offload steps host copies of this rank's own "
+            "shards; the two are not built together. Use an elementwise optimizer (AdamW, SGD, ...) with "
+            "offload, or Plan(offload=None) with per_tensor=True")
 
 
 def model_loss(output) -> torch.Tensor:

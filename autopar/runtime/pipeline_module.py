@@ -30,7 +30,8 @@ from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import DistributedModule, _describe, cast_inputs, has_loss, model_loss, slice_batch
+from .module import (DistributedModule, _describe, cast_inputs, has_loss, model_loss, refuse_per_tensor_offload,
+                     slice_batch)
 from .optim import check_optimizer
 from .rng import draw_masks
 
@@ -57,6 +58,8 @@ class PipelineModule(DistributedModule):
                 self._holders.setdefault(name, []).append(spec.index)
         self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
         self._optimizer = None
+        self.offload_stats = CommStats()   # Plan(offload="optimizer"): bytes over the host link
+        self._offload = None
         self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
         self.timelines: list = []   # per rank, from the last record_timeline()
         self.inspector = None       # set by autopar.compile (explain, predict, dump)
@@ -395,16 +398,25 @@ class PipelineModule(DistributedModule):
     # ---- optimizer and full views ----------------------------------------------------------
     def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
         """As ``DistributedModule.optimizer``, over every stage this rank runs (elementwise
-        optimizers only where the stages' parameters are sharded)."""
+        optimizers only where the stages' parameters are sharded). With ``Plan(offload=
+        "optimizer")`` it steps host copies of every stage's parameters (a tied weight held by
+        two stages of this rank: a copy each, stepped alike on their summed gradients)."""
         sharded = "; ".join(sorted({st._sharded_by() for st in self.stages.values()} - {""}))
+        if per_tensor and self.plan.offload is not None:
+            raise ValueError(refuse_per_tensor_offload(self.plan))
         if per_tensor:
             raise NotImplementedError("per_tensor=True is not built for pipelines: the full copies would "
                                       "be gathered across stages. Use an elementwise optimizer, or a plan "
                                       "without pp")
         check_optimizer(cls, sharded, per_tensor, per_tensor_built=False)
-        opt = cls(self.parameters(), **kwargs)
+        if self.plan.offload == "optimizer":
+            opt = self._offloaded_optimizer(cls, dict(self.named_parameters()), **kwargs)
+        else:
+            opt = cls(self.parameters(), **kwargs)
         if self.plan.dp in ("zero1", "zero2"):
             opt.register_step_post_hook(lambda *_: self.gather_params())
+        if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
+            opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
         self._optimizer = weakref.ref(opt)
         return opt
 

@@ -1,0 +1,142 @@
+"""Optimizer offload, ``Plan(offload="optimizer")`` (ZeRO-Offload: Ren et al., "ZeRO-Offload:
+Democratizing Billion-Scale Model Training", USENIX ATC 2021): the optimizer's copy of this
+rank's parameters and its state live in host memory, and the step runs there.
+
+    HostLink          the device <-> host link: host tensors (pinned where CUDA exists, so that
+                      copies are asynchronous DMA), copies down (d2h) and up (h2d), each counted
+                      in a ``CommStats`` under ("host", "d2h" | "h2d", phase)
+    OptimizerOffload  host copies of this rank's trainable parameters (ZeRO: its rows; ddp: the
+                      whole tensors; tp: its slices), in the device parameters' dtype (the fp32
+                      masters under mixed precision). ``dm.optimizer`` builds the optimizer over
+                      them and hooks its step: before, every device gradient is copied down and
+                      dropped from the device; after, every updated host copy is copied up into
+                      its device parameter (then ZeRO-1/2's all-gather refreshes the replicas)
+
+Per step and rank, with E = this rank's trainable elements (ZeRO: its rows of every tensor;
+ddp: Ψ) and the gradients landing in the parameters' dtype:
+
+    down  E x itemsize(gradient)       up  E x itemsize(device parameter)
+
+The copies run in the optimizer's step pre-hook, after backward (gradients are final only
+then: a pipeline's tied weights are summed, gradient accumulation has ended), not per bucket
+while backward runs: nothing overlaps them but the asynchronous copies with each other.
+
+What stays on the device: the parameters as the plan keeps them (under mixed precision the
+master-dtype shards that the gathers, the replica refresh and the casts read, beside ZeRO-1/2's
+compute-dtype replicas) and the gradients until the step. What moves to the host: the
+optimizer's state (Adam's moments), its copy of the parameters and gradients, its step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .comm import CommStats
+
+__all__ = ["HostLink", "OptimizerOffload"]
+
+
+class HostLink:
+    """The link between the device that ``device`` names and its host's memory, with the byte
+    counter copies across it record into. On CUDA host tensors are pinned and copies
+    asynchronous (``wait`` completes them); on the CPU host and device coincide, and a copy is
+    an ordinary one, counted as the device's would be."""
+
+    def __init__(self, device: torch.device, stats: CommStats):
+        self.device, self.stats = torch.device(device), stats
+        self.host = torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.pinned = self.cuda and torch.cuda.is_available()
+
+    def host_empty(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor of ``like``'s shape and dtype (pinned on CUDA)."""
+        return torch.empty(like.shape, dtype=like.dtype, device=self.host, pin_memory=self.pinned)
+
+    def down(self, dst: torch.Tensor, src: torch.Tensor, phase: str = "optimizer") -> torch.Tensor:
+        """Device ``src`` -> host ``dst`` (asynchronous on CUDA: ``wait`` before reading ``dst``)."""
+        self.stats.record("host", "d2h", phase, src.numel() * src.element_size(), src.dtype)
+        dst.copy_(src.detach(), non_blocking=self.cuda)
+        return dst
+
+    def up(self, dst: torch.Tensor, src: torch.Tensor, phase: str = "optimizer") -> torch.Tensor:
+        """Host ``src`` -> device ``dst`` (ordered before the device's later work on its stream)."""
+        self.stats.record("host", "h2d", phase, dst.numel() * dst.element_size(), dst.dtype)
+        dst.copy_(src, non_blocking=self.cuda)
+        return dst
+
+    def wait(self) -> None:
+        """Complete the copies issued so far (the host is about to read what came down)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+class OptimizerOffload:
+    """Host copies of ``params`` (name -> device parameter) that the optimizer steps.
+
+    ``grads_down`` (the step's pre-hook) gives each host copy its device gradient and drops the
+    device's; ``params_up`` (post-hook) writes each host copy into its device parameter.
+    A device parameter changed outside the step (``load_full_state_dict``, a user's in-place
+    edit) is noticed by its version counter and copied down again before the next step."""
+
+    def __init__(self, params: dict[str, nn.Parameter], link: HostLink):
+        self.link = link
+        self.device_params = params
+        self.host_params: dict[str, nn.Parameter] = {}
+        self._grads: dict[str, torch.Tensor] = {}     # persistent host gradient buffers
+        with torch.no_grad():
+            for name, p in params.items():
+                h = nn.Parameter(link.down(link.host_empty(p), p, phase="setup"))
+                self.host_params[name] = h
+                self._grads[name] = link.host_empty(p)
+        link.wait()
+        self._versions: dict[str, int] = {}
+        self.record_versions()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The host copies, in the order of the device parameters: what the optimizer steps."""
+        return list(self.host_params.values())
+
+    def record_versions(self) -> None:
+        """Note the device parameters as the step left them (after ZeRO-1/2's replica refresh,
+        which bumps the version of shards that are views of their replicas)."""
+        self._versions = {name: p._version for name, p in self.device_params.items()}
+
+    def grads_down(self) -> None:
+        """Before the step: every device gradient to its host copy (added to a host gradient the
+        optimizer's ``zero_grad`` left in place, as torch accumulates), the device's dropped."""
+        with torch.no_grad():
+            for name, p in self.device_params.items():
+                h = self.host_params[name]
+                if p._version != self._versions.get(name):      # changed outside the step
+                    self.link.down(h, p, phase="refresh")
+                g = p.grad
+                if g is None:
+                    continue
+                if h.grad is None:
+                    h.grad = self.link.down(self._grads[name], g)
+                else:
+                    h.grad.add_(self.link.down(self.link.host_empty(g), g))
+                p.grad = None
+        self.link.wait()
+
+    def params_up(self) -> None:
+        """After the step: every host copy into its device parameter."""
+        with torch.no_grad():
+            for name, p in self.device_params.items():
+                self.link.up(p, self.host_params[name].detach())
+
+    def host_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Host memory held: the parameter copies, the gradient buffers and (given the
+        optimizer) its per-parameter state tensors."""
+        out = {"parameters": sum(h.numel() * h.element_size() for h in self.host_params.values()),
+               "gradients": sum(g.numel() * g.element_size() for g in self._grads.values())}
+        if optimizer is not None:
+            out["optimizer state"] = sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return out
+
+    def step_bytes(self) -> tuple[int, int]:
+        """(down, up) bytes one step moves: every gradient (in its parameter's dtype, as the
+        reducer lands it) down, every parameter up."""
+        nbytes = sum(p.numel() * p.element_size() for p in self.device_params.values())
+        return nbytes, nbytes
