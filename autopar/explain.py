@@ -26,7 +26,8 @@ from .passes.tensor_parallel import whole_share
 from .runtime.pipeline_module import PipelineModule
 from .runtime.recompute import Recomputed
 from .schedule import bubble_formula
-from .sizes import mixed_state_dtypes, ring_bytes
+from .placement import Layout, Shard
+from .sizes import local_size, mixed_state_dtypes, ring_bytes
 from .trace import ChromeTrace
 
 __all__ = ["Inspector", "graph_text", "explain", "explain_pipeline", "dump", "dump_pipeline"]
@@ -234,10 +235,10 @@ def _recompute_section(dm) -> list:
     out = [head + "; per region what forward keeps for backward, and what backward runs again:"]
     for node, mod in regions:
         kept = [a for a in node.all_input_nodes if a in batch and isinstance(a.meta.get(meta.VAL), torch.Tensor)]
-        nbytes = sum(a.meta[meta.VAL].numel() * a.meta[meta.VAL].element_size() for a in kept)
+        nbytes = sum(_local_bytes(a, dm.mesh) for a in kept)
         ops = [n for n in mod.region.graph.nodes if n.op in ("call_function", "call_module")]
         line = (f"  {mod.layer:<12} {mod.kind:<9} keeps {_mb(nbytes)}: "
-                + ", ".join(f"{a.name} {_type(a.meta[meta.VAL])}" for a in kept)
+                + ", ".join(f"{a.name} {_type(a.meta[meta.VAL])} {a.meta.get(meta.LAYOUT, '')}".rstrip() for a in kept)
                 + f"; recomputes {len(ops)} ops ({', '.join(_target(n) for n in ops[:4])}{', ...' if len(ops) > 4 else ''})")
         g = groups.get(mod.layer)
         if g is not None:
@@ -245,6 +246,18 @@ def _recompute_section(dm) -> list:
                      f"{saved_bytes(g, mod.kind) * share:,.0f} B with (cost model)")
         out.append(line)
     return out
+
+
+def _local_bytes(node: fx.Node, mesh) -> int:
+    """Bytes of this rank's piece of a node's value (its global shape divided along the mesh
+    axes its layout shards)."""
+    val, lay = node.meta[meta.VAL], node.meta.get(meta.LAYOUT)
+    n = val.numel()
+    if isinstance(lay, Layout):
+        for axis, pl in lay.placements:
+            if isinstance(pl, Shard):
+                n = n * local_size(val.shape[pl.dim], mesh.axis_size(axis), mesh.coordinate(axis)) // val.shape[pl.dim]
+    return n * val.element_size()
 
 
 def offload_section(dm) -> list:

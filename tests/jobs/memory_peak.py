@@ -135,3 +135,25 @@ def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> 
         del body, dm, opt
         gc.collect()
     return out
+
+
+def auto_plan_peak(cluster, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> dict:
+    """``compile(plan="auto")`` for ``cluster`` on this world's dp axis: the plan it chose and
+    the step's measured peak."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, t = gpt_batch(config, batch)
+    dm = autopar.compile(TinyGPT(config), autopar.Mesh(dp=dist.get_world_size()), example_inputs=(x,),
+                         plan="auto", cluster=cluster)
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+
+    def body():
+        loss = lm_loss(dm(*lx), lt)
+        loss.backward()
+        del loss
+        opt.step()
+    out = peak_of(body, opt, dm)
+    out["plan"] = str(dm.plan)
+    out["recomputed"] = sorted((m.layer, m.kind) for m in dm.modules() if hasattr(m, "recomputes"))
+    return out

@@ -44,6 +44,7 @@ def _trained(config, axes, kw, steps, batch):
         rec["params"].append({n: p.detach().clone() for n, p in dm.named_parameters()})
     rec["calls"] = {f"{a}/{k}/{ph}": c for (a, k, ph), c in dm.comm_stats.calls.items()}
     rec["recomputes"] = sorted((m.layer, m.kind, m.recomputes) for m in dm.modules() if hasattr(m, "recomputes"))
+    rec["units"] = len(dm._sync.units) if hasattr(dm, "_sync") else 0
     return rec
 
 
@@ -69,7 +70,28 @@ def bitwise(cases, steps: int = 2, batch: int = 8, config=DROPOUT) -> dict:
         base = _trained(config, axes, {**kw, "recompute": "none"}, steps, batch)
         mine = _trained(config, axes, kw, steps, batch)
         out[name] = {"diff": _equal(base, mine), "calls": base["calls"], "calls_rc": mine["calls"],
-                     "recomputes": mine["recomputes"]}
+                     "recomputes": mine["recomputes"], "units": mine["units"]}
         gc.collect()
     dist.barrier()
+    return out
+
+
+def explained(axes, kw, config=DROPOUT, batch: int = 8) -> str:
+    """``dm.explain()`` of the GPT compiled under ``kw``."""
+    torch.manual_seed(0)
+    x, _ = gpt_batch(config, batch)
+    dm = autopar.compile(TinyGPT(config), autopar.Mesh(**axes), example_inputs=(x,), plan=autopar.Plan(**kw))
+    return dm.explain(cluster=False)
+
+
+def recompute_parity(cases, config=DROPOUT, steps: int = 3) -> dict:
+    """``parity`` (against the single-device model) of each (name, mesh axes, plan kwargs)."""
+    torch.set_num_threads(1)
+    tok, tgt = gpt_batch(config, 8)
+    out = {}
+    for name, axes, kw in cases:
+        rep = parity(lambda: TinyGPT(config), autopar.Mesh(**axes), autopar.Plan(**kw), (tok,), tgt, lm_loss,
+                     steps=steps)
+        out[name] = {"ok": rep.ok, "errors": (rep.output_err, rep.loss_err, rep.grad_err, rep.param_err),
+                     "messages": rep.messages}
     return out

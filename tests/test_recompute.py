@@ -1,0 +1,160 @@
+"""Activation recomputation (``Plan(recompute=...)``, ``passes/recompute.py``): the plan field,
+the regions the pass makes, bitwise equality with the same plan without recomputation (the
+recomputation repeats forward's ops on the same inputs and dropout masks), parity with the
+single-device model, the collectives (ZeRO-3 gathers a unit once in backward, recomputation
+or not), and the bytes autograd keeps per layer against Korthikanti et al.'s table 2 forms."""
+import pytest
+import torch
+
+import autopar
+from autopar.models import GPTConfig
+from autopar.testing import run
+
+from jobs import memory_peak, recompute as jobs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_plan_recompute_field():
+    assert autopar.Plan(recompute="selective").recompute == "selective"
+    assert autopar.Plan.parse(str(autopar.Plan(dp="zero3", recompute=1 << 30))).recompute == 1 << 30
+    assert autopar.Plan.parse("dp=zero2,recompute=full").recompute == "full"
+    for bad in ("half", 0, -5, True, 1.5):
+        with pytest.raises(ValueError, match="recompute"):
+            autopar.Plan(recompute=bad)
+    with pytest.raises(ValueError, match="splits backward"):
+        autopar.Plan(pp_schedule="zero_bubble", microbatches=4, recompute="full")
+
+
+class _EagerAttention(torch.nn.Module):
+    """Attention written out (as Hugging Face's eager attention is): scores, scale, mask,
+    softmax, dropout, the product with v."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.qkv, self.heads = torch.nn.Linear(d, 3 * d), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).split(d, -1))
+        scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        probs = torch.nn.functional.dropout(scores.softmax(-1), 0.1, self.training)
+        return (probs @ v).transpose(1, 2).reshape(b, s, d)
+
+
+def test_attention_core_of_eager_attention():
+    """Selective recomputation's region in written-out attention: from the q·kᵀ product to the
+    product with v, every node of the scores' size between (the inputs kept: q, k, v)."""
+    from autopar.ops import op_name
+    from autopar.passes.recompute import attention_cores
+
+    gm = torch.export.export(_EagerAttention(), (torch.randn(2, 8, 16),)).module()
+    (core,) = attention_cores(gm)
+    names = [op_name(n.target) for n in core]
+    assert names[0] == "matmul" and names[-1] == "matmul", names
+    assert "softmax" in names and "dropout" in names and "masked_fill" in names
+    scores = core[0].meta["val"].shape
+    assert tuple(scores) == (2, 2, 8, 8)
+    inside = set(core)
+    kept = {a for n in core for a in n.all_input_nodes if a not in inside and a.op != "get_attr"}
+    assert all(tuple(a.meta["val"].shape)[-2:] in ((8, 8), (8, 8)) or a.meta["val"].numel() < 2 * 8 * 8 * 2
+               for a in kept)      # q, kᵀ, v (and the causal mask), none of the scores' size but the mask
+
+
+def test_zero3_full_recompute_is_bitwise_the_plan_without_and_gathers_once():
+    """ZeRO-3 with full recomputation at world 2: outputs, loss, gradients and parameters after
+    two AdamW steps equal the same plan without recomputation bit for bit (dropout 0.1); every
+    layer ran again in backward; the collectives per step are the same, so backward gathers
+    each unit once (the recomputation and the gradients share it). explain lists the regions."""
+    r = run(jobs.bitwise, 2, [("zero3 full", {"dp": 2}, {"dp": "zero3", "recompute": "full"})], timeout=240)
+    for rank in r:
+        got = rank["zero3 full"]
+        assert got["diff"] == []
+        assert got["recomputes"] == [("blocks.0", "full", 2), ("blocks.1", "full", 2)]
+        assert got["calls_rc"] == got["calls"]
+        assert got["calls"]["dp/all_gather/backward"] == got["units"] == 3   # each unit once: 2 layers, the rest
+
+
+@pytest.mark.slow
+def test_recompute_is_bitwise_the_plan_without_under_every_parallelism():
+    cases = [("zero2 selective", {"dp": 2}, {"dp": "zero2", "recompute": "selective"}),
+             ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
+             ("tp+sp full", {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}),
+             ("tp+sp selective", {"tp": 2}, {"tp": True, "sp": True, "recompute": "selective"}),
+             ("pp 1f1b full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"})]
+    for rank in run(jobs.bitwise, 2, cases, timeout=280):
+        for name, got in rank.items():
+            assert got["diff"] == [], name
+            assert got["recomputes"] and all(n > 0 for _, _, n in got["recomputes"]), name
+            # recomputation issues only the collectives forward issues (full: a layer's tp ones again)
+            for key, calls in got["calls"].items():
+                assert got["calls_rc"][key] >= calls, (name, key)
+                if "/backward" in key and not key.startswith("tp/all_gather"):
+                    assert got["calls_rc"][key] == calls, (name, key)
+
+
+@pytest.mark.slow
+def test_recompute_world_4_composes_zero3_tp_sp_and_pipelines():
+    cases = [("zero3 x tp+sp full", {"dp": 2, "tp": 2}, {"dp": "zero3", "tp": True, "sp": True, "recompute": "full"}),
+             ("pp x zero1 selective", {"pp": 2, "dp": 2},
+              {"dp": "zero1", "pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
+               "recompute": "selective"})]
+    config = GPTConfig(dropout=0.1, layers=4)
+    for rank in run(jobs.bitwise, 4, cases, 2, 8, config, timeout=280):
+        for name, got in rank.items():
+            assert got["diff"] == [], name
+            assert got["recomputes"], name
+
+
+@pytest.mark.slow
+def test_recompute_parity_with_the_single_device_model():
+    cases = [("zero3 full", {"dp": 2}, {"dp": "zero3", "recompute": "full"}),
+             ("tp+sp selective", {"tp": 2}, {"tp": True, "sp": True, "recompute": "selective"}),
+             ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
+             ("pp full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"})]
+    for rank in run(jobs.recompute_parity, 2, cases, timeout=280):
+        for name, got in rank.items():
+            assert got["ok"], (name, got)
+
+
+def _korthikanti(s, b, h, a, t, sp_, recompute, e=4, m=1):
+    """Korthikanti et al. (MLSys 2023) table 2 per layer, written for activations of ``e``
+    bytes and dropout masks of ``m`` (the paper: e = 2, m = 1, giving 34 and 5). A layer keeps
+    the inputs of both norms and of both column products (4e), the two hidden dropout masks
+    (2m), q, k and v (3e), the attention output (e), the MLP's GeLU input and output (8e); the
+    attention core keeps softmax's output (e), its dropout mask (m) and the dropout's output
+    (e) per a·s² elements. Tensor parallelism splits what lies between f and g (12e, the core);
+    sequence parallelism splits the rest too. Plus what the paper leaves out: each layer norm's
+    mean and 1/std (4 bytes a row, two per norm, rows on sequence shards under sp)."""
+    split = 1 / t
+    rows = s * b * (split if sp_ else 1)
+    stats = 2 * 2 * rows * 4
+    if recompute == "full":
+        return s * b * h * e * (split if sp_ else 1)
+    core = 0 if recompute == "selective" else a * s * s * b * (2 * e + m) * split
+    if sp_:
+        return s * b * h * (16 * e + 2 * m) * split + core + stats
+    return s * b * h * (4 * e + 2 * m + 12 * e * split) + core + stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp_", [False, True], ids=["tp", "tp+sp"])
+def test_bytes_kept_per_layer_are_korthikanti_table_2(sp_):
+    """The bytes autograd saves in one forward (parameters aside), measured with one layer more
+    and one less: the difference is one layer's, exactly the table's form for none, selective
+    and full recomputation at tp=2 (GPT with dropout 0.1, fp32, one-byte masks)."""
+    c = GPTConfig(dropout=0.1, layers=2)
+    b = 8
+    for recompute in ("none", "selective", "full"):
+        kw = {"tp": True, "sp": sp_, "recompute": recompute}
+        got = run(memory_peak.saved_bytes_per_layer, 2, c, b, {"tp": 2}, kw, timeout=200)
+        for r in got:
+            assert r[3] - r[2] == _korthikanti(c.seq, b, c.dim, c.heads, 2, sp_, recompute), (recompute, r)
+
+
+def test_explain_lists_what_each_region_keeps():
+    text = run(jobs.explained, 2, {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}, timeout=200)[0]
+    assert "activation recomputation (recompute='full'): 2 regions" in text
+    assert "blocks.1     full      keeps 8,192 B" in text        # the layer's input, a sequence shard
+    assert "without recomputation" in text
