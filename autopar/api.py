@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import gc
 import logging
+import math
 from typing import Optional, Union
 
 import torch
@@ -94,7 +95,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     dm.inspector = Inspector()
     ctx.snapshots.append(("emit", dm.module.code))
     del gm
-    gc.collect()   # export leaves reference cycles that hold the original weights
+    _collect(ctx)
     return dm
 
 
@@ -207,8 +208,20 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
     pm = PipelineModule(stages, ctx, schedule, stats)
     pm.inspector = Inspector()
     del gm, top
-    gc.collect()
+    _collect(ctx)
     return pm
+
+
+COLLECT_BYTES = 64 << 20
+
+
+def _collect(ctx: CompileContext) -> None:
+    """export leaves reference cycles that hold the original weights: a full collection frees
+    them at once where that matters (``COLLECT_BYTES`` of parameters and buffers or more); below
+    it, Python's own collector frees them later (a full collection costs about half a second
+    in a process that imported torch, a large part of compiling a small model)."""
+    if sum(math.prod(info.shape) * info.dtype.itemsize for info in ctx.params.values()) >= COLLECT_BYTES:
+        gc.collect()
 
 
 def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:

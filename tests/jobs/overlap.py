@@ -65,10 +65,13 @@ def prefetch_memory(multiples, steps=5):
         gc.collect()
         dm._sync.peak_inflight_bytes = 0
         peaks = []
-        for _ in range(steps):
-            peaks.append(profiled_peak_bytes(body))
+
+        def between():
             for p in dm.parameters():
                 p.grad = None
+        for _ in range(steps):   # after another step in the window: its frees are seen (profiled_peak_bytes)
+            peaks.append(profiled_peak_bytes(body, before=lambda: (body(), between())))
+            between()
         out[m] = {"budget": budget, "inflight": dm._sync.peak_inflight_bytes, "units": units,
                   "peak": sorted(peaks)[len(peaks) // 2], "peaks": peaks}
     return out
