@@ -77,16 +77,19 @@ def test_zero3_full_recompute_is_bitwise_the_plan_without_and_gathers_once():
 
 
 @pytest.mark.slow
-def test_recompute_is_bitwise_the_plan_without_under_every_parallelism():
+def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_cluster):
     cases = [("zero2 selective", {"dp": 2}, {"dp": "zero2", "recompute": "selective"}),
              ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
              ("tp+sp full", {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}),
              ("tp+sp selective", {"tp": 2}, {"tp": True, "sp": True, "recompute": "selective"}),
              ("pp 1f1b full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"})]
-    for rank in run(jobs.bitwise, 2, cases, timeout=280):
+    for rank in run(jobs.bitwise, 2, cases, 2, 8, jobs.DROPOUT, local_cluster[0], timeout=280):
         for name, got in rank.items():
             assert got["diff"] == [], name
             assert got["recomputes"] and all(n > 0 for _, _, n in got["recomputes"]), name
+            # the bytes of a step, the recomputed forward's tp collectives included, as predicted
+            for axis, nbytes in got["predicted"].items():
+                assert got["bytes"][axis] == nbytes, (name, axis, got["bytes"], got["predicted"])
             # recomputation issues only the collectives forward issues (full: a layer's tp ones again)
             for key, calls in got["calls"].items():
                 assert got["calls_rc"][key] >= calls, (name, key)

@@ -8,6 +8,7 @@
     flight            the flight recorder: every collective noted; one that fails (timeout, dead
                       peer, mismatch) raises CollectiveError with what every rank was last doing
     wgrad             the zero-bubble weight-gradient stash
+    recompute         regions of the forward graph recomputed in backward (activation recomputation)
     rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)
     timeline          measured timelines of a step
     offload           Plan(offload="optimizer"): the optimizer's copy and state on the host, the

@@ -16,7 +16,7 @@ from autopar.testing import parity, saved_activation_bytes
 DROPOUT = GPTConfig(dropout=0.1)
 
 
-def _trained(config, axes, kw, steps, batch):
+def _trained(config, axes, kw, steps, batch, cluster=None):
     """Outputs, losses, gradients and parameters (this rank's) over ``steps`` AdamW steps, and
     the module's collective calls of the last step by (axis, kind, phase)."""
     torch.manual_seed(0)
@@ -45,6 +45,9 @@ def _trained(config, axes, kw, steps, batch):
     rec["calls"] = {f"{a}/{k}/{ph}": c for (a, k, ph), c in dm.comm_stats.calls.items()}
     rec["recomputes"] = sorted((m.layer, m.kind, m.recomputes) for m in dm.modules() if hasattr(m, "recomputes"))
     rec["units"] = len(dm._sync.units) if hasattr(dm, "_sync") else 0
+    rec["bytes"] = {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}
+    if cluster is not None:
+        rec["predicted"] = dict(dm.predict(cluster).comm_bytes_by_axis)
     return rec
 
 
@@ -61,16 +64,18 @@ def _equal(a, b) -> list[str]:
     return bad
 
 
-def bitwise(cases, steps: int = 2, batch: int = 8, config=DROPOUT) -> dict:
+def bitwise(cases, steps: int = 2, batch: int = 8, config=DROPOUT, cluster=None) -> dict:
     """Per (name, mesh axes, plan kwargs): the differences between the plan with and without
-    ``recompute`` (kwargs' own value), the collective calls of both, and the recomputations run."""
+    ``recompute`` (kwargs' own value), the collective calls of both, the recomputations run,
+    and the bytes per axis of the last step (with ``cluster``: also the cost model's)."""
     torch.set_num_threads(1)
     out = {}
     for name, axes, kw in cases:
         base = _trained(config, axes, {**kw, "recompute": "none"}, steps, batch)
-        mine = _trained(config, axes, kw, steps, batch)
+        mine = _trained(config, axes, kw, steps, batch, cluster)
         out[name] = {"diff": _equal(base, mine), "calls": base["calls"], "calls_rc": mine["calls"],
-                     "recomputes": mine["recomputes"], "units": mine["units"]}
+                     "recomputes": mine["recomputes"], "units": mine["units"], "bytes": mine["bytes"],
+                     "predicted": mine.get("predicted")}
         gc.collect()
     dist.barrier()
     return out
