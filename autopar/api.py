@@ -216,12 +216,15 @@ COLLECT_BYTES = 64 << 20
 
 
 def _collect(ctx: CompileContext) -> None:
-    """export leaves reference cycles that hold the original weights: a full collection frees
-    them at once where that matters (``COLLECT_BYTES`` of parameters and buffers or more); below
-    it, Python's own collector frees them later (a full collection costs about half a second
-    in a process that imported torch, a large part of compiling a small model)."""
+    """export leaves reference cycles that hold the original weights: they are young, and a
+    collection of the two younger generations frees them (milliseconds). A model of
+    ``COLLECT_BYTES`` of parameters and buffers or more also gets a full collection, in case
+    some were promoted to the oldest (a full collection costs about half a second in a process
+    that imported torch, a large part of compiling a small model)."""
     if sum(math.prod(info.shape) * info.dtype.itemsize for info in ctx.params.values()) >= COLLECT_BYTES:
         gc.collect()
+    else:
+        gc.collect(1)
 
 
 def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:

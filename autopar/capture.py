@@ -8,6 +8,8 @@ Tied weights (one tensor under two names) become one canonical ``get_attr``.
 """
 from __future__ import annotations
 
+import types
+
 import operator
 import os
 import threading
@@ -90,6 +92,16 @@ def _check_exported(ep, model: nn.Module, args: tuple, kwargs: dict):
         raise ValueError(f"exported was made on inputs of shapes {got}, the example inputs have {shapes}: export "
                          "on the example inputs (the global batch), or leave exported out")
     return ep
+
+
+def _drop_cycles(gm: fx.GraphModule) -> None:
+    """``ExportedProgram.module()`` binds train/eval methods to the module it returns, a
+    reference cycle that holds the module (and the weights it shares with the model) until a
+    garbage collection: they go, so the graph and the weights are freed as soon as they are
+    dropped. autopar never switches the captured graph's mode (the compiled module has its own)."""
+    for name in ("train", "eval"):
+        if isinstance(gm.__dict__.get(name), types.MethodType):
+            del gm.__dict__[name]
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
@@ -277,6 +289,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
         else:
             ep = _check_exported(exported, model, tuple(args), dict(kwargs))
         gm = ep.module()
+    _drop_cycles(gm)
     _drop_guards(gm)
     _check_buffer_updates(gm, model)
     ctx.captured_training = model.training
