@@ -82,8 +82,10 @@ def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_clu
              ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
              ("tp+sp full", {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}),
              ("tp+sp selective", {"tp": 2}, {"tp": True, "sp": True, "recompute": "selective"}),
-             ("pp 1f1b full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"})]
-    for rank in run(jobs.bitwise, 2, cases, 2, 8, jobs.DROPOUT, local_cluster[0], timeout=280):
+             ("pp 1f1b full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"}),
+             ("pp interleaved selective", {"pp": 2}, {"pp_schedule": "interleaved", "microbatches": 2,
+                                                      "virtual_stages": 2, "recompute": "selective"})]
+    for rank in run(jobs.bitwise, 2, cases, 2, 8, GPTConfig(dropout=0.1, layers=4), local_cluster[0], timeout=280):
         for name, got in rank.items():
             assert got["diff"] == [], name
             assert got["recomputes"] and all(n > 0 for _, _, n in got["recomputes"]), name
@@ -98,13 +100,9 @@ def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_clu
 
 
 @pytest.mark.slow
-def test_recompute_world_4_composes_zero3_tp_sp_and_pipelines():
-    cases = [("zero3 x tp+sp full", {"dp": 2, "tp": 2}, {"dp": "zero3", "tp": True, "sp": True, "recompute": "full"}),
-             ("pp x zero1 selective", {"pp": 2, "dp": 2},
-              {"dp": "zero1", "pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2,
-               "recompute": "selective"})]
-    config = GPTConfig(dropout=0.1, layers=4)
-    for rank in run(jobs.bitwise, 4, cases, 2, 8, config, timeout=280):
+def test_recompute_world_4_composes_zero3_with_tp_and_sp():
+    cases = [("zero3 x tp+sp full", {"dp": 2, "tp": 2}, {"dp": "zero3", "tp": True, "sp": True, "recompute": "full"})]
+    for rank in run(jobs.bitwise, 4, cases, 2, 8, timeout=280):
         for name, got in rank.items():
             assert got["diff"] == [], name
             assert got["recomputes"], name
@@ -149,11 +147,10 @@ def test_bytes_kept_per_layer_are_korthikanti_table_2(sp_):
     and full recomputation at tp=2 (GPT with dropout 0.1, fp32, one-byte masks)."""
     c = GPTConfig(dropout=0.1, layers=2)
     b = 8
-    for recompute in ("none", "selective", "full"):
-        kw = {"tp": True, "sp": sp_, "recompute": recompute}
-        got = run(memory_peak.saved_bytes_per_layer, 2, c, b, {"tp": 2}, kw, timeout=200)
-        for r in got:
-            assert r[3] - r[2] == _korthikanti(c.seq, b, c.dim, c.heads, 2, sp_, recompute), (recompute, r)
+    cases = [({"tp": 2}, {"tp": True, "sp": sp_, "recompute": rc}) for rc in ("none", "selective", "full")]
+    for per_rank in run(memory_peak.saved_bytes_per_layer_all, 2, c, b, cases, timeout=250):
+        for (_, kw), r in zip(cases, per_rank):
+            assert r[3] - r[2] == _korthikanti(c.seq, b, c.dim, c.heads, 2, sp_, kw["recompute"]), (kw, r)
 
 
 def test_explain_lists_what_each_region_keeps():

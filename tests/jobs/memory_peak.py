@@ -101,6 +101,11 @@ def dp_peaks(modes=("ddp", "zero1", "zero2", "zero3")) -> dict:
     return out
 
 
+def saved_bytes_per_layer_all(config, batch, cases) -> list:
+    """``saved_bytes_per_layer`` of each (mesh axes, plan kwargs), in one process."""
+    return [saved_bytes_per_layer(config, batch, axes, kw) for axes, kw in cases]
+
+
 def saved_bytes_per_layer(config, batch, axes, kw) -> dict:
     """Bytes autograd saves for backward in one forward of the compiled GPT, and the same with
     one more layer (the difference is one layer's), parameters excluded."""
