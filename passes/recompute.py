@@ -33,7 +33,7 @@ from torch import fx
 
 from autopar import meta
 from autopar.context import CompileContext, layer_key
-from autopar.ops import ATTENTION, MATMULS, op_name
+from autopar.ops import MATMULS, op_name
 from autopar.runtime.dpsync import dp_bucket_sync, dp_gather, dp_release, dp_unit_start, dp_unit_wait
 from autopar.runtime.recompute import Recomputed
 from autopar.runtime.rng import rng_dropout, rng_sdpa

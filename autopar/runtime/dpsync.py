@@ -72,6 +72,9 @@ class DataParallelSync(nn.Module):
         # None: no conversion
         self.compute_dtype = compute_dtype
         self.reduce_comm = reduce_comm or comm      # gradient buckets' group (a second one with overlap)
+        # ZeRO-2/3: a bucket's full gradients are freed once reduced (False keeps every bucket to
+        # the end of backward: the reducer as it was, what the memory tests measure against)
+        self.free_reduced = True
         self.sharded = mode != "ddp"
         # overlap: buckets go out as they fill and are waited on when backward ends, backward
         # gathers run ahead within prefetch_bytes; off: every collective is waited on at once
@@ -412,7 +415,7 @@ class DataParallelSync(nn.Module):
         if st["work"] is not _DONE:
             st["work"].wait()
             st["work"] = _DONE
-        if self.mode in ("zero2", "zero3"):
+        if self.mode in ("zero2", "zero3") and self.free_reduced:
             st["buf"] = None
 
     def _finish_backward(self):

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from autopar.runtime.dpsync import _DONE, DataParallelSync
 from autopar.runtime.rng import RandomMasks
 from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_live_bytes
 
@@ -31,8 +30,7 @@ def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
     dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
     del model
     if hold_reduced:        # the reducer as it was: every full-size bucket kept until backward ends
-        sync = dm._sync
-        sync._retire = _holding_retire.__get__(sync, DataParallelSync)
+        dm._sync.free_reduced = False
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
     lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
 
@@ -45,16 +43,6 @@ def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
             del loss
         opt.step()
     return body, dm, opt
-
-
-def _holding_retire(self, bi):
-    """``DataParallelSync._retire`` without the release: waits, keeps the buffer."""
-    if bi < 0 or not self._state or self._state[bi]["work"] is None:
-        return
-    st = self._state[bi]
-    if st["work"] is not _DONE:
-        st["work"].wait()
-        st["work"] = _DONE
 
 
 def peak_of(body, opt, dm=None) -> dict:
@@ -118,7 +106,7 @@ def saved_bytes_per_layer(config, batch, axes, kw) -> dict:
         lx = dm.shard_batch((x,))
         params = {p.untyped_storage().data_ptr() for p in dm.parameters()}
         params |= {b.untyped_storage().data_ptr() for b in dm.buffers()}
-        out[layers] = saved_activation_bytes(lambda: dm(*lx), exclude=params)
+        out[layers] = saved_activation_bytes(lambda m=dm: m(*lx), exclude=params)
         del body, dm, opt
         gc.collect()
     return out

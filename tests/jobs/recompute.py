@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from autopar.testing import parity, saved_activation_bytes
+from autopar.testing import parity
 
 DROPOUT = GPTConfig(dropout=0.1)
 
