@@ -619,8 +619,6 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         # a recomputed layer's activations live again while its backward runs (one micro-batch's),
         # with the recomputed forward's own working set (its largest value) under full recomputation
         redo = g.saved + g.max_value if kind == "full" else (g.saved_quadratic if kind == "selective" else 0.0)
-        if kind == "full" and staging and prof.sp:   # its sequence gathers, staged by the backend (gloo)
-            redo += prof.tp * g.out_bytes
         work = 2 * g.max_value + redo + (sum(unit_bwd) if unit_bwd else 0.0)
         peak = max(peak, base + rem + pending + flats + outs + grads + accumulated + work)
         rem -= saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)

@@ -17,7 +17,7 @@ from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_
 PARAM_HEAVY = GPTConfig(vocab=128, seq=8, dim=128, heads=4, layers=4, max_seq=8)
 PARAM_HEAVY_BATCH = 4
 BUCKET_BYTES = 256 << 10
-STEPS = 5            # profiled steps per plan; the median is the plan's peak (gloo frees a collective's
+STEPS = 3            # profiled steps per plan; the median is the plan's peak (gloo frees a collective's
                      # buffers from its own thread, a moment after the wait: steps differ a little)
 
 
