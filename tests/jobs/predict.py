@@ -8,9 +8,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import autopar
-from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.models import GPTConfig
 from autopar.testing import profiled_peak_bytes, steady_live_bytes
+
+from . import memory_peak
 
 PREDICT_CONFIG = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)
 PREDICT_BATCH = 16
@@ -60,24 +61,7 @@ def measured_plans(names=None, steps=7, extra=()):
 def _prepared(axes, kw):
     """(body: forward, backward and optimizer step; step: zero_grad, then body) of the small GPT
     compiled under ``kw`` on a mesh of ``axes``."""
-    c = PREDICT_CONFIG
-    torch.manual_seed(0)
-    model = TinyGPT(c)
-    x, t = gpt_batch(c, PREDICT_BATCH)
-    plan = autopar.Plan(**kw)
-    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
-    del model
-    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
-    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
-
-    def body():
-        if plan.pp_schedule:
-            dm.train_step(lx, lt, lm_loss)
-        else:
-            loss = lm_loss(dm(*lx), lt)
-            loss.backward()
-            del loss
-        opt.step()
+    body, dm, opt = memory_peak.prepared(PREDICT_CONFIG, PREDICT_BATCH, axes, kw)
 
     def step():
         opt.zero_grad(set_to_none=True)
