@@ -26,6 +26,7 @@ loss) are not recomputed.
 """
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -41,6 +42,7 @@ from autopar.runtime.rng import rng_dropout, rng_sdpa
 __all__ = ["recompute", "node_layer", "layer_of_nodes", "attention_cores", "PREFIX"]
 
 PREFIX = "recompute_"
+log = logging.getLogger("autopar")
 _DP = frozenset({dp_gather, dp_release, dp_unit_start, dp_unit_wait, dp_bucket_sync})
 
 
@@ -218,12 +220,11 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], name: str, layer: str, kin
 
 def _move_releases_after(g: fx.Graph, call: fx.Node, inputs: list[fx.Node]) -> None:
     """``dp_release`` of a parameter the region reads marks its last forward use: after the region."""
+    pos = {n: i for i, n in enumerate(g.nodes)}
     for a in inputs:
         for u in list(a.users):
-            if u.op == "call_function" and u.target is dp_release:
-                pos = {n: i for i, n in enumerate(g.nodes)}
-                if pos[u] < pos[call]:
-                    call.append(u)
+            if u.op == "call_function" and u.target is dp_release and pos[u] < pos[call]:
+                call.append(u)
 
 
 def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -248,6 +249,13 @@ def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if fused:
         ctx.notes.append(f"recompute: {fused} regions recomputed in backward "
                          f"({', '.join(sorted(set(k for _, _, k, _ in ctx.recomputed)))})")
+    elif any(k != "none" for k in choice.values()) or (isinstance(mode, str) and not spans):
+        why = ("the graph has no numbered layer (a module list of blocks, e.g. blocks.0)" if not spans else
+               "no layer has an attention core that keeps its a·s² scores (a fused attention kernel keeps "
+               "none: there is nothing for selective recomputation to drop)")
+        msg = f"Plan(recompute={mode!r}) recomputes nothing: {why}"
+        log.warning("autopar: %s", msg)
+        ctx.notes.append(f"warning: {msg}")
     gm.graph.lint()
     gm.recompile()
     return gm

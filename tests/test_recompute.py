@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.models import GPTConfig
+from autopar.models import GPTConfig, TinyGPT
 from autopar.testing import run
 
 from jobs import memory_peak, recompute as jobs
@@ -158,3 +158,18 @@ def test_explain_lists_what_each_region_keeps():
     assert "activation recomputation (recompute='full'): 2 regions" in text
     assert "blocks.1     full      keeps 8,192 B" in text        # the layer's input, a sequence shard
     assert "without recomputation" in text
+
+
+def test_a_plan_that_recomputes_nothing_says_why(caplog):
+    """Selective recomputation of a GPT whose attention is a fused kernel (no dropout: it keeps
+    no a·s² scores) has nothing to drop: a warning naming the cause, not a silent no-op."""
+    c = GPTConfig()
+    x = torch.randint(0, c.vocab, (4, c.seq))
+    with caplog.at_level("WARNING", logger="autopar"):
+        dm = autopar.compile(TinyGPT(c), autopar.Mesh(dp=1, virtual=True), example_inputs=(x,),
+                             plan=autopar.Plan(recompute="selective"))
+    assert "recomputes nothing" in caplog.text and "attention core" in caplog.text
+    assert not [m for m in dm.modules() if hasattr(m, "recomputes")]
+    full = autopar.compile(TinyGPT(c), autopar.Mesh(dp=1, virtual=True), example_inputs=(x,),
+                           plan=autopar.Plan(recompute="full"))
+    assert sorted(m.layer for m in full.modules() if hasattr(m, "recomputes")) == ["blocks.0", "blocks.1"]
