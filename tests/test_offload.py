@@ -47,6 +47,8 @@ def _check_census(r, mode, mixed=False):
     assert r["elements"] == e
     # over the host link, per step: gradients down, parameters up, 4 B each (fp32, masters too)
     assert r["bytes"] == {("d2h", "optimizer"): 4 * e, ("h2d", "optimizer"): 4 * e}, r["bytes"]
+    # the gradients went down bucket by bucket as backward reduced them, none in the step itself
+    assert r["down_in_backward"] == 4 * e
     # the optimizer steps host copies; its state (AdamW's m and v, fp32) is theirs, on the host
     assert r["optimizer_steps_host_copies"] and r["shared_with_device"] == 0
     assert r["state_devices"] == [r["host"]] and r["host"] == "cpu" and not r["pinned"]
@@ -195,6 +197,7 @@ def test_zero2_with_tp_offload_on_four_ranks(ranks):
         _check_parity(r["parity"], "zero2 tp")
         c = r["census"]
         assert c["bytes"] == {("d2h", "optimizer"): 4 * c["elements"], ("h2d", "optimizer"): 4 * c["elements"]}
+        assert c["down_in_backward"] == 4 * c["elements"]
         assert c["elements"] < PSI / 2 and c["state_bytes"] == 8 * c["elements"] and c["shared_with_device"] == 0
         assert c["grads_left_on_device"] == 0
 
@@ -206,5 +209,6 @@ def test_pipeline_offload_matches_one_device(ranks):
         _check_parity(r["parity"], "pp 1f1b")
         c = r["census"]
         assert c["bytes"] == {("d2h", "optimizer"): 4 * c["elements"], ("h2d", "optimizer"): 4 * c["elements"]}
+        assert c["down_in_backward"] == 0      # dp=1: no bucket is reduced; the step copies them down
         assert c["state_bytes"] == 8 * c["elements"] and c["shared_with_device"] == 0
         assert "optimizer offload" in c["explain"] and "unavailable" not in c["explain"]

@@ -22,11 +22,12 @@ ahead within ``prefetch_bytes``.
 
 Gradients are reduced in buckets fixed at compile time (the collectives pass), in reverse
 order of first use, each launched asynchronously as soon as all its members are ready
-(ddp: all-reduce, waited on when backward ends; ZeRO-2/3: reduce-scatter, freed as reduced:
-a bucket's full-size flat buffer is released once its reduce-scatter completes, waited on
-when the next bucket launches, so backward holds at most two buckets of full gradients
-besides the shards; ZeRO-1: accumulated into a persistent full-gradient buffer, its bucket
-reduce-scattered). Buckets launch strictly in order on every rank, so ranks issue the same
+(ddp: all-reduce; ZeRO-2/3: reduce-scatter; each waited on when the next bucket launches,
+or when backward ends, and its averaged gradients then land in the parameters' ``.grad``;
+ZeRO-2/3 free as they reduce: a bucket's full-size flat buffer is released with it, so
+backward holds at most two buckets of full gradients besides the shards; ZeRO-1:
+accumulated into a persistent full-gradient buffer, its bucket reduce-scattered, landed when
+backward ends). Buckets launch strictly in order on every rank, so ranks issue the same
 collectives. Gradients are averaged over the axis, as DDP and FSDP do. With ``overlap`` off
 each collective is waited on as soon as it is issued.
 """
@@ -75,6 +76,9 @@ class DataParallelSync(nn.Module):
         # ZeRO-2/3: a bucket's full gradients are freed once reduced (False keeps every bucket to
         # the end of backward: the reducer as it was, what the memory tests measure against)
         self.free_reduced = True
+        # called with a bucket's parameters once their reduced gradients are in .grad, while later
+        # buckets are still being reduced (Plan(offload=...): their copy to the host starts)
+        self.on_landed = None
         self.sharded = mode != "ddp"
         # overlap: buckets go out as they fill and are waited on when backward ends, backward
         # gathers run ahead within prefetch_bytes; off: every collective is waited on at once
@@ -400,23 +404,47 @@ class DataParallelSync(nn.Module):
                                                                   phase="backward")
             else:
                 st["work"] = self.reduce_comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
+            if st["work"] is None:     # an axis of one rank: nothing to wait for
+                st["work"] = _DONE
             if not self.overlap:     # the baseline: wait now
                 self._retire(bi)
             self.events.append(("launch", bi))
             self._next += 1
 
     def _retire(self, bi: int) -> None:
-        """Wait for bucket ``bi``'s reduction (launched) and, under ZeRO-2/3, free its full-size
-        flat buffer: its shard is all that remains (the collective's handle is dropped too, as
-        it holds the buffer). ddp's buffer becomes the gradients; ZeRO-1's persists."""
+        """Wait for bucket ``bi``'s reduction (launched), land its gradients (``_land``; ZeRO-1's
+        when backward ends) and, under ZeRO-2/3, free its full-size flat buffer: its shard is
+        all that remains (the collective's handle is dropped too, as it holds the buffer).
+        ddp's buffer becomes the gradients; ZeRO-1's persists."""
         if bi < 0 or not self._state or self._state[bi]["work"] is None:
             return
         st = self._state[bi]
         if st["work"] is not _DONE:
             st["work"].wait()
             st["work"] = _DONE
+        if self.mode != "zero1" and not st.get("landed"):
+            self._land(bi)
         if self.mode in ("zero2", "zero3") and self.free_reduced:
             st["buf"] = None
+
+    def _land(self, bi: int) -> None:
+        """Bucket ``bi``'s reduced gradients, averaged, into its parameters' ``.grad`` (added to
+        what is there: gradients accumulate across backward calls), as soon as its reduction
+        completes; then ``on_landed``."""
+        b, st = self.buckets[bi], self._state[bi]
+        result = st["out"] if self.sharded else st["buf"]
+        with torch.no_grad():
+            result.div_(self.comm.size)
+            for name, off in zip(b.names, b.offsets):
+                p = self._params[name]
+                g = result[off:off + p.numel()].view(p.shape).to(p.dtype)   # mixed precision: to the master's
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        st["landed"] = True
+        if self.on_landed is not None:
+            self.on_landed([self._params[name] for name in b.names])
 
     def _finish_backward(self):
         late = [n for st, b in zip(self._state, self.buckets) if st["work"] is not None
@@ -426,22 +454,13 @@ class DataParallelSync(nn.Module):
             raise RuntimeError(f"{', '.join(late)} received a second gradient in one backward after their "
                                "bucket was sent: call backward once per forward of the compiled module")
         self._launch_ready(force=True)
-        n = self.comm.size
         with torch.no_grad():
             for bi, (b, st) in enumerate(zip(self.buckets, self._state)):
-                self._retire(bi)
+                self._retire(bi)        # lands the bucket's gradients, if it has not yet
                 if self.mode == "zero1":
                     self._finish_zero1(bi, b, st["out"])
-                    continue
-                result = st["out"] if self.sharded else st["buf"]
-                result.div_(n)
-                for name, off, size in zip(b.names, b.offsets, b.sizes):
-                    p = self._params[name]
-                    g = result[off:off + p.numel()].view(p.shape).to(p.dtype)   # mixed precision: to the master's
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+                    if self.on_landed is not None:
+                        self.on_landed([self._params[name] for name in b.names])
         self._state = []
         self._in_backward = False
         # ZeRO-3: a unit re-gathered for a saved tensor that backward never unpacked would

@@ -185,10 +185,16 @@ class DistributedModule(nn.Module):
         (registered first: ZeRO-1/2's replica refresh must read the updated shards)."""
         trainable = {name: p for name, p in named.items() if p.requires_grad}
         self._offload = offload = OptimizerOffload(trainable, HostLink(self._device(), self.offload_stats))
+        for sync in self._syncs():       # each bucket's gradients go down as soon as they are reduced
+            sync.on_landed = offload.early
         opt = cls(offload.parameters(), **kwargs)
         opt.register_step_pre_hook(lambda *_: offload.grads_down())
         opt.register_step_post_hook(lambda *_: offload.params_up())
         return opt
+
+    def _syncs(self) -> list:
+        """The data-parallel reducers of this module (a pipeline: one per stage)."""
+        return [self._sync]
 
     def _sharded_by(self) -> str:
         """What splits this module's parameters ("" when every rank holds them whole)."""

@@ -91,6 +91,23 @@ class OptimizerOffload:
         link.wait()
         self._versions: dict[str, int] = {}
         self.record_versions()
+        self._name_of = {id(p): name for name, p in params.items()}
+        self._early: dict[str, tuple] = {}    # name -> (device gradient, its version, host copy)
+
+    def early(self, params: list) -> None:
+        """A bucket's reduced gradients landed in these device parameters' ``.grad`` while
+        backward goes on (``DataParallelSync.on_landed``): their copies down start now, under
+        the later buckets' reductions. ``grads_down`` takes a copy whose gradient is still the
+        same tensor at the same version; a gradient changed since (a second backward, a
+        pipeline's tied sum) is copied again there."""
+        with torch.no_grad():
+            for p in params:
+                name = self._name_of.get(id(p))
+                if name is None or p.grad is None:
+                    continue
+                h = self.host_params[name]
+                dst = self._grads[name] if h.grad is None else self.link.host_empty(p.grad)
+                self._early[name] = (p.grad, p.grad._version, self.link.down(dst, p.grad))
 
     def parameters(self) -> list[nn.Parameter]:
         """The host copies, in the order of the device parameters: what the optimizer steps."""
@@ -110,13 +127,21 @@ class OptimizerOffload:
                 if p._version != self._versions.get(name):      # changed outside the step
                     self.link.down(h, p, phase="refresh")
                 g = p.grad
+                early = self._early.pop(name, None)
                 if g is None:
                     continue
-                if h.grad is None:
-                    h.grad = self.link.down(self._grads[name], g)
+                if early is not None and early[0] is g and early[1] == g._version:
+                    host = early[2]          # came down while backward ran
+                elif h.grad is None:
+                    host = self.link.down(self._grads[name], g)
                 else:
-                    h.grad.add_(self.link.down(self.link.host_empty(g), g))
+                    host = self.link.down(self.link.host_empty(g), g)
+                if h.grad is None:
+                    h.grad = host
+                elif host is not h.grad:
+                    h.grad.add_(host)
                 p.grad = None
+        self._early.clear()
         self.link.wait()
 
     def params_up(self) -> None:

@@ -396,6 +396,10 @@ class PipelineModule(DistributedModule):
         return info is not None and info.requires_grad and not info.is_buffer
 
     # ---- optimizer and full views ----------------------------------------------------------
+    def _syncs(self) -> list:
+        """Every stage's data-parallel reducer on this rank."""
+        return [st._sync for st in self.stages.values()]
+
     def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
         """As ``DistributedModule.optimizer``, over every stage this rank runs (elementwise
         optimizers only where the stages' parameters are sharded). With ``Plan(offload=

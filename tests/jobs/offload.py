@@ -68,6 +68,7 @@ def offload_census(name: str) -> dict:
             dm.train_step(dm.shard_batch((tok,)), dm.shard_batch(tgt), lm_loss)
         else:
             lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt)).backward()
+        down_in_backward = dm.offload_stats.total(kind="d2h")   # each bucket's went down as it was reduced
         opt.step()
     trainable = [p for p in dm.parameters() if p.requires_grad]
     syncs = [st._sync for st in dm.stages.values()] if plan.pp_schedule is not None else [dm._sync]
@@ -87,6 +88,7 @@ def offload_census(name: str) -> dict:
     off = dm._offload
     return {
         "bytes": {(k, ph): b for (_, k, ph), b in dm.offload_stats.bytes.items()},
+        "down_in_backward": down_in_backward,
         "dp_index": mesh.coordinate("dp"), "dp": mesh.axis_size("dp"),
         "elements": sum(p.numel() for p in trainable),
         "element_size": trainable[0].element_size(),
