@@ -362,7 +362,14 @@ def live_totals(events, t0: int, t1: int) -> dict:
 
 
 def profiled_build(name: str, batches, collect: bool = True) -> tuple[Impl, dict]:
-    """Build ``name`` and run 3 steps under the memory profiler; measure the third.
+    """Build ``name`` and run 3 steps under the memory profiler; measure the third
+    (``profiled``)."""
+    return profiled(lambda: Impl(name, batches, collect=collect))
+
+
+def profiled(build) -> tuple:
+    """``build()`` an implementation and run 3 steps of it under the memory profiler; measure
+    the third: (the implementation, ``live_totals`` of the measured step).
 
     Allocations and frees are matched by address. The profiler records a free only on a
     thread that carries its state; gloo's worker thread, which can drop the last reference
@@ -376,13 +383,32 @@ def profiled_build(name: str, batches, collect: bool = True) -> tuple[Impl, dict
     gc.collect()
     with _quiet_stderr(), settle_collectives(), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        impl = Impl(name, batches, collect=collect)
+        impl = build()
         impl.step(ranges=True)                        # optimizer state, lazy init, DDP bucket rebuild
         impl.step(ranges=True)
         with record_function("bench::measured_step"):
             impl.step(ranges=True)
     mark = next(e for e in prof.profiler.kineto_results.events() if e.name() == "bench::measured_step")
     return impl, live_totals(_allocation_events(prof), mark.start_ns(), mark.end_ns())
+
+
+def interleaved(impls: dict, names, warmup: int, steps: int) -> tuple[dict, dict]:
+    """``warmup`` untimed steps, then ``steps`` timed rounds of one step of each of ``names``
+    (round-robin, each after a barrier): (seconds per step, per-phase seconds) by name."""
+    for _ in range(warmup):
+        for name in names:
+            dist.barrier()
+            impls[name].step()
+    times = {name: [] for name in names}
+    phases = {name: [] for name in names}
+    for _ in range(steps):                           # interleaved, one step of each
+        for name in names:
+            dist.barrier()
+            t = time.perf_counter()
+            impls[name].step()
+            times[name].append(time.perf_counter() - t)
+            phases[name].append(impls[name].last_phases)
+    return times, phases
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -396,19 +422,7 @@ def rank_main(steps: int, warmup: int, collect: bool = True) -> dict:
     for name in IMPLS:
         dist.barrier()
         impls[name], mem[name] = profiled_build(name, batches, collect)
-    for _ in range(warmup):
-        for name in IMPLS:
-            dist.barrier()
-            impls[name].step()
-    times = {name: [] for name in IMPLS}
-    phases = {name: [] for name in IMPLS}
-    for _ in range(steps):                           # interleaved, one step of each
-        for name in IMPLS:
-            dist.barrier()
-            t = time.perf_counter()
-            impls[name].step()
-            times[name].append(time.perf_counter() - t)
-            phases[name].append(impls[name].last_phases)
+    times, phases = interleaved(impls, IMPLS, warmup, steps)
 
     # bytes: one more step of each, counted
     counted = {}

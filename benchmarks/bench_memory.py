@@ -71,8 +71,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.runtime.recompute import Recomputed
 
 # benchmarks/ is the script's folder: the helpers and the model of bench_dp
-from bench_dp import (PHASE_RANGE, _allocation_events, _quiet_stderr, live_totals,  # noqa: E402
-                      local_slice, settle_collectives)
+from bench_dp import PHASE_RANGE, interleaved, local_slice, profiled  # noqa: E402
 from bench_dp import CONFIG, GLOBAL_BATCH, N_BATCHES  # noqa: E402
 
 WORLD = 2
@@ -242,19 +241,9 @@ class Impl:
 
 
 def profiled_build(name: str, part: str, batches) -> tuple[Impl, dict]:
-    """bench_dp.profiled_build for these implementations: build and run 3 steps under the
+    """bench_dp.profiled for these implementations: build and run 3 steps under the
     memory profiler, measure the third."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    gc.collect()
-    with _quiet_stderr(), settle_collectives(), \
-            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        impl = Impl(name, part, batches)
-        impl.step(ranges=True)
-        impl.step(ranges=True)
-        with record_function("bench::measured_step"):
-            impl.step(ranges=True)
-    mark = next(e for e in prof.profiler.kineto_results.events() if e.name() == "bench::measured_step")
-    return impl, live_totals(_allocation_events(prof), mark.start_ns(), mark.end_ns())
+    return profiled(lambda: Impl(name, part, batches))
 
 
 # ---- one rank ----------------------------------------------------------------------------------
@@ -269,19 +258,7 @@ def rank_main(part: str, steps: int, warmup: int) -> dict:
         dist.barrier()
         impls[name], mem[name] = profiled_build(name, part, batches)
     sac_ops = {name: impls[name].sac_ops() for name in names}   # 3 profiled steps
-    for _ in range(warmup):
-        for name in names:
-            dist.barrier()
-            impls[name].step()
-    times = {name: [] for name in names}
-    phases = {name: [] for name in names}
-    for _ in range(steps):                           # interleaved, one step of each
-        for name in names:
-            dist.barrier()
-            t = time.perf_counter()
-            impls[name].step()
-            times[name].append(time.perf_counter() - t)
-            phases[name].append(impls[name].last_phases)
+    times, phases = interleaved(impls, names, warmup, steps)
     psi = sum(p.numel() for p in fresh_model(part).parameters())     # unique (tied counted once)
     return {"times": times, "phases": phases, "mem": mem, "psi": psi, "sac_ops": sac_ops,
             "recomputed": {name: impls[name].recomputations() for name in names},
