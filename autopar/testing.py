@@ -350,10 +350,9 @@ def profiled_peak_bytes(fn, before=None) -> int:
             fn()
     events = prof.kineto_results.events()
     start = next((e.start_ns() for e in events if e.name() == _MEASURED), 0) if before is not None else 0
-    cur = peak = level = 0
+    cur = peak = 0
     for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        if e.start_ns() < start:
-            level += e.nbytes()
+        if e.start_ns() < start:      # ``before``: its allocations are seen, so fn's frees of them count
             continue
         cur += e.nbytes()
         peak = max(peak, cur)
