@@ -13,7 +13,6 @@ import pytest
 import autopar
 from autopar.cost.estimate import Profiles, evaluate_plan
 from autopar.models import TinyGPT, gpt_batch
-from autopar.testing import run
 
 from jobs import memory_peak as jobs
 
@@ -29,8 +28,8 @@ def _predicted(config, batch, axes, kw, cluster, flash=True):
 
 
 @pytest.fixture(scope="module")
-def dp_peaks():
-    return run(jobs.dp_peaks, WORLD, timeout=500)
+def dp_peaks(ranks):
+    return ranks(jobs.dp_peaks, WORLD, timeout=500)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2", "zero3"])
@@ -55,8 +54,8 @@ RECOMPUTE_CASES = [(f"{name} {rc}", {"tp": WORLD}, {"tp": True, "sp": name == "t
 
 
 @pytest.fixture(scope="module")
-def recompute_peaks():
-    return run(jobs.plan_peaks, WORLD, RECOMPUTE_CASES, timeout=550)
+def recompute_peaks(ranks):
+    return ranks(jobs.plan_peaks, WORLD, RECOMPUTE_CASES, timeout=550)
 
 
 @pytest.mark.parametrize("name,axes,kw", RECOMPUTE_CASES, ids=[c[0] for c in RECOMPUTE_CASES])
@@ -74,7 +73,7 @@ def test_recomputation_lowers_the_measured_peak(recompute_peaks):
             assert r[f"{tp} full"]["recomputed"] == [("blocks.0", "full"), ("blocks.1", "full")]
 
 
-def test_planner_picks_recomputation_when_only_it_fits_and_compile_runs_within_the_limit(local_cluster):
+def test_planner_picks_recomputation_when_only_it_fits_and_compile_runs_within_the_limit(ranks, local_cluster):
     """A device memory between the smallest peak any plan of dp=2 reaches without
     recomputation and the smallest with it: the planner chooses a recomputing plan,
     ``compile(plan="auto")`` compiles that plan (its regions exist) and the measured peak stays
@@ -91,13 +90,13 @@ def test_planner_picks_recomputation_when_only_it_fits_and_compile_runs_within_t
     report = autopar.plan(TinyGPT(c), WORLD, example_inputs=(x,), cluster=cluster, mesh_axes={"dp": WORLD},
                           profiles=profiles)
     assert report.plan.recompute != "none" and report.memory_bytes <= limit
-    for r in run(jobs.auto_plan_peak, WORLD, cluster, timeout=300):
+    for r in ranks(jobs.auto_plan_peak, WORLD, cluster, timeout=300):
         assert autopar.Plan.parse(r["plan"]) == report.plan
         assert r["recomputed"]
         assert r["peak"] <= limit, (r["peak"], limit, r["peaks"])
 
 
-def test_a_memory_budget_recomputes_the_cheapest_layers_that_fit(local_cluster):
+def test_a_memory_budget_recomputes_the_cheapest_layers_that_fit(ranks, local_cluster):
     """``Plan(recompute=<bytes>)`` between the peaks of selective and full recomputation: some
     layers recompute whole, the measured peak is within the budget (and the budget is not met
     by selective recomputation alone)."""
@@ -109,6 +108,6 @@ def test_a_memory_budget_recomputes_the_cheapest_layers_that_fit(local_cluster):
     kw = {"tp": True, "recompute": budget}
     est = _predicted(c, batch, axes, kw, local)
     assert est.memory_bytes <= budget and "full" in est.recompute_layers.values()
-    for r in run(jobs.plan_peaks, WORLD, [("budget", axes, kw)], timeout=300):
+    for r in ranks(jobs.plan_peaks, WORLD, [("budget", axes, kw)], timeout=300):
         assert sorted(r["budget"]["recomputed"]) == sorted((k, v) for k, v in est.recompute_layers.items())
         assert r["budget"]["peak"] <= budget, (r["budget"]["peaks"], budget)

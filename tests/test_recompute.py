@@ -8,7 +8,6 @@ import torch
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT
-from autopar.testing import run
 
 from jobs import memory_peak, recompute as jobs
 
@@ -62,12 +61,12 @@ def test_attention_core_of_eager_attention():
                for a in kept)      # q, kᵀ, v (and the causal mask), none of the scores' size but the mask
 
 
-def test_zero3_full_recompute_is_bitwise_the_plan_without_and_gathers_once():
+def test_zero3_full_recompute_is_bitwise_the_plan_without_and_gathers_once(ranks):
     """ZeRO-3 with full recomputation at world 2: outputs, loss, gradients and parameters after
     two AdamW steps equal the same plan without recomputation bit for bit (dropout 0.1); every
     layer ran again in backward; the collectives per step are the same, so backward gathers
     each unit once (the recomputation and the gradients share it). explain lists the regions."""
-    r = run(jobs.bitwise, 2, [("zero3 full", {"dp": 2}, {"dp": "zero3", "recompute": "full"})], timeout=240)
+    r = ranks(jobs.bitwise, 2, [("zero3 full", {"dp": 2}, {"dp": "zero3", "recompute": "full"})], timeout=240)
     for rank in r:
         got = rank["zero3 full"]
         assert got["diff"] == []
@@ -77,7 +76,7 @@ def test_zero3_full_recompute_is_bitwise_the_plan_without_and_gathers_once():
 
 
 @pytest.mark.slow
-def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_cluster):
+def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(ranks, local_cluster):
     cases = [("zero2 selective", {"dp": 2}, {"dp": "zero2", "recompute": "selective"}),
              ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
              ("tp+sp full", {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}),
@@ -85,7 +84,7 @@ def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_clu
              ("pp 1f1b full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"}),
              ("pp interleaved selective", {"pp": 2}, {"pp_schedule": "interleaved", "microbatches": 2,
                                                       "virtual_stages": 2, "recompute": "selective"})]
-    for rank in run(jobs.bitwise, 2, cases, 2, 8, GPTConfig(dropout=0.1, layers=4), local_cluster[0], timeout=280):
+    for rank in ranks(jobs.bitwise, 2, cases, 2, 8, GPTConfig(dropout=0.1, layers=4), local_cluster[0], timeout=280):
         for name, got in rank.items():
             assert got["diff"] == [], name
             assert got["recomputes"] and all(n > 0 for _, _, n in got["recomputes"]), name
@@ -100,21 +99,21 @@ def test_recompute_is_bitwise_the_plan_without_under_every_parallelism(local_clu
 
 
 @pytest.mark.slow
-def test_recompute_world_4_composes_zero3_with_tp_and_sp():
+def test_recompute_world_4_composes_zero3_with_tp_and_sp(ranks):
     cases = [("zero3 x tp+sp full", {"dp": 2, "tp": 2}, {"dp": "zero3", "tp": True, "sp": True, "recompute": "full"})]
-    for rank in run(jobs.bitwise, 4, cases, 2, 8, timeout=280):
+    for rank in ranks(jobs.bitwise, 4, cases, 2, 8, timeout=280):
         for name, got in rank.items():
             assert got["diff"] == [], name
             assert got["recomputes"], name
 
 
 @pytest.mark.slow
-def test_recompute_parity_with_the_single_device_model():
+def test_recompute_parity_with_the_single_device_model(ranks):
     cases = [("zero3 full", {"dp": 2}, {"dp": "zero3", "recompute": "full"}),
              ("tp+sp selective", {"tp": 2}, {"tp": True, "sp": True, "recompute": "selective"}),
              ("tp full", {"tp": 2}, {"tp": True, "recompute": "full"}),
              ("pp full", {"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2, "recompute": "full"})]
-    for rank in run(jobs.recompute_parity, 2, cases, timeout=280):
+    for rank in ranks(jobs.recompute_parity, 2, cases, timeout=280):
         for name, got in rank.items():
             assert got["ok"], (name, got)
 
@@ -141,20 +140,20 @@ def _korthikanti(s, b, h, a, t, sp_, recompute, e=4, m=1):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp_", [False, True], ids=["tp", "tp+sp"])
-def test_bytes_kept_per_layer_are_korthikanti_table_2(sp_):
+def test_bytes_kept_per_layer_are_korthikanti_table_2(ranks, sp_):
     """The bytes autograd saves in one forward (parameters aside), measured with one layer more
     and one less: the difference is one layer's, exactly the table's form for none, selective
     and full recomputation at tp=2 (GPT with dropout 0.1, fp32, one-byte masks)."""
     c = GPTConfig(dropout=0.1, layers=2)
     b = 8
     cases = [({"tp": 2}, {"tp": True, "sp": sp_, "recompute": rc}) for rc in ("none", "selective", "full")]
-    for per_rank in run(memory_peak.saved_bytes_per_layer_all, 2, c, b, cases, timeout=250):
+    for per_rank in ranks(memory_peak.saved_bytes_per_layer_all, 2, c, b, cases, timeout=250):
         for (_, kw), r in zip(cases, per_rank):
             assert r[3] - r[2] == _korthikanti(c.seq, b, c.dim, c.heads, 2, sp_, kw["recompute"]), (kw, r)
 
 
-def test_explain_lists_what_each_region_keeps():
-    text = run(jobs.explained, 2, {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}, timeout=200)[0]
+def test_explain_lists_what_each_region_keeps(ranks):
+    text = ranks(jobs.explained, 2, {"tp": 2}, {"tp": True, "sp": True, "recompute": "full"}, timeout=200)[0]
     assert "activation recomputation (recompute='full'): 2 regions" in text
     assert "blocks.1     full      keeps 8,192 B" in text        # the layer's input, a sequence shard
     assert "without recomputation" in text

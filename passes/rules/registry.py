@@ -196,7 +196,10 @@ class Strategy:
 
 def tensor_inputs(info: OpInfo) -> list:
     """The tensor inputs in strategy order: TensorMeta, or a tuple of them for one
-    multi-output value."""
+    multi-output value (computed once per OpInfo: the planners ask for every strategy)."""
+    cached = info.__dict__.get("_tensor_inputs")
+    if cached is not None:
+        return list(cached)
     found = []
 
     def walk(v):
@@ -209,6 +212,7 @@ def tensor_inputs(info: OpInfo) -> list:
 
     for a in list(info.args) + list(info.kwargs.values()):
         walk(a)
+    object.__setattr__(info, "_tensor_inputs", tuple(found))     # frozen: a cache, not a field
     return found
 
 
@@ -293,8 +297,9 @@ def strategies_for(info: OpInfo, n: Optional[int] = None) -> Optional[list]:
     if rule is None and len(listed) <= 1:
         return None
     out, seen = [], set()
+    metas = _integer_metas(info)
     for s in listed:
-        if s not in seen and not _partial_on_integers(info, s):
+        if s not in seen and not (metas and _partial_on_integers(metas, s)):
             seen.add(s)
             out.append(s)
     out.sort(key=lambda s: not _all_replicate(s))
@@ -302,14 +307,27 @@ def strategies_for(info: OpInfo, n: Optional[int] = None) -> Optional[list]:
     return out
 
 
-def _partial_on_integers(info: OpInfo, s: Strategy) -> bool:
+def _integer_metas(info: OpInfo) -> Optional[tuple]:
+    """(tensor inputs, outputs) of the op when one of them is an integer tensor, else None (no
+    strategy can then hold an integer as an addend: most ops, checked once, not per strategy)."""
+    ins = tuple(tensor_inputs(info))
+    outs = info.out if isinstance(info.out, tuple) else (info.out,)
+
+    def ints(m):
+        if isinstance(m, tuple):
+            return any(ints(x) for x in m)
+        return isinstance(m, TensorMeta) and not m.dtype.is_floating_point
+    return (ins, outs) if ints(ins) or ints(outs) else None
+
+
+def _partial_on_integers(metas: tuple, s: Strategy) -> bool:
+    ins, outs = metas
+
     def bad(p, m):
         if isinstance(p, tuple):
             return any(bad(x, y) for x, y in zip(p, m))
         return isinstance(p, Partial) and isinstance(m, TensorMeta) and not m.dtype.is_floating_point
-    return bad(s.inputs, tuple(tensor_inputs(info))) or bad(
-        s.output if isinstance(s.output, tuple) else (s.output,),
-        info.out if isinstance(info.out, tuple) else (info.out,))
+    return bad(s.inputs, ins) or bad(s.output if isinstance(s.output, tuple) else (s.output,), outs)
 
 
 def _all_replicate(s: Strategy) -> bool:
