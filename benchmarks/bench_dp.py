@@ -298,17 +298,18 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _allocation_events(prof) -> list[tuple[int, int, int, int | None]]:
+def _allocation_events(prof, paths: bool = False) -> list[tuple]:
     """(time ns, address, signed bytes, implied free time ns or None) of every CPU
-    allocation/free the profiler recorded. A block allocated inside a c10d op (gloo's own
-    copy of a collective's buffer, held by its Work) is freed by gloo's worker thread, which
+    allocation/free the profiler recorded, and with ``paths`` the names of the enclosing
+    events (outermost first) as a fifth element. A block allocated inside a c10d op (gloo's
+    own copy of a collective's buffer, held by its Work) is freed by gloo's worker thread, which
     the profiler does not see: its implied free time is the end of the enclosing synchronous
     collective (``settle_collectives`` waited for gloo there), or for an asynchronous one the
     end of the enclosing step phase (the latest it can be; the caller waited for the work)."""
     out = []
-    stack = [(node, None, None, False) for node in prof.profiler.kineto_results.experimental_event_tree()]
+    stack = [(node, None, None, False, ()) for node in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        node, sync_end, phase_end, in_c10d = stack.pop()
+        node, sync_end, phase_end, in_c10d, path = stack.pop()
         name = node.name or ""
         if name == SYNC_RANGE:
             sync_end = node.end_time_ns
@@ -318,28 +319,34 @@ def _allocation_events(prof) -> list[tuple[int, int, int, int | None]]:
         if "Allocation" in str(node.tag) and node.extra_fields.device.type == "cpu":
             nb = node.extra_fields.alloc_size
             implied = (sync_end or phase_end) if (in_c10d and nb > 0) else None
-            out.append((node.start_time_ns, node.extra_fields.ptr, nb, implied))
-        stack.extend((c, sync_end, phase_end, in_c10d) for c in node.children)
+            out.append((node.start_time_ns, node.extra_fields.ptr, nb, implied) + ((path,) if paths else ()))
+        elif paths:
+            path = path + (name,)
+        stack.extend((c, sync_end, phase_end, in_c10d, path) for c in node.children)
     out.sort(key=lambda e: e[0])
     return out
 
 
-def live_totals(events, t0: int, t1: int) -> dict:
-    """Live bytes of the blocks allocated in the window: at t0, their peak in [t0, t1], at t1.
+def live_totals(events, t0: int, t1: int, at_peak: bool = False) -> dict:
+    """Live bytes of the blocks allocated in the window: at t0, their peak in [t0, t1], at t1
+    (with ``at_peak``, also "live": index into ``events`` -> bytes of every block live at the
+    peak, and "peak_ns": when it was reached).
 
     Frees match allocations by address. A free the profiler missed is implied (a) when the
     same address is allocated again, (b) at the implied time of a gloo-internal copy."""
     timeline = []                                    # (time, order, kind, ptr, bytes, alloc id)
-    for i, (t, ptr, nb, implied) in enumerate(events):
+    for i, (t, ptr, nb, implied) in enumerate(e[:4] for e in events):
         timeline.append((t, 1, "alloc" if nb > 0 else "free", ptr, nb, i))
         if implied is not None:
             timeline.append((implied, 0, "implied", ptr, nb, i))
     timeline.sort(key=lambda e: (e[0], e[1]))
     live: dict[int, tuple[int, int]] = {}           # ptr -> (alloc id, bytes)
     running, state, peak, implied_bytes = 0, None, 0, 0
+    snapshot, peak_ns = {}, t0
     for t, _, kind, ptr, nb, i in timeline:
         if t >= t0 and state is None:
             state = peak = running
+            snapshot, peak_ns = (dict(live.values()) if at_peak else {}), t
         if t > t1:
             break
         if kind == "alloc":
@@ -354,11 +361,16 @@ def live_totals(events, t0: int, t1: int) -> dict:
         elif ptr in live and live[ptr][0] == i:      # implied free of that very allocation
             implied_bytes += nb
             running -= live.pop(ptr)[1]
-        if state is not None:
-            peak = max(peak, running)
+        if state is not None and running > peak:
+            peak = running
+            if at_peak:
+                snapshot, peak_ns = dict(live.values()), t
     if state is None:
         state = peak = running
-    return {"state": state, "peak": peak, "drift": running - state, "implied": implied_bytes}
+    out = {"state": state, "peak": peak, "drift": running - state, "implied": implied_bytes}
+    if at_peak:
+        out.update(live=snapshot, peak_ns=peak_ns)
+    return out
 
 
 def profiled_build(name: str, batches, collect: bool = True) -> tuple[Impl, dict]:

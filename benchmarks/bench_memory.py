@@ -11,6 +11,14 @@ under ZeRO-3 / FSDP2 on Mesh(dp=2), timed interleaved (one step of each, round-r
     autopar zero3               Plan(dp="zero3")                                (bench_dp's row)
     autopar zero3 + full        Plan(dp="zero3", recompute="full"): each block keeps its input
                                 and runs again in backward (passes/recompute.py)
+    autopar zero3 + full, overlap off
+                                the same with Plan(overlap=False): every collective waited on
+                                where it is issued, nothing in flight. On gloo an asynchronous
+                                collective holds a staging copy while in flight (all_gather_into_tensor
+                                a flat output it copies out of, reduce_scatter_tensor a clone of its
+                                input it all-reduces), about a unit each; FSDP2 on the CPU has no
+                                collective in flight at its peak (benchmarks/peak_attribution.py
+                                lists the blocks live at each peak by the op that allocated them)
     torch FSDP2                 fully_shard per transformer block, then the root  (bench_dp's row)
     torch FSDP2 + ckpt          each block wrapped by checkpoint_wrapper(CheckpointImpl.NO_REENTRANT)
                                 before fully_shard (torchtitan's order); the wrapped blocks sharded
@@ -79,11 +87,12 @@ LR = 1e-3
 SEED = 0
 DROPOUT = {"full": 0.0, "selective": 0.1}
 LOCAL_RNG = "autopar zero3 + selective, local rng"
+FULL_SYNC = "autopar zero3 + full, overlap off"
 PARTS = {
-    "full": ("autopar zero3", "autopar zero3 + full", "torch FSDP2", "torch FSDP2 + ckpt"),
+    "full": ("autopar zero3", "autopar zero3 + full", FULL_SYNC, "torch FSDP2", "torch FSDP2 + ckpt"),
     "selective": ("autopar zero3", "autopar zero3 + selective", LOCAL_RNG, "torch FSDP2", "torch FSDP2 + SAC"),
 }
-VERSUS = {"autopar zero3": "torch FSDP2", "autopar zero3 + full": "torch FSDP2 + ckpt",
+VERSUS = {"autopar zero3": "torch FSDP2", "autopar zero3 + full": "torch FSDP2 + ckpt", FULL_SYNC: "torch FSDP2 + ckpt",
           "autopar zero3 + selective": "torch FSDP2 + SAC", LOCAL_RNG: "torch FSDP2 + SAC"}
 NO_RECOMPUTE = {"autopar zero3 + full": "autopar zero3", "autopar zero3 + selective": "autopar zero3",
                 LOCAL_RNG: "autopar zero3", "torch FSDP2 + ckpt": "torch FSDP2",
@@ -175,7 +184,8 @@ class Impl:
         self.block_calls = [0]           # forward calls of the original blocks (recomputations included)
         if name.startswith("autopar"):
             kind = name.split("+")[1].split(",")[0].strip() if "+" in name else "none"
-            plan = autopar.Plan(dp="zero3", recompute=kind, dropout_rng="local" if name == LOCAL_RNG else "exact")
+            plan = autopar.Plan(dp="zero3", recompute=kind, dropout_rng="local" if name == LOCAL_RNG else "exact",
+                                overlap=name != FULL_SYNC)
             self.module = autopar.compile(model, autopar.Mesh(dp=WORLD), example_inputs=(batches[0][0],), plan=plan)
             self.opt = self.module.optimizer(torch.optim.AdamW, lr=LR)
             self.local = [(self.module.shard_batch(x), self.module.shard_batch(y)) for x, y in batches]

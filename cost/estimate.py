@@ -585,12 +585,15 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     the loss's copy of them, ZeRO-3's gathered units. Backward, layer by layer in reverse: the
     layer's working set (its largest activation and that one's gradient), gradients waiting for
     their bucket, each bucket's flat buffer when it completes (ddp: it becomes .grad; ZeRO-2/3:
-    freed once its reduce-scatter is waited on, when the next bucket launches, the reduced
+    freed once its reduce-scatter is waited on, before the next bucket's is made, the reduced
     shard kept), activations freed as layers finish.
     With a pipeline, gradients accumulate across micro-batches (whole) until the flush.
-    ``staging``: the backend copies a reduce-scatter's input (gloo does; NCCL does not).
-    ZeRO-3 gathers into a flat buffer and copies out per parameter (two copies of a unit in
-    flight), the next unit prefetched: three units of its largest while computing."""
+    ``staging``: the backend copies a reduce-scatter's input (gloo does; NCCL does not): ZeRO-1's
+    (its persistent buffer is not scratch); ZeRO-2/3 reduce their scratch buffer in place
+    (``AxisComm.reduce_scatter_flat(in_place=True)``).
+    ZeRO-3 in forward: the unit in use, copied out of its flat buffer (which then goes), and
+    the next one's gather in flight into its own (broadcast in place: no staging copy) with its
+    send buffer: (2 + 1/N) units of its largest."""
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
@@ -604,7 +607,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     units = [pb * padded_sum(g.params, n) for g in gs if g.name not in ("pre", "post")]
     root = pb * sum(padded_sum(g.params, n) for g in gs if g.name in ("pre", "post"))
     top = max(units, default=0.0)
-    gathered = (root + 3 * top) if mode == "zero3" else 0.0
+    gathered = (root + (2 + 1 / n) * top) if mode == "zero3" else 0.0
     peak = base + act + gathered
     buckets = _grad_buckets(gs, shapes, n if zero else 1, gb, bucket_bytes)
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
@@ -637,15 +640,26 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                 units_now = (top + pb * sum(math.prod(sh) for y, sh in g.params.items() if y in shapes and y not in done)
                              if unit_bwd else 0.0)
                 live = base + rem + pending + outs + grads + units_now
-                if mode in ("zero2", "zero3"):   # filled beside the previous bucket's, which then goes
-                    peak = max(peak, live + flats + flat, live + flat + flat / n + (flat if staging else 0.0))
+                if mode in ("zero2", "zero3"):   # the previous bucket's goes before this one is filled
+                    # (beside its members' gradients); then the members' go, and the reduce-scatter
+                    # runs on the flat buffer in place (no staging copy), its shard beside it
+                    members = gb * sum(math.prod(shapes[y]) for y in b)
+                    peak = max(peak, live + flat, live - members + flat + flat / n)
+                elif mode == "zero1":    # summed into the persistent buffer through a flat copy; its
+                    # reduce-scatter (the backend's staging copy of it in flight until the next
+                    # bucket fills) lands in a shard kept to the end of backward
+                    members = gb * sum(math.prod(shapes[y]) for y in b)
+                    peak = max(peak, live + flat, live - members + flat / n + (flat if staging else 0.0))
                 else:
-                    peak = max(peak, live + flats + flat + ((flat / n + (flat if staging else 0.0)) if zero else 0.0))
+                    peak = max(peak, live + flats + flat)
                 pending -= gb * sum(math.prod(shapes[y]) for y in b)
                 if mode == "ddp":
                     grads += flat
                 elif mode in ("zero2", "zero3"):
-                    flats = flat            # freed as reduced: kept until the next bucket launches
+                    flats = flat            # freed as reduced: kept until the next bucket fills
+                    outs += flat / n
+                else:
+                    flats = flat if staging else 0.0
                     outs += flat / n
     if pipelined:     # the flush: every bucket's flat buffer at once over the accumulated gradients
         flat_all = gb * (pad if zero else psi)

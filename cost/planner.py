@@ -235,18 +235,17 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     base = persistent_bytes(mode, psi, n, dt, pad)
     extra = 0.0
     if mode == "zero3":
-        extra += 3 * lay_pad * pb + (pre_pad + post_pad) * pb
+        extra += (2 + 1 / n) * lay_pad * pb + (pre_pad + post_pad) * pb   # in use, the next in flight
     if p > 1:
         extra += gbytes * psi            # micro-batch gradients accumulated until the flush
     peak = base + act + work + extra
-    # a bucket completing: its gradients and their flat copy (+ the reduced shard, + the
-    # backend's staging copy); ZeRO-2/3 keep the flat buffers until backward ends
+    # a bucket completing: its gradients and their flat copy; ZeRO-2/3 free each flat buffer as it
+    # is reduced (in place, no staging copy): the shards reduced so far, the bucket and its shard
     last = min(gbytes * pad, float(plan.bucket_bytes))
-    staging = c.name == "local"
     if mode in ("ddp", "zero1"):
         peak = max(peak, base + 2 * last + (gbytes * psi - last if mode == "ddp" else 0.0))
     else:
-        peak = max(peak, base + gbytes * pad * (1 + 1 / n) + last * (2 if staging else 1))
+        peak = max(peak, base + gbytes * pad / n + last * (2 + 1 / n))
     return step, peak
 
 

@@ -118,7 +118,10 @@ def test_every_collective_runs_in_the_dtype_its_plan_says(ranks, reduce):
     seen, by_dtype = ranks(mixed.collective_dtypes, 4, {"dp": 2, "tp": 2}, plan, timeout=240)[0]
     want = "float32" if reduce == "fp32" else "bfloat16"
     kinds = {(axis, kind, phase, dtype) for axis, kind, phase, dtype in seen}
-    assert ("dp", "reduce_scatter_single", "backward", want) in kinds, kinds      # gradient buckets
+    # gradient buckets: a reduce-scatter, which on gloo runs as an all-reduce of the bucket's
+    # scratch buffer in place (AxisComm.reduce_scatter_flat(in_place=True))
+    assert {("dp", "reduce_scatter_single", "backward", want), ("dp", "all_reduce", "backward", want)} & kinds, kinds
+    assert not {k for k in kinds if k[0] == "dp" and k[2] == "backward" and k[3] != want}, kinds
     assert ("dp", "all_gather_single", "other", "bfloat16") in kinds, kinds       # replicas after the step
     assert ("tp", "all_reduce", "backward", want) in kinds, kinds                 # norms' / biases' gradients
     assert ("tp", "reduce_scatter_single", "backward", want) in kinds, kinds      # sp: gradient of a gather

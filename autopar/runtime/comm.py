@@ -74,6 +74,7 @@ class AxisComm(nn.Module):
         self.axis, self.size, self.index, self.group = axis, size, index, group
         self.stats = stats
         self.grad_dtype = grad_dtype    # mixed precision: the dtype gradient sums run in (None: their own)
+        self._gloo: bool | None = None  # the backend is gloo (``_in_place``), looked up on first use
 
     def summing(self, g: torch.Tensor) -> torch.Tensor:
         """A gradient about to be summed over the axis, in ``grad_dtype`` (``g`` itself when it
@@ -107,8 +108,23 @@ class AxisComm(nn.Module):
             return work
         return TracedWork(work, name, t0, trace)
 
-    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
-        """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``."""
+    def _in_place(self) -> bool:
+        """Whether this axis's backend stages a copy of a flat all-gather's output or a
+        reduce-scatter's input that an in-place form avoids (gloo: ``all_gather_into_tensor``
+        gathers into a flat buffer of its own and copies out, ``reduce_scatter_tensor``
+        all-reduces a clone of its input; its ``broadcast`` and ``all_reduce`` work in place)."""
+        if self._gloo is None:
+            self._gloo = self.group is not None and dist.get_backend(self.group) == "gloo"
+        return self._gloo
+
+    def all_gather_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False,
+                        phase: str | None = None, in_place: bool = False):
+        """``out`` (N * inp.numel()) <- concatenation of every rank's ``inp``.
+
+        ``in_place``: the caller holds ``out`` for as long as the collective is in flight, so
+        on a backend that would stage a second copy of it (``_in_place``) each rank's block is
+        broadcast into ``out`` from its owner instead: the same bytes arrive at every rank,
+        with no flat copy beside ``out`` (ZeRO-3's unit gathers, in flight under compute)."""
         self._check()
         self.stats.record(self.axis, "all_gather", phase or self._phase(),
                           ring_bytes("all_gather", out.numel() * out.element_size(), self.size), out.dtype)
@@ -116,11 +132,20 @@ class AxisComm(nn.Module):
             out.copy_(inp.reshape(-1))
             return None
         inp = inp.contiguous()
+        if in_place and self._in_place():
+            return self._run("all_gather", label, out.numel() * out.element_size(),
+                             lambda a: _broadcast_blocks(out, inp, self, a), async_op)
         return self._run("all_gather", label, out.numel() * out.element_size(),
                          lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a), async_op)
 
-    def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False, phase: str | None = None):
-        """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``."""
+    def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False,
+                            phase: str | None = None, in_place: bool = False):
+        """``out`` <- this rank's 1/N block of the sum over ranks of ``inp``.
+
+        ``in_place``: ``inp`` is the caller's scratch (a bucket's flat gradients), free to be
+        overwritten; on a backend whose reduce-scatter all-reduces a clone of its input
+        (``_in_place``), ``inp`` is all-reduced where it is and this rank's block copied to
+        ``out`` when the collective completes (``wait``): what the backend does, less the clone."""
         self._check()
         self.stats.record(self.axis, "reduce_scatter", phase or self._phase(),
                           ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size), inp.dtype)
@@ -128,6 +153,9 @@ class AxisComm(nn.Module):
             out.copy_(inp.reshape(-1))
             return None
         inp = inp.contiguous()
+        if in_place and self._in_place():
+            return self._run("reduce_scatter", label, inp.numel() * inp.element_size(),
+                             lambda a: _reduce_in_place(out, inp, self, a), async_op)
         return self._run("reduce_scatter", label, inp.numel() * inp.element_size(), lambda a: dist.reduce_scatter_single(
             out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a), async_op)
 
@@ -171,6 +199,56 @@ class TracedWork:
             if t1 - t0 > 2e-5:       # a wait that found the transfer done did not block
                 self._trace.append(("wait", self._name, t0, t1))
         return result
+
+
+class _Composite:
+    """The handle of a collective made of several backend calls: ``wait`` waits for each, then
+    runs ``then`` (once): the result is in place only after it."""
+    __slots__ = ("_works", "_then")
+
+    def __init__(self, works: list, then=None):
+        self._works, self._then = works, then
+
+    def wait(self, *args) -> bool:
+        for w in self._works:
+            w.wait(*args)
+        self._works = []        # the calls' handles, and the buffers they hold, go with the wait
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
+
+def _broadcast_blocks(out: torch.Tensor, inp: torch.Tensor, comm: AxisComm, async_op: bool):
+    """All-gather as one broadcast per rank into its block of ``out`` (``all_gather_flat``,
+    ``in_place``)."""
+    w = inp.numel()
+    out[comm.index * w:(comm.index + 1) * w].copy_(inp)
+    works = [dist.broadcast(out[r * w:(r + 1) * w], src=dist.get_global_rank(comm.group, r), group=comm.group,
+                            async_op=True) for r in range(comm.size)]
+    handle = _Composite(works)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _reduce_in_place(out: torch.Tensor, inp: torch.Tensor, comm: AxisComm, async_op: bool):
+    """Reduce-scatter as an all-reduce of ``inp`` where it is, then this rank's block to ``out``
+    (``reduce_scatter_flat``, ``in_place``)."""
+    w = out.numel()
+    handle = _Composite([dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)],
+                        then=lambda: out.copy_(inp.view(-1)[comm.index * w:(comm.index + 1) * w]))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 # ---- autograd-aware collectives along a tensor dim ------------------------------------------

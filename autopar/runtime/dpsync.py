@@ -24,12 +24,14 @@ Gradients are reduced in buckets fixed at compile time (the collectives pass), i
 order of first use, each launched asynchronously as soon as all its members are ready
 (ddp: all-reduce; ZeRO-2/3: reduce-scatter; each waited on when the next bucket launches,
 or when backward ends, and its averaged gradients then land in the parameters' ``.grad``;
-ZeRO-2/3 free as they reduce: a bucket's full-size flat buffer is released with it, so
-backward holds at most two buckets of full gradients besides the shards; ZeRO-1:
+ZeRO-2/3 free as they reduce: a bucket's full-size flat buffer is released with it, before
+the next bucket's is made, so backward holds one bucket of full gradients besides the shards
+(the reduce-scatter works on that scratch buffer in place: ``AxisComm.reduce_scatter_flat``'s
+``in_place``, which spares gloo's copy of it); ZeRO-1:
 accumulated into a persistent full-gradient buffer, its bucket reduce-scattered, landed when
 backward ends). Buckets launch strictly in order on every rank, so ranks issue the same
 collectives. Gradients are averaged over the axis, as DDP and FSDP do. With ``overlap`` off
-each collective is waited on as soon as it is issued.
+each collective is waited on as soon as it is issued (a bucket as soon as it fills).
 """
 from __future__ import annotations
 
@@ -80,8 +82,8 @@ class DataParallelSync(nn.Module):
         # buckets are still being reduced (Plan(offload=...): their copy to the host starts)
         self.on_landed = None
         self.sharded = mode != "ddp"
-        # overlap: buckets go out as they fill and are waited on when backward ends, backward
-        # gathers run ahead within prefetch_bytes; off: every collective is waited on at once
+        # overlap: buckets go out as they fill and are waited on when the next one fills, backward
+        # gathers run ahead within prefetch_bytes; off: every collective is waited on where issued
         self.overlap, self.prefetch_bytes = overlap, prefetch_bytes
         self.buckets = [_Bucket(b, specs, self.sharded) for b in buckets]
         self.bucket_of = {n: (i, j) for i, b in enumerate(self.buckets) for j, n in enumerate(b.names)}
@@ -149,7 +151,8 @@ class DataParallelSync(nn.Module):
         u = self.units[k]
         staging = torch.cat([self.compute(self.specs[n].padded_local(self._params[n].detach())) for n in u.names])
         out = staging.new_empty(self.comm.size * u.width)
-        work = self.comm.all_gather_flat(out, staging, label=f"unit {k}", async_op=True, phase=phase)
+        work = self.comm.all_gather_flat(out, staging, label=f"unit {k}", async_op=True, phase=phase,
+                                         in_place=True)      # out is held until the wait
         self._inflight[k] = (work, out)
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, sum(self.unit_bytes(j) for j in self._inflight))
 
@@ -317,11 +320,12 @@ class DataParallelSync(nn.Module):
                 f"{', '.join(self.buckets[bi].names)} received a second gradient in one backward after "
                 "their bucket was sent: this backward runs through two forwards of the compiled module. "
                 "Call backward once per forward (gradients accumulate across backward calls), as with DDP.")
+        if self._next == bi:
+            self._retire(bi - 1)   # free as you reduce: the previous flat buffer goes before this one is made
         self._fill(bi, grads)
         if len(grads) > 1 or self.mode != "zero3":
             self.events.extend(("ready", name) for name in self.buckets[bi].names)
-        if self.overlap:
-            self._launch_ready()
+        self._launch_ready()       # without overlap, each bucket is waited on as it is launched
 
     def _accumulate(self, name: str, grad) -> None:
         """Sum a micro-batch's gradient into the step's: the first is kept as autograd made it,
@@ -401,7 +405,8 @@ class DataParallelSync(nn.Module):
             if self.sharded:
                 st["out"] = buf.new_empty(self.buckets[bi].width)
                 st["work"] = self.reduce_comm.reduce_scatter_flat(st["out"], buf, label=label, async_op=True,
-                                                                  phase="backward")
+                                                                  phase="backward",
+                                                                  in_place=self.mode != "zero1")   # scratch
             else:
                 st["work"] = self.reduce_comm.all_reduce_(buf, label=label, async_op=True, phase="backward")
             if st["work"] is None:     # an axis of one rank: nothing to wait for
