@@ -274,16 +274,38 @@ def offload_section(dm) -> list:
     opt = dm._optimizer() if dm._optimizer is not None else None
     held = off.host_bytes(opt)
     link = off.link
+    itemsize = next(iter(off.device_params.values())).element_size() if off.device_params else 0
     out = [f"\noptimizer offload: the optimizer's copy of this rank's {elements:,} elements "
            f"({len(off.device_params)} tensors), their gradients and the optimizer state live on the host "
            f"({link.host}{', pinned' if link.pinned else ''}); the step runs there",
-           f"  host link per step: gradients down {_mb(down)}, parameters up {_mb(up)} (E x itemsize each way: "
-           "gradients before the step, parameters after it)",
+           f"  host link per step: gradients down {_mb(down)}, parameters up {_mb(up)} (E x {itemsize} B each way: "
+           "the device parameters' dtype" + (", the fp32 masters under mixed precision" if dm.plan.mixed else "") + ")",
+           _offload_overlap(dm),
            f"  host memory held: {_mb(sum(held.values()))} ("
            + ", ".join(f"{k} {_mb(v)}" for k, v in held.items()) + ")"]
     for (axis, kind, phase), b in sorted(dm.offload_stats.bytes.items()):
         out.append(f"  measured {phase:<10} {kind:<4} {_mb(b)} in {dm.offload_stats.calls[(axis, kind, phase)]} copies")
     return out
+
+
+def _offload_overlap(dm) -> str:
+    """What the host link's copies overlap, as the runtime issues them (``autopar.runtime.offload``;
+    the cost model prices the same, ``cost.offload``)."""
+    buckets = sum(len(s.buckets) for s in dm._syncs())
+    if not buckets:
+        down = "no gradient bucket is reduced here, so the gradients go down in the step, before it"
+    elif dm.plan.dp == "zero1":
+        down = (f"the gradients of each of the {buckets} buckets go down when backward ends, each once its "
+                "reduction is waited on, while the later ones finish")
+    else:
+        down = (f"each of the {buckets} gradient buckets goes down once the next bucket's reduction is issued, "
+                "while it is in flight (the last when backward ends)")
+    if dm.plan.dp in ("zero1", "zero2"):
+        up = ("after the step the parameters come up bucket by bucket, each bucket's replica all-gather issued "
+              "as soon as its rows are up, while the next bucket's copy runs")
+    else:
+        up = "after the step every parameter comes up at once (no gather follows)"
+    return f"  overlap: {down}; {up}"
 
 
 def _dtype_section(dm) -> list:

@@ -16,8 +16,11 @@ collectives and parameters):
   backward continues; ZeRO-1/2's parameter all-gather after the step is exposed); with
   ``Plan(overlap=False)`` every collective is exposed, one after another;
 - optimizer offload (``Plan(offload="optimizer")``, ``cost.offload``): the device's optimizer
-  step becomes the host link's transfers plus the step on the host, and the optimizer state
-  leaves the device's memory;
+  step becomes the step on the host, and the host link's copies go where the runtime issues
+  them: each gradient bucket's copy down as the bucket lands (on the compute lane, beside the
+  next bucket's reduction; the last one after the final reduction), the parameters' copies
+  up a bucket at a time after the step, pipelined with ZeRO-1/2's replica all-gathers; the
+  optimizer state leaves the device's memory;
 - pipeline: the plan's schedule replayed in event time (``cost.replay``) with each stage's F,
   B (and W) times and the point-to-point transfer of the activation that crosses each cut;
   the deferred data-parallel reduction and the optimizer step follow;
@@ -51,8 +54,8 @@ from .compute import GROUP_TIME_FORMULA, compute_time, group_time
 from .formulas import dp_comm_elements, tp_layer_comm_elements
 from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
-from .offload import device_dtypes, host_bytes_per_element, host_link_bytes, host_link_formula, offload_elements, \
-    offload_time
+from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
+    host_link_formula, host_step_time, offload_elements
 from .profile import GroupCost, Profile, profile
 from .replay import pipeline_placement, pipeline_time
 
@@ -104,7 +107,8 @@ class Estimate:
                  f"({'fits' if self.fits else 'DOES NOT FIT'} in {self.device_memory / 2**30:.1f} GiB)",
                  f"  bytes / rank    {self.comm_bytes:14,.0f} B per step"]
         if self.host_bytes:
-            lines.append(f"  host link       {self.host_bytes:14,.0f} B per step (gradients down, parameters up); "
+            lines.append(f"  host link       {self.host_bytes:14,.0f} B per step (gradients down as each bucket is "
+                         f"reduced, parameters up after the step, bucket by bucket under ZeRO-1/2's gathers); "
                          f"host memory {self.host_memory_bytes / 2**20:.3f} MiB")
         for k, v in self.memory_breakdown.items():
             lines.append(f"    memory {k:18s} {v / 2**20:14.3f} MiB")
@@ -320,7 +324,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     mode = plan.dp
     formulas = []
     dp_bytes, dp_time_tail, dp_fwd_gather, dp_bwd_gather, dp_bwd_reduce = [], [], [], [], []
-    states, psi_stage, n_tensors, opt_elements = [], [], [], []
+    states, psi_stage, n_tensors, opt_elements, off_buckets = [], [], [], [], []
     for s, gs in enumerate(stage_groups):
         # a stage holds every parameter it reads (a tied table lives in each stage reading it)
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
@@ -341,6 +345,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         psi_stage.append(psi)
         n_tensors.append(len(shapes))
         opt_elements.append(offload_elements(mode, psi, pad, n))     # the elements the optimizer steps
+        if plan.offload == "optimizer":
+            off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes))
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
         fwd_g = [collective_time("all_gather", padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
                  for g, f in zip(gs, f_stage[s])]
@@ -364,11 +370,11 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                 held = math.prod(shp) if mode == "ddp" else padded_numel(shp, n) // n
                 tied_bytes += held * pbytes
     opt_time = [optimizer_time(mode, states[s], n_tensors[s], c) * slow for s in range(S)]
-    dt_device = dt
-    if plan.offload == "optimizer":    # host link + the step on the host, one after another (cost.offload)
-        host_t = [offload_time(opt_elements[s], n_tensors[s], dt, c) for s in range(S)]
-        opt_time = [(link + step_h) * slow for link, step_h in host_t]
-        dt_device = device_dtypes(dt)
+    dt_device, copies = dt, [None] * S
+    if plan.offload == "optimizer":    # the step on the host; the host link's copies around it (cost.offload)
+        opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]
+        copies = [host_copies(off_buckets[s], mode, dt, c, slow) for s in range(S)]
+        dt_device = device_dtypes(mode, dt, c.mixed_precision)
     sync = [sync_time(mode, n_tensors[s], c) * slow for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
@@ -383,9 +389,16 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         F, B = list(F), list(B)
         F[0] += dev.pass_overhead / 3 * cslow
         B[0] += sync[0] + 2 * dev.pass_overhead / 3 * cslow   # the bucket bookkeeping runs inside backward
-        step, compute, exposed, bubble = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0],
-                                                       dp_time_tail[0], opt_time[0], mode, n, timeline, simulate,
-                                                       plan.overlap)
+        def one_stage(copies_, lanes):
+            return _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
+                                 opt_time[0], mode, n, lanes, simulate, plan.overlap, copies_)
+
+        step, compute, exposed, bubble = one_stage(copies[0], timeline)
+        if copies[0] is not None:     # what the copies down, then up, add: the step without them
+            no_down = dataclasses.replace(copies[0], down=(0.0,) * len(copies[0].down))
+            no_copies = dataclasses.replace(no_down, up=(0.0,) * len(no_down.up))
+            without = [one_stage(x, [])[0] for x in (no_down, no_copies)]
+            host_exposed = (step - without[0], without[0] - without[1])
         tp_exposed = sum(tpf) + sum(tpb)
         exposed += tp_exposed
         compute -= tp_exposed
@@ -403,7 +416,12 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         pipe, bubble, busy = pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
                                             wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
-        after = [sum(dp_bwd_reduce[s]) + opt_time[s] + dp_time_tail[s] + sync[s] for s in range(S)]
+        reduce_t, tail_t = [sum(dp_bwd_reduce[s]) for s in range(S)], list(dp_time_tail)
+        if plan.offload == "optimizer":   # each bucket's copy down once its reduction lands it; the copies
+            reduce_t = [flow_time(dp_bwd_reduce[s][::-1], copies[s].down_by_group(len(stage_groups[s]))[::-1])
+                        for s in range(S)]            # up pipelined with the gathers (cost.offload)
+            tail_t = [copies[s].up_tail(dp_time_tail[s]) for s in range(S)]
+        after = [reduce_t[s] + opt_time[s] + tail_t[s] + sync[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
         tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
         # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
@@ -412,17 +430,21 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
             mine = [s for s in range(S) if s % p == r]
             t0 = pipe
-            for label, lane, dur in (("dp reduction (deferred)", "comm", sum(sum(dp_bwd_reduce[s]) + sync[s] for s in mine)),
+            up = "params up + all_gather" if plan.offload == "optimizer" else "all_gather params"
+            for label, lane, dur in (("dp reduction (deferred)", "comm", sum(reduce_t[s] + sync[s] for s in mine)),
                                      ("tied gradients", "comm", 2 * tied_t),
                                      ("loss broadcast", "comm", loss_t),
                                      ("optimizer", "compute", sum(opt_time[s] for s in mine)),
-                                     ("all_gather params", "comm", sum(dp_time_tail[s] for s in mine))):
+                                     (up, "comm", sum(tail_t[s] for s in mine))):
                 if dur:
                     timeline.append((r, lane, label, t0, t0 + dur))
                     t0 += dur
         tp_exposed = m * max(sum(tpf[a:b]) + sum(tpb[a:b]) for a, b in bounds)
         compute = busy - tp_exposed
         exposed = tp_exposed + max(per_rank_after) - min(opt_time) + 2 * tied_t + loss_t
+        worst_r = max(range(p), key=lambda r: per_rank_after[r])
+        host_exposed = tuple(sum(x[s] - y[s] for s in range(S) if s % p == worst_r)
+                             for x, y in ((reduce_t, [sum(r) for r in dp_bwd_reduce]), (tail_t, dp_time_tail)))
     # ---- bytes per rank ---------------------------------------------------------------------------
     by_axis: dict = {}
     per_rank = []
@@ -449,7 +471,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         flight = inflight_microbatches(plan.pp_schedule, p, m, v, stage=r)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
-                                staging=c.name == "local"))
+                                staging=c.name == "local", offload=plan.offload == "optimizer"))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
@@ -466,16 +488,18 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     host_bytes = host_memory = 0.0
     host_times = {}
     if plan.offload == "optimizer":
-        worst_s = max(range(S), key=lambda s: opt_time[s])    # the "optimizer" time is their sum there
-        host_times = {"host link": host_t[worst_s][0] * slow, "host step": host_t[worst_s][1] * slow}
-        per_rank_host = [sum(sum(host_link_bytes(opt_elements[s], dt)) for s in range(S) if s % p == r)
+        mixed = c.mixed_precision
+        host_times = {"host step": max(opt_time), "host link down (exposed)": host_exposed[0],
+                      "host link up (exposed)": host_exposed[1]}    # what the copies add to the step
+        per_rank_host = [sum(sum(host_link_bytes(opt_elements[s], mode, dt, mixed)) for s in range(S) if s % p == r)
                          for r in range(p)]
         host_bytes = max(per_rank_host)
-        host_memory = max(sum(host_bytes_per_element(dt, c.mixed_precision) * opt_elements[s] for s in range(S)
+        host_memory = max(sum(host_bytes_per_element(mode, dt, mixed) * opt_elements[s] for s in range(S)
                               if s % p == r) for r in range(p))
-        formulas.append(("host link bytes / step (offload)", f"{host_link_formula(mode, dt)} (gradients down, "
-                         f"parameters up; ZeRO's Psi/N padded)", f"{host_bytes:,.0f} B over {c.host.name} at "
-                         f"{c.host.bandwidth / 1e9:.1f} GB/s"))
+        formulas.append(("host link bytes / step (offload)", f"{host_link_formula(mode, dt, mixed)} (gradients "
+                         f"down as they land, parameters up; ZeRO's Psi/N padded"
+                         f"{'; fp32 masters stay on the device, so 4 B each way' if mixed else ''})",
+                         f"{host_bytes:,.0f} B over {c.host.name} at {c.host.bandwidth / 1e9:.1f} GB/s"))
     formulas.append(("activations", f"saved per micro-batch x in-flight ({plan.pp_schedule or 'no pipeline'})",
                      f"{act:,.0f} B"))
     if t > 1:
@@ -578,7 +602,20 @@ def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -
     return out
 
 
-def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False):
+def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_bytes: int) -> list:
+    """(group completing it, this rank's elements) of each gradient bucket in launch order, for
+    the host link's copies: ZeRO-3 a unit per layer group (as ``_bucket_times``), the others
+    ``_grad_buckets`` (ZeRO: each member's padded share; a parameter of no group: group 0)."""
+    if mode == "zero3":
+        return [(i, padded_sum({x: shapes[x] for x in gs[i].params if x in shapes}, n) / n)
+                for i in reversed(range(len(gs)))]
+    share = 1 if mode == "ddp" else n
+    group_of = {x: i for i, g in enumerate(gs) for x in g.params}
+    return [(min(group_of.get(x, 0) for x in b), sum(padded_numel(shapes[x], share) for x in b) / share)
+            for b in _grad_buckets(gs, shapes, share, nbytes, bucket_bytes)]
+
+
+def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -593,7 +630,9 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     (``AxisComm.reduce_scatter_flat(in_place=True)``).
     ZeRO-3 in forward: the unit in use, copied out of its flat buffer (which then goes), and
     the next one's gather in flight into its own (broadcast in place: no staging copy) with its
-    send buffer: (2 + 1/N) units of its largest."""
+    send buffer: (2 + 1/N) units of its largest.
+    ``offload``: the step runs on the host, after the device's gradients were dropped, and
+    ZeRO-1/2's replica gathers are pipelined with the copies up (two buckets in flight)."""
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
@@ -671,11 +710,12 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         grads = gb * (pad / n if zero else psi) if mode != "zero1" else 0.0
     else:
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
-    opt_tmp = 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)
+    opt_tmp = 0.0 if offload else 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)
     if mode in ("zero1", "zero2"):   # the replicas' all-gather, a bucket at a time: its shard and result
-        opt_tmp += pb * max((padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n)
-                             for b in _grad_buckets(gs, shapes, n, pb, bucket_bytes)), default=0.0)
-    peak = max(peak, base + grads + opt_tmp)
+        gathers = sorted((pb * padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n)
+                          for b in _grad_buckets(gs, shapes, n, pb, bucket_bytes)), reverse=True)
+        opt_tmp += sum(gathers[:2 if offload else 1])
+    peak = max(peak, base + (0.0 if offload else grads) + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
 
 
@@ -694,13 +734,22 @@ def _oversubscription(c, axes) -> float:
     return c.slowdown(math.prod(axes.values()))
 
 
-def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, overlap=True):
+def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, overlap=True, copies=None):
     """One stage, two streams: returns (step, compute busy, exposed communication, bubble=0).
-    With the overlap pass, ZeRO-3 gathers go one unit ahead and gradient buckets are reduced
-    while backward goes on (ZeRO-1 too); without it, each collective is waited on when issued."""
+    With the overlap pass, ZeRO-3
+    gathers go one unit ahead and gradient buckets are reduced while backward goes on (ZeRO-1
+    too); without it, each collective is waited on when issued.
+
+    ``copies`` (``Plan(offload="optimizer")``, ``cost.offload.HostCopies``): each bucket's
+    gradients go down on the compute lane when the next bucket launches (the last, and all of
+    ZeRO-1's, when backward ends, each after its own reduction); after the step on the host
+    (``opt``) the parameters come up a bucket at a time on the compute lane, ZeRO-1/2's
+    all-gather of each bucket (its share of ``tail``) on the communication lane after it."""
+    down, up = (list(copies.down), list(copies.up)) if copies is not None else ([], [])
+    gathers = copies.gathers(tail) if copies is not None else []
     if not overlap:
         compute = sum(F) + sum(B) + opt
-        step = compute + sum(gf) + sum(gb) + sum(red) + tail
+        step = compute + sum(gf) + sum(gb) + sum(red) + tail + sum(down) + sum(up)
         t = 0.0
         for i in range(len(F)):
             for lane, name, d in (("comm", f"all_gather unit {i}", gf[i] if mode == "zero3" else 0.0),
@@ -710,13 +759,21 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
                     t += d
         for i in reversed(range(len(B))):
             for lane, name, d in (("comm", f"all_gather unit {i} (backward)", gb[i] if mode == "zero3" else 0.0),
-                                  ("compute", f"B {i}", B[i]), ("comm", f"reduce grads {i}", red[i] if n > 1 else 0.0)):
+                                  ("compute", f"B {i}", B[i]), ("comm", f"reduce grads {i}", red[i] if n > 1 else 0.0),
+                                  ("compute", f"grads down {i}", sum(d for g, d in zip(copies.group, down) if g == i)
+                                   if copies is not None else 0.0)):
                 if d:
                     timeline.append((0, lane, name, t, t + d))
                     t += d
         timeline.append((0, "compute", "optimizer", t, t + opt))
-        if tail:
-            timeline.append((0, "comm", "all_gather params", t + opt, t + opt + tail))
+        t += opt
+        for k, (u, g) in enumerate(zip(up, gathers)):
+            timeline.append((0, "compute", f"params up, bucket {k}", t, t + u))
+            if g:
+                timeline.append((0, "comm", f"all_gather params, bucket {k}", t + u, t + u + g))
+            t += u + g
+        if tail and copies is None:
+            timeline.append((0, "comm", "all_gather params", t, t + tail))
         return step, compute, step - compute, 0.0
     if not simulate:
         compute = sum(F) + sum(B) + opt
@@ -725,9 +782,12 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
             bwd = sum(max(b, g) for b, g in zip(B, gb))
         else:
             fwd, bwd = sum(F), sum(B)
-        step = fwd + bwd + red[0] + opt + tail
+        # the copies down on the compute lane (the last after the final reduction); up pipelined with the gathers
+        after = copies.up_tail(tail) if copies is not None else tail
+        step = fwd + bwd + red[0] + sum(down) + opt + after
         return step, compute, step - compute, 0.0
     comp_t = comm_t = red_t = 0.0
+    red_end: dict = {}
     f_end: list = []
     # forward: gather unit i while unit i-1 computes (at most two gathered at once), then compute it
     for i in range(len(F)):
@@ -758,10 +818,32 @@ def _single_stage(F, B, gf, gb, red, tail, opt, mode, n, timeline, simulate, ove
             red_t = start + red[i]
             timeline.append((0, "comm", f"{'all_reduce' if mode == 'ddp' else 'reduce_scatter'} grads {i}",
                              start, red_t))
+        red_end[i] = red_t
+        if copies is not None and copies.early:   # bucket k launches here: bucket k-1 lands, its copy goes down
+            for k in (k for k, g in enumerate(copies.group) if g == i and k > 0):
+                timeline.append((0, "compute", f"grads down, bucket {k - 1}", comp_t, comp_t + down[k - 1]))
+                comp_t += down[k - 1]
     s0 = max(comp_t, comm_t, red_t)
+    if copies is not None:    # the last bucket (ZeRO-1: every one) lands when its reduction ends
+        t = comp_t
+        for k in range(len(down) - 1 if copies.early else 0, len(down)):
+            start = max(t, red_end.get(copies.group[k], 0.0))
+            t = start + down[k]
+            timeline.append((0, "compute", f"grads down, bucket {k}", start, t))
+        s0 = max(t, s0)
     comp_t = s0 + opt
     timeline.append((0, "compute", "optimizer", s0, comp_t))
-    if tail:
+    if copies is not None:    # a bucket's copy up, then its gather while the next bucket's copy runs
+        a = b = comp_t
+        for k, (u, g) in enumerate(zip(up, gathers)):
+            timeline.append((0, "compute", f"params up, bucket {k}", a, a + u))
+            a += u
+            if g:
+                start = max(a, b)
+                b = start + g
+                timeline.append((0, "comm", f"all_gather params, bucket {k}", start, b))
+        comp_t = max(a, b)
+    elif tail:
         timeline.append((0, "comm", "all_gather params", comp_t, comp_t + tail))
         comp_t += tail
     compute = sum(F) + sum(B) + opt

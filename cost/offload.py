@@ -1,36 +1,62 @@
 """Optimizer offload in the cost model: ``Plan(offload="optimizer")`` (ZeRO-Offload: Ren et al.,
 USENIX ATC 2021) moves the optimizer's state and step to host memory, and charges the host
-link (``Cluster.host``: PCIe on the GPU presets) for the traffic.
+link (``Cluster.host``: PCIe on the GPU presets) for the traffic, priced as the runtime
+(``autopar.runtime.offload``) moves it.
 
 With E elements per rank (ZeRO: Ψ/N, padded to N equal chunks, the first rank's share; ddp: Ψ)
 and (p, g, K) bytes per element of (parameter, gradient, optimizer state) as the cost model
 counts them (``cost.memory``: FP32 (4, 4, 8) or ZeRO's mixed precision (2, 2, 12)):
 
-    host link bytes / step    down g·E (gradients) + up p·E (parameters)
-    link time                 2·α_host + (g + p)·E / β_host
+    bytes / element           down d = the gradient as it lands, up u = the device parameter the
+                              optimizer copies: fp32 (g, p) = (4, 4); mixed precision (4, 4),
+                              the fp32 master (``autopar.sizes.mixed_state_dtypes``: the master
+                              stays on the device, the reducer lands gradients in its dtype)
+    host link bytes / step    (d + u)·E
+    device model states       ``state_bytes`` with (p, g, K) -> fp32 (p, g, 0); mixed precision
+                              (p, 4, 4): gradients as they land, the master stays, m and v go
+    host memory               H·E, H = u + d + the optimizer state without the master (fp32: K;
+                              mixed: K − 4): the parameter copy, its gradient, Adam's m and v
     host step                 3·H·E / host bandwidth + tensors · step_overhead
-    device model states       ``state_bytes`` with K = 0: the optimizer state leaves the device
-    host memory               H·E, H = p + g + K (fp32: the parameter copy, its gradient, Adam's
-                              m and v) or g + K under mixed precision (K holds the fp32 master)
 
-The runtime (``autopar.runtime.offload``) copies the gradients down in the optimizer's step
-pre-hook, after backward, then steps on the host, then copies the parameters up, before
-ZeRO-1/2's parameter all-gather: the three run one after another and overlap nothing, so the
-estimate adds link time + host step in place of the device's optimizer step. (ZeRO-Offload
-overlaps the gradient copies with backward; this runtime does not, and neither does the model.)
+ZeRO-Offload proper keeps the fp32 master on the host only and moves fp16 gradients down and
+fp16 parameters up, 2 + 2 B per element under mixed precision; this runtime keeps the master
+shards on the device (the gathers, the replica refresh and ddp's cast read them), so it moves
+4 + 4 B, and so does this model: a known difference from the paper, priced as it runs.
 
-The host's memory bandwidth: the local preset's host is its device (``Cluster.host`` is the
-machine's memory), so its device bandwidth; the GPU presets describe no host memory, so
-``HOST_MEMORY_BANDWIDTH`` per node, shared by its GPUs, at the device's achieved fraction.
+What overlaps what (the runtime issues the copies from the training thread, on CUDA on the
+current stream, so they share the compute lane and overlap communication, not compute):
+
+    down  a bucket's copy runs on the compute lane when the next bucket launches, beside that
+          bucket's reduction: it delays the rest of backward, so it costs the step where the
+          compute lane is the critical path and hides in the slack where the reductions are;
+          the last bucket's copy waits for the final reduction and is exposed whole. ZeRO-1's
+          land when backward ends, each after its own reduction (``estimate._single_stage``
+          places them; a pipeline's deferred reduction: ``flow_time(reductions, copies)``)
+    up    after the host step, bucket by bucket in the reducer's order; ZeRO-1/2 issue each
+          bucket's replica all-gather as soon as its rows are up, so the up-copies and the
+          gathers form a two-stage pipeline: ``flow_time(ups, gathers)`` = the first bucket's
+          copy + for each next bucket the longer of its copy and the previous gather + the
+          last gather; for equal buckets max(U, G) + one bucket's copy or gather, whichever is
+          shorter, not U + G. ddp and ZeRO-3: one copy of everything, nothing after it
+
+Each bucket's copy is α_host + bytes/β_host. The host's memory bandwidth: the local preset's
+host is its device (``Cluster.host`` is the machine's memory), so its device bandwidth; the
+GPU presets describe no host memory, so ``HOST_MEMORY_BANDWIDTH`` per node, shared by its
+GPUs, at the device's achieved fraction.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy as sp
+
+from autopar.sizes import mixed_state_dtypes
 
 from .formulas import N, PSI
 
-__all__ = ["HOST_MEMORY_BANDWIDTH", "offload_elements", "device_dtypes", "host_bytes_per_element",
-           "host_link_bytes", "host_link_formula", "host_bandwidth", "offload_time"]
+__all__ = ["HOST_MEMORY_BANDWIDTH", "HostCopies", "offload_elements", "device_dtypes", "link_bytes_per_element",
+           "host_bytes_per_element", "host_link_bytes", "host_link_formula", "host_bandwidth", "copy_time",
+           "host_step_time", "host_copies", "flow_time"]
 
 HOST_MEMORY_BANDWIDTH = 2 * 204.8e9
 """Bytes/s of one node's host memory: two CPU sockets of 8 DDR4-3200 channels each (8 x 25.6
@@ -43,30 +69,43 @@ def offload_elements(mode: str, psi: float, padded_psi: float, n: int) -> float:
     return psi if mode == "ddp" else padded_psi / n
 
 
-def device_dtypes(dtypes: tuple) -> tuple:
-    """(p, g, K) bytes per element on the device once the optimizer state is offloaded: K = 0."""
+def device_dtypes(mode: str, dtypes: tuple, mixed: bool) -> tuple:
+    """(p, g, K) bytes per element on the device once the optimizer state is offloaded: fp32
+    (p, g, 0); mixed precision (p, the gradient as it lands, the master), the runtime's
+    ``mixed_state_dtypes`` without optimizer state for the last two (4, 4 at fp32 masters)."""
     p, g, _ = dtypes
-    return p, g, 0
+    if not mixed:
+        return p, g, 0
+    _, landed, master = mixed_state_dtypes(mode, compute=p, optimizer=0)
+    return p, landed, master
 
 
-def host_bytes_per_element(dtypes: tuple, mixed: bool) -> float:
-    """H: host bytes per element of the optimizer's copy: p + g + K, or g + K under mixed
-    precision, where K already holds the fp32 master."""
-    p, g, k = dtypes
-    return g + k if mixed else p + g + k
+def link_bytes_per_element(mode: str, dtypes: tuple, mixed: bool) -> tuple:
+    """(down, up) bytes per element over the host link: the gradient as it lands and the device
+    parameter the optimizer copies (fp32: g, p; mixed precision: the master's dtype, both)."""
+    p, g, k = device_dtypes(mode, dtypes, mixed)
+    return (g, k) if mixed else (g, p)
 
 
-def host_link_bytes(elements: float, dtypes: tuple) -> tuple[float, float]:
-    """(down, up) bytes per step over the host link: g·E gradients, p·E parameters."""
-    p, g, _ = dtypes
-    return g * elements, p * elements
+def host_bytes_per_element(mode: str, dtypes: tuple, mixed: bool) -> float:
+    """H: host bytes per element of the optimizer's copy: the parameter copy and its gradient
+    as they cross the link, and the optimizer state the device no longer holds (fp32: K;
+    mixed precision: K less the master, which stays on the device)."""
+    down, up = link_bytes_per_element(mode, dtypes, mixed)
+    return down + up + dtypes[2] - device_dtypes(mode, dtypes, mixed)[2]
 
 
-def host_link_formula(mode: str, dtypes: tuple) -> sp.Expr:
+def host_link_bytes(elements: float, mode: str, dtypes: tuple, mixed: bool) -> tuple[float, float]:
+    """(down, up) bytes per step over the host link: d·E gradients, u·E parameters."""
+    down, up = link_bytes_per_element(mode, dtypes, mixed)
+    return down * elements, up * elements
+
+
+def host_link_formula(mode: str, dtypes: tuple, mixed: bool) -> sp.Expr:
     """The host link's bytes per step per rank as a sympy expression in Ψ and N:
-    (g + p)·Ψ (ddp) or (g + p)·Ψ/N (ZeRO)."""
-    p, g, _ = dtypes
-    return (g + p) * (PSI if mode == "ddp" else PSI / N)
+    (d + u)·Ψ (ddp) or (d + u)·Ψ/N (ZeRO)."""
+    down, up = link_bytes_per_element(mode, dtypes, mixed)
+    return (down + up) * (PSI if mode == "ddp" else PSI / N)
 
 
 def host_bandwidth(c) -> float:
@@ -77,13 +116,65 @@ def host_bandwidth(c) -> float:
     return HOST_MEMORY_BANDWIDTH / c.gpus_per_node * d.memory_efficiency
 
 
-def offload_time(elements: float, n_tensors: int, dtypes: tuple, c) -> tuple[float, float]:
-    """(link seconds, host step seconds) of one step of ``elements`` over ``n_tensors`` tensors
-    on cluster ``c``: 2·α + (g + p)·E / β over ``c.host``, and 3·H·E / host bandwidth (read and
-    write the copy, its gradient and state, as the device's ``optimizer_time`` counts) plus the
-    per-tensor step overhead."""
-    down, up = host_link_bytes(elements, dtypes)
-    link = 2 * c.host.latency + (down + up) / c.host.bandwidth
-    step = 3 * host_bytes_per_element(dtypes, c.mixed_precision) * elements / host_bandwidth(c) \
-        + n_tensors * c.device.step_overhead
-    return link, step
+def copy_time(nbytes: float, c) -> float:
+    """Seconds of one copy of ``nbytes`` over the host link: α + bytes/β (0 for none)."""
+    return c.host.latency + nbytes / c.host.bandwidth if nbytes else 0.0
+
+
+def host_step_time(elements: float, n_tensors: int, mode: str, dtypes: tuple, c) -> float:
+    """Seconds of the optimizer step on the host over ``elements`` in ``n_tensors`` tensors:
+    3·H·E / host bandwidth (read and write the copy, its gradient and state, as the device's
+    ``optimizer_time`` counts) plus the per-tensor step overhead."""
+    h = host_bytes_per_element(mode, dtypes, c.mixed_precision)
+    return 3 * h * elements / host_bandwidth(c) + n_tensors * c.device.step_overhead
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """One step's copies over the host link of one stage, per gradient bucket in the reducer's
+    (launch) order."""
+    down: tuple         # seconds of each bucket's gradients going down
+    elements: tuple     # this rank's elements of each copy up: ZeRO-1/2 a bucket's; else all, at once
+    up: tuple           # seconds of each of those copies up
+    group: tuple        # the layer group whose backward completes each bucket
+    early: bool         # gradients land while backward goes on (False: ZeRO-1, when backward ends)
+
+    def gathers(self, total: float) -> list:
+        """ZeRO-1/2's replica all-gather of ``total`` seconds, a bucket's share each (by elements)."""
+        e = sum(self.elements)
+        return [total * x / e if e else 0.0 for x in self.elements]
+
+    def up_tail(self, gather: float) -> float:
+        """Seconds from the end of the host step to the last replica written: the copies up
+        pipelined with the buckets' all-gathers (``gather`` seconds in all; 0: none)."""
+        return flow_time(self.up, self.gathers(gather))
+
+    def down_by_group(self, groups: int) -> list:
+        """Seconds of the copies down of the buckets each of ``groups`` layer groups completes."""
+        out = [0.0] * groups
+        for g, d in zip(self.group, self.down):
+            out[g] += d
+        return out
+
+
+def host_copies(buckets: list, mode: str, dtypes: tuple, c, slow: float = 1.0) -> HostCopies:
+    """``HostCopies`` of ``buckets`` ((group, this rank's elements) each, in launch order) on
+    cluster ``c``, each copy's time times ``slow`` (ranks sharing cores on the local preset).
+    The parameters come up a bucket at a time only where a gather follows (ZeRO-1/2)."""
+    down, up = link_bytes_per_element(mode, dtypes, c.mixed_precision)
+    ups = [e for _, e in buckets] if mode in ("zero1", "zero2") else [sum(e for _, e in buckets)]
+    return HostCopies(down=tuple(copy_time(down * e, c) * slow for _, e in buckets), elements=tuple(ups),
+                      up=tuple(copy_time(up * e, c) * slow for e in ups),
+                      group=tuple(g for g, _ in buckets), early=mode != "zero1")
+
+
+def flow_time(first: list, second: list) -> float:
+    """Seconds until the last of ``second`` ends when item i's ``second`` starts once its
+    ``first`` and item i−1's ``second`` have ended, and the ``first`` run back to back (a
+    two-stage pipeline: copies up then their gathers; reductions then their copies down).
+    For k equal items of a and b seconds: a + (k − 1)·max(a, b) + b."""
+    a = b = 0.0
+    for x, y in zip(first, second):
+        a += x
+        b = max(a, b) + y
+    return max(a, b)

@@ -78,9 +78,11 @@ class DataParallelSync(nn.Module):
         # ZeRO-2/3: a bucket's full gradients are freed once reduced (False keeps every bucket to
         # the end of backward: the reducer as it was, what the memory tests measure against)
         self.free_reduced = True
-        # called with a bucket's parameters once their reduced gradients are in .grad, while later
-        # buckets are still being reduced (Plan(offload=...): their copy to the host starts)
+        # called with a bucket's parameters once their reduced gradients are in .grad: after the
+        # next bucket's reduction is issued, so that what it does runs while that one is in flight
+        # (Plan(offload=...): their copy to the host)
         self.on_landed = None
+        self._unnotified: list[int] = []     # buckets landed, on_landed not yet called
         self.sharded = mode != "ddp"
         # overlap: buckets go out as they fill and are waited on when the next one fills, backward
         # gathers run ahead within prefetch_bytes; off: every collective is waited on where issued
@@ -179,19 +181,46 @@ class DataParallelSync(nn.Module):
             del self._fwd[k]
         return full
 
-    def gather_replicas(self) -> None:
-        """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica."""
+    def gather_replicas(self, before_bucket=None) -> None:
+        """ZeRO-1/2: after the optimizer updated this rank's rows, all-gather every replica, a
+        bucket at a time. Without ``before_bucket`` each bucket's gather is waited on as it is
+        issued. With it (``Plan(offload=...)``: ``OptimizerOffload.params_up``, which copies a
+        bucket's rows up from the host), it is called with each bucket's shards before the
+        bucket is staged, and the gathers are pipelined: bucket b's is issued asynchronously and
+        waited on (its replicas written) only after bucket b+1's rows are up and its gather
+        issued, so that each copy up runs while the previous bucket's gather is in flight (two
+        buckets' gathers in flight at most; every one waited on before this returns). With
+        ``overlap`` off each gather is waited on as soon as it is issued."""
+        pipelined = before_bucket is not None and self.overlap
         with torch.no_grad():
+            inflight = None
             for i, b in enumerate(self.buckets):
+                if before_bucket is not None:
+                    before_bucket([self._params[n] for n in b.names])
                 staging = torch.cat([self.compute(self.specs[n].padded_local(self._params[n])) for n in b.names])
                 out = staging.new_empty(self.comm.size * b.width)
-                self.comm.all_gather_flat(out, staging, label=f"params, bucket {i}",
-                                          phase="optimizer")
-                out = out.view(self.comm.size, b.width)
-                for n, off, size in zip(b.names, b.offsets, b.sizes):
-                    spec = self.specs[n]
-                    self._replicas[n].view(-1).copy_(out[:, off:off + size].reshape(-1)[: spec.numel])
+                work = self.comm.all_gather_flat(out, staging, label=f"params, bucket {i}", async_op=pipelined,
+                                                 phase="optimizer")
+                if inflight is not None:
+                    self._write_replicas(*inflight)
+                inflight = (i, work, out)
+                if not pipelined:
+                    self._write_replicas(*inflight)
+                    inflight = None
+            if inflight is not None:
+                self._write_replicas(*inflight)
         self.record_versions()
+
+    def _write_replicas(self, i: int, work, out: torch.Tensor) -> None:
+        """Wait for bucket ``i``'s replica all-gather (``work``; None: done) and copy each
+        member's rows out of the rank-major ``out`` into its replica."""
+        if work is not None:
+            work.wait()
+        b = self.buckets[i]
+        out = out.view(self.comm.size, b.width)
+        for n, off, size in zip(b.names, b.offsets, b.sizes):
+            spec = self.specs[n]
+            self._replicas[n].view(-1).copy_(out[:, off:off + size].reshape(-1)[: spec.numel])
 
     def record_versions(self) -> None:
         self._versions = [p._version for p in self._params.values()]
@@ -386,6 +415,7 @@ class DataParallelSync(nn.Module):
         self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names)}
                        for b in self.buckets]
         self._next = 0
+        self._unnotified = []
         if self.mode == "zero1":
             self._prepare_persistent()
         if queue:
@@ -415,6 +445,7 @@ class DataParallelSync(nn.Module):
                 self._retire(bi)
             self.events.append(("launch", bi))
             self._next += 1
+            self._notify_landed()    # the previous bucket's, now that this one is in flight
 
     def _retire(self, bi: int) -> None:
         """Wait for bucket ``bi``'s reduction (launched), land its gradients (``_land``; ZeRO-1's
@@ -435,7 +466,8 @@ class DataParallelSync(nn.Module):
     def _land(self, bi: int) -> None:
         """Bucket ``bi``'s reduced gradients, averaged, into its parameters' ``.grad`` (added to
         what is there: gradients accumulate across backward calls), as soon as its reduction
-        completes; then ``on_landed``."""
+        completes; ``on_landed`` follows once the next bucket's reduction is issued
+        (``_notify_landed``), or when backward ends for the last."""
         b, st = self.buckets[bi], self._state[bi]
         result = st["out"] if self.sharded else st["buf"]
         with torch.no_grad():
@@ -448,8 +480,14 @@ class DataParallelSync(nn.Module):
                 else:
                     p.grad.add_(g)
         st["landed"] = True
-        if self.on_landed is not None:
-            self.on_landed([self._params[name] for name in b.names])
+        self._unnotified.append(bi)
+
+    def _notify_landed(self) -> None:
+        """``on_landed`` for each bucket landed since the last call, in bucket order."""
+        while self._unnotified:
+            b = self.buckets[self._unnotified.pop(0)]
+            if self.on_landed is not None:
+                self.on_landed([self._params[name] for name in b.names])
 
     def _finish_backward(self):
         late = [n for st, b in zip(self._state, self.buckets) if st["work"] is not None
@@ -462,6 +500,7 @@ class DataParallelSync(nn.Module):
         with torch.no_grad():
             for bi, (b, st) in enumerate(zip(self.buckets, self._state)):
                 self._retire(bi)        # lands the bucket's gradients, if it has not yet
+                self._notify_landed()
                 if self.mode == "zero1":
                     self._finish_zero1(bi, b, st["out"])
                     if self.on_landed is not None:

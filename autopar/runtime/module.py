@@ -172,7 +172,7 @@ class DistributedModule(nn.Module):
             self._per_tensor = state
         else:
             opt = cls(self.parameters(), **kwargs)
-        if self.plan.dp in ("zero1", "zero2"):
+        if self.plan.dp in ("zero1", "zero2") and self.plan.offload is None:   # offload: in its post-hook
             opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
@@ -182,15 +182,25 @@ class DistributedModule(nn.Module):
     def _offloaded_optimizer(self, cls, named: dict, **kwargs) -> torch.optim.Optimizer:
         """``cls`` over host copies of the trainable ones of ``named`` (name -> device
         parameter), its step hooked to move gradients down before it and parameters up after
-        (registered first: ZeRO-1/2's replica refresh must read the updated shards)."""
+        (``_params_up``, which also refreshes ZeRO-1/2's replicas)."""
         trainable = {name: p for name, p in named.items() if p.requires_grad}
         self._offload = offload = OptimizerOffload(trainable, HostLink(self._device(), self.offload_stats))
         for sync in self._syncs():       # each bucket's gradients go down as soon as they are reduced
             sync.on_landed = offload.early
         opt = cls(offload.parameters(), **kwargs)
         opt.register_step_pre_hook(lambda *_: offload.grads_down())
-        opt.register_step_post_hook(lambda *_: offload.params_up())
+        opt.register_step_post_hook(lambda *_: self._params_up(offload))
         return opt
+
+    def _params_up(self, offload: OptimizerOffload) -> None:
+        """After the offloaded step: the updated parameters up from the host. ZeRO-1/2: a bucket
+        at a time, each bucket's replica all-gather issued as soon as its rows are up, so that
+        the next bucket's copy runs while it is in flight (``DataParallelSync.gather_replicas``);
+        then whatever no bucket holds. ddp, ZeRO-3: all at once (no gather follows)."""
+        if self.plan.dp in ("zero1", "zero2"):
+            for sync in self._syncs():
+                sync.gather_replicas(before_bucket=offload.params_up)
+        offload.params_up()
 
     def _syncs(self) -> list:
         """The data-parallel reducers of this module (a pipeline: one per stage)."""

@@ -8,23 +8,42 @@ rank's parameters and its state live in host memory, and the step runs there.
     OptimizerOffload  host copies of this rank's trainable parameters (ZeRO: its rows; ddp: the
                       whole tensors; tp: its slices), in the device parameters' dtype (the fp32
                       masters under mixed precision). ``dm.optimizer`` builds the optimizer over
-                      them and hooks its step: before, every device gradient is copied down and
-                      dropped from the device; after, every updated host copy is copied up into
-                      its device parameter (then ZeRO-1/2's all-gather refreshes the replicas)
+                      them and hooks its step: before, every device gradient not already down is
+                      copied down and every device gradient dropped; after, the updated host
+                      copies go up into their device parameters
+
+What overlaps what, in a step:
+
+    down  each gradient bucket's copy runs as soon as its reduction has landed the bucket in
+          ``.grad`` and the next bucket's reduction is issued (``early``, from
+          ``DataParallelSync.on_landed``), so every bucket's but the last runs while the next
+          one is being reduced; the last when backward ends (ZeRO-1: every bucket then, each
+          after its own reduction is waited on, while the later ones finish)
+    up    ZeRO-1/2: bucket by bucket in the reducer's bucket order (``params_up(params)``, from
+          ``DataParallelSync.gather_replicas``), each bucket's replica all-gather issued
+          asynchronously right after its rows are up, so that the next bucket's copy runs
+          while it is in flight. ddp, ZeRO-3: every parameter at once (nothing to overlap)
+
+The copies are issued where the runtime runs: on the CPU by the training thread (the
+collectives progress on the backend's threads meanwhile), on CUDA on the current stream
+(asynchronous to the host through pinned memory). So they overlap communication, not
+compute: a copy down delays the rest of backward by its own time.
 
 Per step and rank, with E = this rank's trainable elements (ZeRO: its rows of every tensor;
-ddp: Ψ) and the gradients landing in the parameters' dtype:
+ddp: Ψ):
 
-    down  E x itemsize(gradient)       up  E x itemsize(device parameter)
+    down  E x itemsize(gradient as it lands)       up  E x itemsize(device parameter)
 
-The copies run in the optimizer's step pre-hook, after backward (gradients are final only
-then: a pipeline's tied weights are summed, gradient accumulation has ended), not per bucket
-while backward runs: nothing overlaps them but the asynchronous copies with each other.
+The device parameter is the fp32 master under mixed precision, and the reducer lands the
+gradients in its dtype: 4 B each way per element, where ZeRO-Offload moves fp16 gradients down
+and fp16 parameters up (2 B each way) because it keeps the master on the host only. Here the
+master shards stay on the device (the gathers, the replica refresh and ddp's cast read them),
+a known difference: twice ZeRO-Offload's link bytes under mixed precision.
 
 What stays on the device: the parameters as the plan keeps them (under mixed precision the
-master-dtype shards that the gathers, the replica refresh and the casts read, beside ZeRO-1/2's
-compute-dtype replicas) and the gradients until the step. What moves to the host: the
-optimizer's state (Adam's moments), its copy of the parameters and gradients, its step.
+master-dtype shards, beside ZeRO-1/2's compute-dtype replicas) and the gradients until the
+step. What moves to the host: the optimizer's state (Adam's moments), its copy of the
+parameters and gradients, its step.
 """
 from __future__ import annotations
 
@@ -74,9 +93,10 @@ class OptimizerOffload:
     """Host copies of ``params`` (name -> device parameter) that the optimizer steps.
 
     ``grads_down`` (the step's pre-hook) gives each host copy its device gradient and drops the
-    device's; ``params_up`` (post-hook) writes each host copy into its device parameter.
-    A device parameter changed outside the step (``load_full_state_dict``, a user's in-place
-    edit) is noticed by its version counter and copied down again before the next step."""
+    device's; ``params_up`` (after the step: a bucket at a time, then the rest) writes each
+    host copy into its device parameter once per step. A device parameter changed outside the
+    step (``load_full_state_dict``, a user's in-place edit) is noticed by its version counter
+    and copied down again before the next step."""
 
     def __init__(self, params: dict[str, nn.Parameter], link: HostLink):
         self.link = link
@@ -93,13 +113,15 @@ class OptimizerOffload:
         self.record_versions()
         self._name_of = {id(p): name for name, p in params.items()}
         self._early: dict[str, tuple] = {}    # name -> (device gradient, its version, host copy)
+        self._stale: set[str] = set()         # stepped on the host, not yet copied up
 
     def early(self, params: list) -> None:
         """A bucket's reduced gradients landed in these device parameters' ``.grad`` while
-        backward goes on (``DataParallelSync.on_landed``): their copies down start now, under
-        the later buckets' reductions. ``grads_down`` takes a copy whose gradient is still the
-        same tensor at the same version; a gradient changed since (a second backward, a
-        pipeline's tied sum) is copied again there."""
+        backward goes on (``DataParallelSync.on_landed``, called once the next bucket's
+        reduction is issued): their copies down run now, while that reduction is in flight.
+        ``grads_down`` takes a copy whose gradient is still the same tensor at the same version;
+        a gradient changed since (a second backward, a pipeline's tied sum) is copied again
+        there."""
         with torch.no_grad():
             for p in params:
                 name = self._name_of.get(id(p))
@@ -142,13 +164,19 @@ class OptimizerOffload:
                     h.grad.add_(host)
                 p.grad = None
         self._early.clear()
+        self._stale = set(self.device_params)
         self.link.wait()
 
-    def params_up(self) -> None:
-        """After the step: every host copy into its device parameter."""
+    def params_up(self, params: list | None = None) -> None:
+        """After the step: the host copies of ``params`` (device parameters: one bucket, just
+        before its all-gather reads them) into their device parameters; ``None``: every one
+        not yet up in this step. Each goes up once per step."""
+        names = self.device_params if params is None else [self._name_of.get(id(p)) for p in params]
         with torch.no_grad():
-            for name, p in self.device_params.items():
-                self.link.up(p, self.host_params[name].detach())
+            for name in names:
+                if name in self._stale:
+                    self._stale.discard(name)
+                    self.link.up(self.device_params[name], self.host_params[name].detach())
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Host memory held: the parameter copies, the gradient buffers and (given the

@@ -417,7 +417,7 @@ class PipelineModule(DistributedModule):
             opt = self._offloaded_optimizer(cls, dict(self.named_parameters()), **kwargs)
         else:
             opt = cls(self.parameters(), **kwargs)
-        if self.plan.dp in ("zero1", "zero2"):
+        if self.plan.dp in ("zero1", "zero2") and self.plan.offload is None:   # offload: in its post-hook
             opt.register_step_post_hook(lambda *_: self.gather_params())
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())

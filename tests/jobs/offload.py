@@ -1,6 +1,7 @@
 """Optimizer offload (Plan(offload="optimizer")) on real processes: parity against the
 single-device model, and a census of one step: the bytes that crossed the host link, where
-the optimizer's state lives, and what the device-side module holds afterwards."""
+the optimizer's state lives, what the device-side module holds afterwards, and the order in
+which the step's reductions, copies and gathers were issued."""
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,11 @@ OFF = "optimizer"
 PLANS = {   # name -> (mesh axes, plan)
     "ddp": ({"dp": 2}, autopar.Plan(dp="ddp", offload=OFF)),
     "zero1": ({"dp": 2}, autopar.Plan(dp="zero1", offload=OFF)),
-    "zero2": ({"dp": 2}, autopar.Plan(dp="zero2", offload=OFF)),
+    # ZeRO-2 in buckets small enough for five of them (fp32 32 kB, bf16 16 kB): the copies and
+    # the gathers interleave bucket by bucket
+    "zero2": ({"dp": 2}, autopar.Plan(dp="zero2", bucket_bytes=32_000, offload=OFF)),
     "zero3": ({"dp": 2}, autopar.Plan(dp="zero3", offload=OFF)),
-    "zero2 bf16": ({"dp": 2}, autopar.Plan(dp="zero2", param_dtype=BF16, offload=OFF)),
+    "zero2 bf16": ({"dp": 2}, autopar.Plan(dp="zero2", param_dtype=BF16, bucket_bytes=16_000, offload=OFF)),
     "zero3 bf16": ({"dp": 2}, autopar.Plan(dp="zero3", param_dtype=BF16, offload=OFF)),
     "zero2 tp": ({"dp": 2, "tp": 2}, autopar.Plan(dp="zero2", tp=True, offload=OFF)),
     "pp 1f1b": ({"pp": 2}, autopar.Plan(pp_schedule="1f1b", microbatches=2, offload=OFF)),
@@ -49,10 +52,60 @@ def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
 
 
+class _Logged:
+    """A collective's handle that notes in ``log`` when it is waited on."""
+
+    def __init__(self, work, log: list, event: tuple):
+        self.work, self.log, self.event = work, log, event
+
+    def wait(self):
+        out = self.work.wait()
+        self.log.append(self.event)
+        return out
+
+
+def _log_order(dm, log: list) -> None:
+    """Note in ``log``, in the order they happen: each gradient bucket's reduction issued
+    ("reduce", k) and its gradients handed to the offload ("land", k), each parameter copied up
+    ("up", name), each replica all-gather issued ("issue", k) and waited on ("wait", k)."""
+    sync, off = dm._sync, dm._offload
+    bucket = lambda label: int(label.rsplit(" ", 1)[1])
+    name_of = {id(p): n for n, p in sync._params.items()}
+    index_of = {id(sync._params[b.names[0]]): k for k, b in enumerate(sync.buckets)}
+    up, landed, comm, reduce = off.link.up, sync.on_landed, sync.comm, sync.reduce_comm
+    gather, scatter = comm.all_gather_flat, reduce.reduce_scatter_flat
+
+    def logged_up(dst, src, *args, **kwargs):
+        log.append(("up", name_of[id(dst)]))
+        return up(dst, src, *args, **kwargs)
+
+    def logged_landed(params):
+        log.append(("land", index_of[id(params[0])]))
+        return landed(params)
+
+    def logged_gather(out, inp, label="", async_op=False, phase=None, **kwargs):
+        work = gather(out, inp, label=label, async_op=async_op, phase=phase, **kwargs)
+        if phase != "optimizer":
+            return work
+        log.append(("issue", bucket(label)))
+        if work is None:
+            log.append(("wait", bucket(label)))
+            return None
+        return _Logged(work, log, ("wait", bucket(label)))
+
+    def logged_scatter(out, inp, label="", async_op=False, phase=None, **kwargs):
+        log.append(("reduce", bucket(label)))
+        return scatter(out, inp, label=label, async_op=async_op, phase=phase, **kwargs)
+
+    off.link.up, sync.on_landed = logged_up, logged_landed
+    comm.all_gather_flat, reduce.reduce_scatter_flat = logged_gather, logged_scatter
+
+
 def offload_census(name: str) -> dict:
     """Two steps under ``PLANS[name]``; the second measured: the host link's bytes by (kind,
     phase), this rank's coordinates and trainable elements, where the optimizer's parameters
-    and state live, and the bytes the device-side module holds after the step by kind."""
+    and state live, the bytes the device-side module holds after the step by kind, and (ZeRO-2
+    without tp) the order of the step's reductions, copies and gathers (``_log_order``)."""
     axes, plan = PLANS[name]
     mesh = autopar.Mesh(**axes)
     c = GPTConfig()
@@ -60,9 +113,12 @@ def offload_census(name: str) -> dict:
     torch.manual_seed(0)
     dm = autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan)
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    order: list = []
     for step in range(2):
         if step == 1:
             dm.offload_stats.reset()
+            if plan.dp == "zero2" and not plan.tp:
+                _log_order(dm, order)
         opt.zero_grad()
         if plan.pp_schedule is not None:
             dm.train_step(dm.shard_batch((tok,)), dm.shard_batch(tgt), lm_loss)
@@ -88,6 +144,8 @@ def offload_census(name: str) -> dict:
     off = dm._offload
     return {
         "bytes": {(k, ph): b for (_, k, ph), b in dm.offload_stats.bytes.items()},
+        "order": order,
+        "buckets": [list(b.names) for b in dm._sync.buckets] if plan.pp_schedule is None else [],
         "down_in_backward": down_in_backward,
         "dp_index": mesh.coordinate("dp"), "dp": mesh.axis_size("dp"),
         "elements": sum(p.numel() for p in trainable),
