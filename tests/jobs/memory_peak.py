@@ -3,13 +3,17 @@ lives between steps (the census after zero_grad) plus the profiler's peak of wha
 allocates on top (``autopar.testing.profiled_peak_bytes``)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
+import time
 
 import torch
 import torch.distributed as dist
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.runtime import flight
 from autopar.runtime.rng import RandomMasks
 from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_live_bytes
 
@@ -128,6 +132,44 @@ def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> 
         del body, dm, opt
         gc.collect()
     return out
+
+
+def depth_peaks(cases, depths, config, batch) -> dict:
+    """``plan_peaks`` of the same GPT at each number of layers in ``depths`` (depth -> name ->
+    peak), collectives settled (``collectives_settled``): the peaks of two depths differ by
+    what each layer holds, to the byte."""
+    with collectives_settled():
+        return {n: plan_peaks(cases, dataclasses.replace(config, layers=n), batch) for n in depths}
+
+
+@contextlib.contextmanager
+def collectives_settled(pause: float = 1e-3):
+    """Every collective's buffers freed on this thread, where the profiler sees the free.
+    ``profiled_peak_bytes`` sees this thread's allocator events only, and gloo's worker thread
+    holds a collective's buffers (among them its copy of a reduce-scatter's input) until a
+    moment after the wait returns: a buffer whose last reference it drops is never seen freed,
+    and the step's measured peak keeps it, in some steps and not in others. Here this thread
+    holds each collective's handle through the wait and ``pause`` seconds more (a synchronous
+    one, ``AxisComm``'s ``start(False)``, is issued asynchronously and waited on), so that gloo
+    lets go first and dropping the handle here frees the buffers."""
+    launch, wait = flight.launch, flight.Watched.wait
+
+    def settled_launch(group, kind, label, nbytes, start, *args, peer=None):
+        if args != (False,):
+            return launch(group, kind, label, nbytes, start, *args, peer=peer)
+        launch(group, kind, label, nbytes, start, True, peer=peer).wait()
+        return None
+
+    def settled_wait(self, *args):
+        done = wait(self, *args)
+        time.sleep(pause)
+        return done
+
+    flight.launch, flight.Watched.wait = settled_launch, settled_wait
+    try:
+        yield
+    finally:
+        flight.launch, flight.Watched.wait = launch, wait
 
 
 def auto_plan_peak(cluster, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> dict:
