@@ -74,6 +74,7 @@ class CompileContext:
     rng_sites: tuple = ()           # rng.find_sites: every random site of the model (runtime.rng.MaskSite)
     rng_local: dict = field(default_factory=dict)     # rng: site -> runtime.rng.LocalSite this graph keeps
     recomputed: list = field(default_factory=list)    # recompute: (module name, layer, kind, node names) per region
+    rng_replayed: set = field(default_factory=set)    # recompute: random sites inside regions (masks drawn again)
     captured_training: bool = True  # the model's mode when compile captured it
     mode_difference: Any = ""       # capture: a callable -> how the other train/eval mode's graph differs
                                     # ("" = dropout only), worked out when first needed

@@ -564,6 +564,13 @@ def choose_recompute(profiles, axes: dict, plan: Plan, c, global_batch: int, bud
     return best
 
 
+def _cut_names(names: list, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
+    """``names`` in consecutive groups of at most ``bucket_bytes`` (``sizes.cut_buckets``, every
+    group capped alike), their bytes padded to ``n`` equal chunks."""
+    return [[names[i] for i in b]
+            for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in names], bucket_bytes, bucket_bytes)]
+
+
 def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
     """The gradient buckets of ``shapes``' parameters as the collectives pass cuts them
     (``sizes.cut_buckets`` over their bytes, ``nbytes`` per element, padded to ``n`` equal
@@ -643,7 +650,11 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     saved = [saved_bytes(g, recompute.get(g.name, "none")) * flight for g in gs]
     final = sum(g.final_bytes for g in gs) * flight
     act = sum(saved) + final * 2                       # outputs, and the loss's copy of them
-    units = [pb * padded_sum(g.params, n) for g in gs if g.name not in ("pre", "post")]
+    # ZeRO-3's gather units: a layer's parameters, cut where they pass the bucket size (as the
+    # collectives pass cuts them: passes.collectives._gather_units)
+    units = [pb * sum(padded_numel(shapes[g_x], n) for g_x in cut)
+             for g in gs if g.name not in ("pre", "post")
+             for cut in _cut_names([x for x in g.params if x in shapes], shapes, n, pb, bucket_bytes)]
     root = pb * sum(padded_sum(g.params, n) for g in gs if g.name in ("pre", "post"))
     top = max(units, default=0.0)
     gathered = (root + (2 + 1 / n) * top) if mode == "zero3" else 0.0
@@ -658,9 +669,11 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     for i in reversed(range(len(gs))):
         g = gs[i]
         kind = recompute.get(g.name, "none")
-        # a recomputed layer's activations live again while its backward runs (one micro-batch's),
-        # with the recomputed forward's own working set (its largest value) under full recomputation
-        redo = g.saved + g.max_value if kind == "full" else (g.saved_quadratic if kind == "selective" else 0.0)
+        # a recomputed layer's activations live again while its backward runs (one micro-batch's);
+        # a recomputed attention core's once the ops after it have run backward and let go of
+        # what they kept (``saved_after_core``)
+        redo = g.saved if kind == "full" else (
+            max(0.0, g.saved_quadratic - g.saved_after_core) if kind == "selective" else 0.0)
         work = 2 * g.max_value + redo + (sum(unit_bwd) if unit_bwd else 0.0)
         peak = max(peak, base + rem + pending + flats + outs + grads + accumulated + work)
         rem -= saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
@@ -676,7 +689,8 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                 flat = gb * padded_sum({y: shapes[y] for y in b}, n if zero else 1)
                 # ZeRO-3: the next unit in flight, and what of this layer's unit backward still reads
                 # (a weight is dropped once the matmul that saved it has run: its gradient exists)
-                units_now = (top + pb * sum(math.prod(sh) for y, sh in g.params.items() if y in shapes and y not in done)
+                units_now = (min(top + pb * sum(math.prod(sh) for y, sh in g.params.items()
+                                                if y in shapes and y not in done), 2 * top)
                              if unit_bwd else 0.0)
                 live = base + rem + pending + outs + grads + units_now
                 if mode in ("zero2", "zero3"):   # the previous bucket's goes before this one is filled

@@ -136,8 +136,8 @@ class _Chain:
 def _average(layers: list) -> GroupCost:
     n = len(layers)
     g = GroupCost("layer")
-    for f in ("flops", "bytes_moved", "saved", "saved_quadratic", "matmul_flops", "attention_flops", "out_bytes",
-              "max_value", "final_bytes", "dense_flops", "pointwise_bytes", "attention_heads"):
+    for f in ("flops", "bytes_moved", "saved", "saved_quadratic", "saved_after_core", "matmul_flops",
+              "attention_flops", "out_bytes", "max_value", "final_bytes", "dense_flops", "pointwise_bytes", "attention_heads"):
         setattr(g, f, sum(getattr(x, f) for x in layers) / n)
     g.ops = round(sum(x.ops for x in layers) / n)
     g.tp_forward, g.tp_backward = list(layers[0].tp_forward), list(layers[0].tp_backward)

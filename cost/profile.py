@@ -58,6 +58,8 @@ class GroupCost:
     bytes_moved: float = 0.0           # forward bytes read + written by non-view ops
     saved: float = 0.0                 # activation bytes kept for backward
     saved_quadratic: float = 0.0       # the part that is a·s² attention scores (selective recompute)
+    saved_after_core: float = 0.0      # the part kept by ops after the group's attention (freed in
+                                       # backward before its attention core is recomputed)
     matmul_flops: float = 0.0          # forward FLOPs of matmuls with a parameter weight (the W of zero-bubble)
     attention_flops: float = 0.0       # forward FLOPs of attention (what selective recomputation redoes)
     dense_flops: float = 0.0           # forward FLOPs of every matmul (weights and activations alike)
@@ -80,6 +82,7 @@ class GroupCost:
         g = copy.copy(self)
         g.flops, g.bytes_moved, g.saved = self.flops * k, self.bytes_moved * k, self.saved * k
         g.saved_quadratic, g.matmul_flops, g.out_bytes = self.saved_quadratic * k, self.matmul_flops * k, self.out_bytes * k
+        g.saved_after_core = self.saved_after_core * k
         g.attention_flops, g.dense_flops = self.attention_flops * k, self.dense_flops * k
         g.pointwise_bytes, g.attention_heads = self.pointwise_bytes * k, self.attention_heads * k
         g.max_value, g.final_bytes = self.max_value * k, self.final_bytes * k
@@ -280,6 +283,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         where[node] = g
         members[g].append(node)
     counted: set = set()
+    cored: set = set()         # groups whose attention forward has run (in graph order)
     for node in gm.graph.nodes:
         if node not in where:
             continue
@@ -320,12 +324,20 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         g.saved += extra / split
         if quadratic:
             g.saved_quadratic += extra / split
+        after_core = where[node] in cored and not quadratic
+        if after_core:
+            g.saved_after_core += extra / split
+        if name in ATTENTION:
+            cored.add(where[node])
         for a in keep:
             r = _root(a, plan.sp)
             if r in counted or r not in batch:
                 continue
             counted.add(r)
-            groups[where.get(r, where[node])].saved += _nbytes(r, mesh)
+            owner = groups[where.get(r, where[node])]
+            owner.saved += _nbytes(r, mesh)
+            if after_core and owner is g:
+                g.saved_after_core += _nbytes(r, mesh)
     shapes: dict = {}
     for name, info in ctx.params.items():
         if info.is_buffer or not info.requires_grad:

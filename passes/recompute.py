@@ -177,8 +177,35 @@ def _close(members: list[fx.Node], gm: fx.GraphModule) -> list[fx.Node]:
     return sorted(inside, key=order.__getitem__)
 
 
-def _fuse(gm: fx.GraphModule, members: list[fx.Node], name: str, layer: str, kind: str) -> fx.Node:
-    """Make ``members`` (in graph order) one call_module node ``name`` running a ``Recomputed``."""
+def _random_site(n: fx.Node):
+    """(the RandomMasks node, the site index) of a dropout site's node, else None."""
+    if n.op != "call_function" or n.target not in (rng_dropout, rng_sdpa):
+        return None
+    at = 1 if n.target is rng_dropout else 4
+    holder = n.args[at] if len(n.args) > at else n.kwargs.get("masks")
+    site = n.args[at + 1] if len(n.args) > at + 1 else n.kwargs.get("site")
+    return (holder, site) if isinstance(site, int) else None
+
+
+def _sites_in(gm: fx.GraphModule, nodes) -> set:
+    """The random sites ``nodes`` draw from, inside the fused regions among them too (sequence
+    parallelism's pointwise regions hold the dropouts between its collectives)."""
+    out = set()
+    for n in nodes:
+        site = _random_site(n)
+        if site is not None:
+            out.add(site[1])
+        elif n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            inner = sub.region if isinstance(sub, Recomputed) else sub
+            if isinstance(inner, fx.GraphModule):
+                out |= _sites_in(inner, inner.graph.nodes)
+    return out
+
+
+def _fuse(gm: fx.GraphModule, members: list[fx.Node], name: str, layer: str, kind: str, replayed: set) -> fx.Node:
+    """Make ``members`` (in graph order) one call_module node ``name`` running a ``Recomputed``;
+    the random sites among them go to ``replayed`` (``RandomMasks.replayed``)."""
     g = gm.graph
     inside = set(members)
     sub = fx.Graph()
@@ -203,6 +230,7 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], name: str, layer: str, kin
     sub.output(tuple(env[n] for n in outputs))
     region = fx.GraphModule(gm, sub, class_name="Region")
     gm.add_submodule(name, Recomputed(region, layer, kind))
+    replayed.update(_sites_in(gm, members))   # the region's dropout masks: drawn again where used
     last = members[-1]
     with g.inserting_after(last):
         call = g.call_module(name, tuple(inputs))
@@ -243,7 +271,7 @@ def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             span = set(members)
             regions = [core for core in attention_cores(gm) if set(core) <= span]
         for region in regions:
-            call = _fuse(gm, region, f"{PREFIX}{fused}", key, kind)
+            call = _fuse(gm, region, f"{PREFIX}{fused}", key, kind, ctx.rng_replayed)
             ctx.recomputed.append((call.target, key, kind, [n.name for n in region]))
             fused += 1
     if fused:

@@ -153,17 +153,14 @@ def test_bytes_kept_per_layer_are_korthikanti_table_2(ranks, sp_):
             assert r[3] - r[2] == _korthikanti(c.seq, b, c.dim, c.heads, 2, sp_, kw["recompute"]), (kw, r)
 
 
-def _masks_beyond_table_2(s, b, h, a, t, sp_, recompute, m=1):
-    """Dropout mask bytes per layer that autopar holds through the step but table 2 does not
-    count. Every mask is drawn before forward and held until the next step's draw
-    (``runtime.rng.RandomMasks``), so that recomputation replays it; the table counts a mask
-    only where autograd keeps it for backward (Megatron's recomputation draws the masks
-    again). Without recomputation the held masks are the saved ones; selective recomputation
-    adds the attention core's (a·s²·b·m, split by tp), full the two hidden ones too (s·b·h·m
-    each, split by sp)."""
-    core = a * s * s * b * m / t
-    hidden = 2 * s * b * h * m / (t if sp_ else 1)
-    return {"none": 0, "selective": core, "full": core + hidden}[recompute]
+def _replay_state_bytes(recompute):
+    """What a recomputed layer holds between steps instead of its dropout masks: a site inside
+    a recomputed region keeps no mask but the CPU generator's state before its draw
+    (``torch.get_rng_state()``, 5,056 bytes), to draw the same mask again where it is used;
+    one site per layer under selective recomputation (the attention's), three under full (the
+    attention's and the two hidden dropouts). Without recomputation the masks are the ones
+    autograd saves (table 2 counts them)."""
+    return {"none": 0, "selective": 1, "full": 3}[recompute] * torch.get_rng_state().numel()
 
 
 def _state_bytes_per_layer(h, t, adam_steps=12):
@@ -185,9 +182,10 @@ def test_peak_grows_per_layer_by_korthikanti_table_2(ranks):
     layers, per-layer growth (peak(4) - peak(2)) / 2 less each layer's model state (the
     census between steps grows by exactly that: parameters, AdamW's moments and step counts;
     no gradient, see below). Against table 2 for none, selective and full recomputation
-    under tp = 2 and tp + sp, plus the masks autopar holds beyond the table
-    (``_masks_beyond_table_2``: nothing under none, 4.5-5.7% of selective's bytes, 50-60%
-    of full's).
+    under tp = 2 and tp + sp. A recomputed region's dropout masks are drawn again where they
+    are used, not held through the step (Megatron's way): what a recomputed layer holds
+    instead, the generator state before each of its draws, is part of its state between steps
+    (``_replay_state_bytes``), so the per-layer activations are table 2's exactly.
 
     Where the peak is: in the top layer's backward, every layer's kept activations still
     alive and no lower layer's gradients yet, a moment at the same place in both depths; the
@@ -201,8 +199,8 @@ def test_peak_grows_per_layer_by_korthikanti_table_2(ranks):
     profiler missed a free only reads higher.
 
     Tolerance 2%: the measurement is exact (every term is whole tensors' bytes), and 2% is
-    under half the smallest term it must tell apart, selective's attention masks (4.5%);
-    10% would pass selective without them."""
+    under half of what holding selective's attention masks through the step would add (4.5%,
+    a·s²·b/t): 10% would not tell the two apart."""
     s, b, h, a, t = DEEP.seq, DEEP_BATCH, DEEP.dim, DEEP.heads, 2
     state, psi = _state_bytes_per_layer(h, t)
     cases = [(f"{name} {rc}", {"tp": t}, {"tp": True, "sp": name == "tp+sp", "recompute": rc})
@@ -212,11 +210,11 @@ def test_peak_grows_per_layer_by_korthikanti_table_2(ranks):
     for name, _, kw in cases:
         peak = {n: min(p for r in per_rank for p in r[n][name]["peaks"]) for n in (2, 4)}
         base = {n: [r[n][name]["base"] for r in per_rank] for n in (2, 4)}
-        assert [(b4 - b2) / 2 for b2, b4 in zip(base[2], base[4])] == [state, state], (name, base)
-        measured = (peak[4] - peak[2]) / 2 - state
+        held = state + _replay_state_bytes(kw["recompute"])
+        assert [(b4 - b2) / 2 for b2, b4 in zip(base[2], base[4])] == [held, held], (name, base)
+        measured = (peak[4] - peak[2]) / 2 - held
         table = _korthikanti(s, b, h, a, t, kw["sp"], kw["recompute"])
-        expected = table + _masks_beyond_table_2(s, b, h, a, t, kw["sp"], kw["recompute"])
-        assert measured == pytest.approx(expected, rel=0.02), (name, measured, table, expected, peak)
+        assert measured == pytest.approx(table, rel=0.02), (name, measured, table, peak)
 
 
 def test_explain_lists_what_each_region_keeps(ranks):

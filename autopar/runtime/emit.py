@@ -85,6 +85,7 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
     if ctx.rng_local:
         root[RNG] = RandomMasks(sites or ctx.rng_sites, ctx.rng_local, external=bool(sites),
                                 mode=ctx.plan.dropout_rng, device=ctx.device_type)
+        root[RNG].replayed = set(ctx.rng_replayed) & set(ctx.rng_local)
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
     for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest
         if name not in (SYNC, COMM_TP, RNG) and not _hasattr_path(out, name):

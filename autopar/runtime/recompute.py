@@ -13,8 +13,9 @@ the gathered parameters a region takes are saved as re-gather tokens, and backwa
 each unit once, for the recomputation and its gradients alike.
 
 Dropout in a region reads this forward's masks (``RandomMasks``): a region notes the masks
-and micro-batch it ran with and replays with the same ones, so the recomputation draws
-nothing and is bitwise the forward it repeats (a pipeline's backward runs while another
+(the region's own sites are replayed: drawn again from the generator state noted before
+their draw, not held through the step) and micro-batch it ran with and replays with the same
+ones, so the recomputation is bitwise the forward it repeats (a pipeline's backward runs while another
 micro-batch is current; a second forward before this backward has drawn new masks). Under
 sequence parallelism the recomputation saves column inputs as sequence shards, gathered
 again by their backward, as forward does (``tpcomm.SavedRegather``).
@@ -59,7 +60,7 @@ class _Recompute(torch.autograd.Function):
         ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_at))
-        ctx.masks = [(m, dict(m.masks), m.microbatch) for m in args if isinstance(m, RandomMasks)]
+        ctx.masks = [(m, (dict(m.masks), dict(m.replay)), m.microbatch) for m in args if isinstance(m, RandomMasks)]
         out = holder.region(*args)
         return tuple(out) if isinstance(out, (tuple, list)) else out
 
@@ -71,18 +72,18 @@ class _Recompute(torch.autograd.Function):
             x = t.detach()
             x.requires_grad_(ctx.needs_input_grad[i + 1] and x.is_floating_point())
             args[i] = x
-        replay = [(m, m.masks, m.microbatch) for m, _, _ in ctx.masks]
+        replay = [(m, (m.masks, m.replay), m.microbatch) for m, _, _ in ctx.masks]
         try:
-            for m, masks, mb in ctx.masks:
-                m.masks, m.microbatch = masks, mb
+            for m, (masks, again), mb in ctx.masks:
+                m.masks, m.replay, m.microbatch = masks, again, mb
             with torch.enable_grad(), ExitStack() as scopes:
                 for a in ctx.others:   # sequence parallelism: column inputs saved as shards, as in forward
                     if getattr(a, "regather", None) is not None:
                         scopes.enter_context(a.regather.scope())
                 out = ctx.holder.region(*args)
         finally:
-            for m, masks, mb in replay:
-                m.masks, m.microbatch = masks, mb
+            for m, (masks, again), mb in replay:
+                m.masks, m.replay, m.microbatch = masks, again, mb
         ctx.holder.recomputes += 1
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads)

@@ -11,7 +11,10 @@ them. autopar reproduces exactly that stream on every rank, then keeps its own s
 
 So ``torch.manual_seed(s)`` on every rank is all a user does: masks are bitwise the slices of
 the single-device model's, and the generator leaves the step in the state one device leaves
-it in. The price is that every rank draws the whole model's masks (the draw, not the memory:
+it in. A site inside a recomputed region (``RandomMasks.replayed``) keeps no mask through the
+step: the draw notes the generator's state before it (``local``: the step's number), and each
+use draws the mask again from there, bitwise the same (as Megatron's recomputation restores
+the RNG state), so recomputation keeps only what its region saves. The price is that every rank draws the whole model's masks (the draw, not the memory:
 each full mask is freed once sliced), a cost that grows with the number of ranks a site is
 split over; ``BENCHMARKS.md`` measures it. ``Plan(dropout_rng="local")`` is the scalable
 alternative: each rank draws only its slice, from a generator keyed by one number of the
@@ -71,14 +74,24 @@ class RandomMasks(nn.Module):
         self.sites, self.local, self.external, self.mode = tuple(sites), dict(local), external, mode
         self.device = torch.device(device)    # masks are drawn by this device's generator, as one device draws them
         self.masks: dict[tuple[int, int], torch.Tensor] = {}
+        # sites inside recomputed regions (``passes/recompute.py``): their masks are not held
+        # through the step but drawn again where they are used, from what ``draw_masks`` noted
+        self.replayed: set[int] = set()
+        self.replay: dict[tuple[int, int], tuple] = {}
         self.microbatch = 0
 
     def extra_repr(self) -> str:
         return f"sites={len(self.sites)}, local={sorted(self.local)}"
 
     def mask(self, site: int) -> torch.Tensor:
+        key = (site, self.microbatch)
+        got = self.masks.get(key)
+        if got is not None:
+            return got
+        if key in self.replay:      # a recomputed region's: drawn again, bitwise, not kept
+            return _redraw(self.sites[site], self.local[site], key[1], self.device, *self.replay[key])
         try:
-            return self.masks[(site, self.microbatch)]
+            return self.masks[key]
         except KeyError:
             raise RuntimeError(
                 f"random site {site} has no mask for micro-batch {self.microbatch}: masks are drawn "
@@ -97,32 +110,63 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
     scales them by 1 / (1 - p) as the single-device kernel does, where they are used). ``local``: one number from the default generator keys this step; each slice a
     holder runs is drawn alone from a generator seeded by (that number, site, slice)."""
     for h in holders:
-        h.masks = {}
+        h.masks, h.replay = {}, {}
     device = holders[0].device if holders else torch.device("cpu")
     if mode == "local":
         step = int(torch.randint(0, 2 ** 62, (1,), device="cpu"))   # a host number: the CPU generator
         for h in holders:
             for index, local in h.local.items():
-                site = sites[index]
-                for mb, ranges in enumerate(local.slices):
-                    shape = list(local.shape)
-                    for dim, lo, hi in ranges:
-                        shape[dim] = hi - lo
-                    g = torch.Generator(device=device).manual_seed(hash((step, index, ranges)) & (2 ** 63 - 1))
-                    mask = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p, generator=g)
-                    h.masks[(index, mb)] = mask.bool()
+                for mb in range(len(local.slices)):
+                    if index in h.replayed:
+                        h.replay[(index, mb)] = ("local", step)
+                    else:
+                        h.masks[(index, mb)] = _draw_local(sites[index], local, mb, device, step)
         return
     for site in sites:
         users = [h for h in holders if site.index in h.local]
         if not users:   # another rank's site: drawn only to advance the generator alike
             torch.empty(site.numel, dtype=site.dtype, device=device).bernoulli_(1 - site.p)
             continue
+        state = _generator_state(device) if any(site.index in h.replayed for h in users) else None
         shape = users[0].local[site.index].shape
         full = torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p).bool()
         for h in users:
             local = h.local[site.index]
             for mb in range(len(local.slices)):
-                h.masks[(site.index, mb)] = local.take(full, mb)
+                if site.index in h.replayed:
+                    h.replay[(site.index, mb)] = ("exact", state)
+                else:
+                    h.masks[(site.index, mb)] = local.take(full, mb)
+
+
+def _draw_local(site: MaskSite, local: LocalSite, mb: int, device, step: int) -> torch.Tensor:
+    """``local`` mode: the slice of micro-batch ``mb`` alone, from a generator keyed by the step's
+    number, the site and the slice's ranges."""
+    ranges = local.slices[mb]
+    shape = list(local.shape)
+    for dim, lo, hi in ranges:
+        shape[dim] = hi - lo
+    g = torch.Generator(device=device).manual_seed(hash((step, site.index, ranges)) & (2 ** 63 - 1))
+    return torch.empty(shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p, generator=g).bool()
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state on ``device`` (where ``draw_masks`` draws)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _redraw(site: MaskSite, local: LocalSite, mb: int, device, how: str, key) -> torch.Tensor:
+    """A replayed site's mask, drawn again as ``draw_masks`` drew it: ``exact``, the
+    single-device mask from a generator set to the default one's state before that draw
+    (bitwise the same draw), then this rank's slice; ``local``, the slice from its key."""
+    if how == "local":
+        return _draw_local(site, local, mb, device, key)
+    g = torch.Generator(device=device)
+    g.set_state(key)
+    full = torch.empty(local.shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p, generator=g).bool()
+    return local.take(full, mb)
 
 
 class _Dropout(torch.autograd.Function):

@@ -67,9 +67,10 @@ def peak_of(body, opt, dm=None) -> dict:
     gc.collect()
     base = steady_live_bytes(3)
     peaks = []
-    for _ in range(STEPS):   # the step measured after another in the same window (see profiled_peak_bytes)
-        peaks.append(base + profiled_peak_bytes(body, before=lambda: (body(), between())))
-        between()
+    with collectives_settled():    # frees of collectives' buffers seen (else some steps read higher)
+        for _ in range(STEPS):   # the step measured after another in the same window (see profiled_peak_bytes)
+            peaks.append(base + profiled_peak_bytes(body, before=lambda: (body(), between())))
+            between()
     dist.barrier()
     return {"peak": sorted(peaks)[len(peaks) // 2], "peaks": peaks, "base": base}
 
