@@ -60,7 +60,9 @@ class _Recompute(torch.autograd.Function):
         ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_at))
-        ctx.masks = [(m, (dict(m.masks), dict(m.replay)), m.microbatch) for m in args if isinstance(m, RandomMasks)]
+        # the masks as they are (a replayed site's own mask is not kept: it is drawn again)
+        ctx.masks = [(m, ({k: v for k, v in m.masks.items() if k not in m.replay}, dict(m.replay)), m.microbatch)
+                     for m in args if isinstance(m, RandomMasks)]
         out = holder.region(*args)
         return tuple(out) if isinstance(out, (tuple, list)) else out
 

@@ -12,8 +12,9 @@ them. autopar reproduces exactly that stream on every rank, then keeps its own s
 So ``torch.manual_seed(s)`` on every rank is all a user does: masks are bitwise the slices of
 the single-device model's, and the generator leaves the step in the state one device leaves
 it in. A site inside a recomputed region (``RandomMasks.replayed``) keeps no mask through the
-step: the draw notes the generator's state before it (``local``: the step's number), and each
-use draws the mask again from there, bitwise the same (as Megatron's recomputation restores
+step: the draw notes the generator's state before it (``local``: the step's number) and keeps
+the mask to its first use (``exact``), and each later use (the recomputation) draws it again
+from there, bitwise the same (as Megatron's recomputation restores
 the RNG state), so recomputation keeps only what its region saves. The price is that every rank draws the whole model's masks (the draw, not the memory:
 each full mask is freed once sliced), a cost that grows with the number of ranks a site is
 split over; ``BENCHMARKS.md`` measures it. ``Plan(dropout_rng="local")`` is the scalable
@@ -85,11 +86,13 @@ class RandomMasks(nn.Module):
 
     def mask(self, site: int) -> torch.Tensor:
         key = (site, self.microbatch)
+        if key in self.replay:      # a recomputed region's: the draw's own until its first use, then drawn again
+            got = self.masks.pop(key, None)
+            return got if got is not None else _redraw(self.sites[site], self.local[site], key[1], self.device,
+                                                       *self.replay[key])
         got = self.masks.get(key)
         if got is not None:
             return got
-        if key in self.replay:      # a recomputed region's: drawn again, bitwise, not kept
-            return _redraw(self.sites[site], self.local[site], key[1], self.device, *self.replay[key])
         try:
             return self.masks[key]
         except KeyError:
@@ -133,10 +136,9 @@ def draw_masks(sites, holders: list[RandomMasks], microbatches: int, mode: str =
         for h in users:
             local = h.local[site.index]
             for mb in range(len(local.slices)):
-                if site.index in h.replayed:
+                if site.index in h.replayed:      # kept to its first use only (``mask``)
                     h.replay[(site.index, mb)] = ("exact", state)
-                else:
-                    h.masks[(site.index, mb)] = local.take(full, mb)
+                h.masks[(site.index, mb)] = local.take(full, mb)
 
 
 def _draw_local(site: MaskSite, local: LocalSite, mb: int, device, step: int) -> torch.Tensor:
