@@ -404,6 +404,24 @@ def profiled(build) -> tuple:
     return impl, live_totals(_allocation_events(prof), mark.start_ns(), mark.end_ns())
 
 
+def run_parts(rank_main, world: int, args, report) -> dict:
+    """Each of ``args.parts`` as one spawned run of ``rank_main(part, args.steps, args.warmup)`` on
+    ``world`` ranks, reported by ``report(part, results, steps, warmup) -> (text, summary)``
+    and printed as it completes: the summaries by part."""
+    start = time.perf_counter()
+    summaries = {}
+    for part in args.parts:
+        t = time.perf_counter()
+        results = autopar.testing.run(rank_main, world, part, args.steps, args.warmup, timeout=args.timeout)
+        text, summaries[part] = report(part, results, args.steps, args.warmup)
+        print(text)
+        print(f"(part {part} took {time.perf_counter() - t:.0f}s)")
+        print()
+        sys.stdout.flush()
+    print(f"total {time.perf_counter() - start:.0f}s")
+    return summaries
+
+
 def interleaved(impls: dict, names, warmup: int, steps: int) -> tuple[dict, dict]:
     """``warmup`` untimed steps, then ``steps`` timed rounds of one step of each of ``names``
     (round-robin, each after a barrier): (seconds per step, per-phase seconds) by name."""

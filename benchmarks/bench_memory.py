@@ -66,7 +66,6 @@ import functools
 import gc
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -79,7 +78,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.runtime.recompute import Recomputed
 
 # benchmarks/ is the script's folder: the helpers and the model of bench_dp
-from bench_dp import PHASE_RANGE, interleaved, local_slice, profiled  # noqa: E402
+from bench_dp import PHASE_RANGE, interleaved, local_slice, profiled, run_parts  # noqa: E402
 from bench_dp import CONFIG, GLOBAL_BATCH, N_BATCHES  # noqa: E402
 
 WORLD = 2
@@ -357,18 +356,7 @@ def main(argv=None):
     print("memory: bench_dp's profiler method: peak of the live CPU blocks during the 3rd step, "
           "state when it starts; max over ranks")
     print()
-    start = time.perf_counter()
-    summaries = {}
-    for part in args.parts:
-        t = time.perf_counter()
-        results = autopar.testing.run(rank_main, WORLD, part, args.steps, args.warmup, timeout=args.timeout)
-        text, summaries[part] = report(part, results, args.steps, args.warmup)
-        print(text)
-        print(f"(part {part} took {time.perf_counter() - t:.0f}s)")
-        print()
-        sys.stdout.flush()
-    print(f"total {time.perf_counter() - start:.0f}s")
-    return summaries
+    return run_parts(rank_main, WORLD, args, report)
 
 
 if __name__ == "__main__":

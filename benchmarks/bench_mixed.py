@@ -58,7 +58,6 @@ import gc
 import inspect
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -71,7 +70,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.ops import value_bytes
 
 # benchmarks/ is the script's folder: the helpers and models of the other benchmarks
-from bench_dp import _KIND, PHASE_RANGE, interleaved, local_slice, profiled, ring_volume  # noqa: E402
+from bench_dp import _KIND, PHASE_RANGE, interleaved, local_slice, profiled, ring_volume, run_parts  # noqa: E402
 from bench_dp import CONFIG as DP_CONFIG, GLOBAL_BATCH as DP_BATCH, N_BATCHES  # noqa: E402
 from bench_tp import CONFIG as TP_CONFIG, GLOBAL_BATCH as TP_BATCH, GPT, loss_fn  # noqa: E402
 
@@ -473,18 +472,7 @@ def main(argv=None):
     print("memory: bench_dp's profiler method: peak of the live CPU blocks during the 3rd step, "
           "state when it starts; max over ranks")
     print()
-    start = time.perf_counter()
-    summaries = {}
-    for part in args.parts:
-        t = time.perf_counter()
-        results = autopar.testing.run(rank_main, WORLD, part, args.steps, args.warmup, timeout=args.timeout)
-        text, summaries[part] = report(part, results, args.steps, args.warmup)
-        print(text)
-        print(f"(part {part} took {time.perf_counter() - t:.0f}s)")
-        print()
-        sys.stdout.flush()
-    print(f"total {time.perf_counter() - start:.0f}s")
-    return summaries
+    return run_parts(rank_main, WORLD, args, report)
 
 
 if __name__ == "__main__":

@@ -90,9 +90,6 @@ class RandomMasks(nn.Module):
             got = self.masks.pop(key, None)
             return got if got is not None else _redraw(self.sites[site], self.local[site], key[1], self.device,
                                                        *self.replay[key])
-        got = self.masks.get(key)
-        if got is not None:
-            return got
         try:
             return self.masks[key]
         except KeyError:
