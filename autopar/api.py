@@ -63,6 +63,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
     plan.check_mesh(mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
+    ctx.model_class, ctx.model_config = _model_source(model)
     ctx.head_policy = head_policy(cluster) if plan.tp else None   # LM heads: whole or split, by the cost model
     ctx.notes.append(f"plan: {reason}")
     ctx.device_type = _device_type(model, mesh)
@@ -97,6 +98,14 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     del gm
     _collect(ctx)
     return dm
+
+
+def _model_source(model: nn.Module) -> tuple[str, str | None]:
+    """The model's class (module-qualified) and, for a Hugging Face model, its config as JSON:
+    what a checkpoint records of where it came from (``export_safetensors`` writes the config)."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return f"{type(model).__module__}.{type(model).__qualname__}", to_json() if callable(to_json) else None
 
 
 def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

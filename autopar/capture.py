@@ -123,6 +123,7 @@ def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileConte
         first_name.setdefault(id(t), name)
         aliases.setdefault(id(t), []).append(name)
     param_ids = {id(p) for p in model.parameters()}
+    state_keys = set(model.state_dict(keep_vars=True))
     canonical_node: dict[str, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
@@ -136,7 +137,8 @@ def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileConte
                 name=name, shape=tuple(t.shape), dtype=t.dtype,
                 requires_grad=bool(t.requires_grad) and id(t) in param_ids,
                 is_buffer=id(t) not in param_ids,
-                aliases=tuple(a for a in aliases[id(t)] if a != name))
+                aliases=tuple(a for a in aliases[id(t)] if a != name),
+                persistent=any(a in state_keys for a in aliases[id(t)]))
         keep = canonical_node.get(name)
         if keep is None:
             node.target = name

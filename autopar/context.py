@@ -39,6 +39,7 @@ class ParamInfo:
     requires_grad: bool
     is_buffer: bool
     aliases: tuple[str, ...] = ()   # other qualified names of the same tensor (tied weights)
+    persistent: bool = True         # in the model's state_dict() (a buffer registered persistent=False: not)
 
     @property
     def numel(self) -> int:
@@ -66,6 +67,8 @@ class CompileContext:
                                     # under a memory budget)
     head_policy: Any = None         # LM head layout: policy(passes.lm_head.HeadChoice) -> (split, why),
                                     # the cost model's for the compile's cluster; None: passes.lm_head's default
+    model_class: str = ""           # the captured model's class, module-qualified (checkpoints record it)
+    model_config: Any = None        # a Hugging Face model's config as JSON (export_safetensors writes it)
     # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
     tp_params: dict = field(default_factory=dict)     # shard (tensor_parallel.decide): name -> TPParam
     grad_buckets: list = field(default_factory=list)  # collectives: parameter names per gradient bucket

@@ -25,6 +25,7 @@ from ..meta import REPLICAS, RNG
 from ..placement import ShardSpec
 from ..sizes import batch_split_error
 from . import flight
+from .checkpoint import Resumed, load_module, save_module
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
 from .offload import HostLink, OptimizerOffload
@@ -63,6 +64,9 @@ class Inspector(Protocol):
     def predict(self, dm, cluster, global_batch, recompute): ...
 
     def dump(self, dm, path: str, cluster) -> list[str]: ...
+
+
+_DEFAULT = object()    # dm.save / dm.load: the optimizer dm.optimizer built
 
 
 class DistributedModule(nn.Module):
@@ -304,6 +308,44 @@ class DistributedModule(nn.Module):
                 else:
                     attr_path(self.module, name).copy_(full)
         self._sync.record_versions()
+
+    # ---- checkpoints (collectives: every rank must call) ----------------------------------
+    def save(self, path: str, optimizer=_DEFAULT, *, step: int | None = None, extra: dict | None = None) -> None:
+        """Write a checkpoint to the directory ``path`` with ``torch.distributed.checkpoint``:
+        each rank writes the pieces it owns of every parameter and persistent buffer (under
+        the model's names) and of ``optimizer``'s state (default: the one ``dm.optimizer``
+        built; None: the model alone), with the step (default: the optimizer's), the RNG state
+        and ``extra`` (picklable values, returned by ``load``). It loads under any plan and
+        world size (``autopar.runtime.checkpoint``)."""
+        save_module(self, path, self._optimizer_for(optimizer), step=step, extra=extra)
+
+    def load(self, path: str, optimizer=_DEFAULT) -> Resumed:
+        """Read the checkpoint at ``path`` (saved under any plan and world size, or by
+        ``autopar.checkpoint.from_torch``) into this rank's pieces and ``optimizer``'s state
+        (default: the one ``dm.optimizer`` built; None: the model alone), and restore the RNG
+        state. The checkpoint is checked first, on every rank: a problem raises
+        ``CheckpointError`` everywhere and changes nothing. Returns the saved step and extra."""
+        return load_module(self, path, self._optimizer_for(optimizer))
+
+    def _optimizer_for(self, optimizer):
+        if optimizer is _DEFAULT:
+            return self._optimizer() if self._optimizer is not None else None
+        return optimizer
+
+    def _stage_modules(self) -> list["DistributedModule"]:
+        """The compiled modules this rank runs (a pipeline: its stages)."""
+        return [self]
+
+    def _after_load(self) -> None:
+        """After ``load`` wrote the shards: what derives from them is refreshed (ZeRO-1/2
+        replicas gathered, ``per_tensor`` full copies), and their versions noted."""
+        self.gather_params()
+        self._sync.record_versions()
+        state = getattr(self, "_per_tensor", None)
+        if state is not None:
+            with torch.no_grad():
+                for name, p in state.params.items():
+                    state.copies[name].copy_(self._full(name, p.detach()))
 
     def to_empty(self, *, device="cpu") -> "DistributedModule":
         """Allocate (uninitialised) storage for a module captured from a meta-device model;

@@ -428,6 +428,13 @@ class PipelineModule(DistributedModule):
         for st in self.stages.values():
             st.gather_params()
 
+    def _stage_modules(self) -> list:
+        return [self.stages[k] for k in sorted(self.stages, key=int)]
+
+    def _after_load(self) -> None:
+        for st in self._stage_modules():
+            st._after_load()
+
     def _device(self) -> torch.device:
         """The device this rank's stages live on (what the executor allocates on)."""
         return next(iter(self.stages.values()))._device()

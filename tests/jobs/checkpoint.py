@@ -1,0 +1,188 @@
+"""Checkpoint jobs: train, save under one plan; load under another, train on, compare with one
+device trained without interruption."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch, lm_loss
+
+# a GPT with dropout (the RNG state must resume), 4 layers (pp=4 interleaved: 8 stages of
+# half a layer's weight each is too fine; 2 per rank of 4 layers), a vocabulary of 67 (uneven
+# over 2, 4 and 8) and its LM head tied to the embedding (across pipeline stages)
+CONFIG = GPTConfig(vocab=67, seq=8, dim=16, heads=2, layers=4, max_seq=8, dropout=0.1)
+BATCH, LR, STEPS, SPLIT = 8, 1e-2, 6, 3
+
+PLANS = {   # name -> (mesh axes, plan)
+    "ddp w2": ({"dp": 2}, dict(dp="ddp")),
+    "zero3 w4": ({"dp": 4}, dict(dp="zero3")),
+    "tp2": ({"tp": 2}, dict(tp=True)),
+    "dp2 tp2 sp": ({"dp": 2, "tp": 2}, dict(dp="zero2", tp=True, sp=True)),
+    "pp2 1f1b": ({"pp": 2}, dict(pp_schedule="1f1b", microbatches=2)),
+    "pp2 dp2 tp2": ({"pp": 2, "dp": 2, "tp": 2}, dict(dp="zero3", tp=True, sp=True, pp_schedule="1f1b",
+                                                       microbatches=2)),
+    "zero1 w4": ({"dp": 4}, dict(dp="zero1")),
+    "pp4 interleaved": ({"pp": 4}, dict(pp_schedule="interleaved", microbatches=4, virtual_stages=2)),
+}
+
+
+def world_of(name: str) -> int:
+    n = 1
+    for v in PLANS[name][0].values():
+        n *= v
+    return n
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG)
+
+
+def batch(step: int):
+    return gpt_batch(CONFIG, BATCH, seed=100 + step)
+
+
+def reference():
+    """One device, STEPS steps without interruption: the losses and the final parameters."""
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    torch.manual_seed(1)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def _noise_mask(name: str, v: torch.Tensor) -> torch.Tensor:
+    """Elements whose gradient is float noise: the attention key bias (softmax is invariant to a
+    shift of the scores along the keys, so its gradient is zero up to rounding, whose sign a
+    change of summation order flips, and AdamW moves such an element by about lr either way)."""
+    mask = torch.zeros_like(v, dtype=torch.bool)
+    if name.endswith("qkv.bias"):
+        d = CONFIG.dim
+        mask[d:2 * d] = True
+    return mask
+
+
+def compiled(name: str):
+    axes, kw = PLANS[name]
+    x, _ = batch(0)
+    return autopar.compile(model(), autopar.Mesh(**axes), example_inputs=(x,), plan=autopar.Plan(**kw))
+
+
+def train(dm, opt, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad()
+        if dm.plan.pp_schedule is not None:
+            loss = dm.train_step(dm.shard_batch(x), dm.shard_batch(y), lm_loss).detach()
+        else:
+            loss = lm_loss(dm(dm.shard_batch(x)), dm.shard_batch(y))
+            loss.backward()
+            loss = loss.detach()
+        opt.step()
+        if dm.mesh.axis_size("dp") > 1:
+            dist.all_reduce(loss, group=dm.mesh.group("dp"))
+            loss /= dm.mesh.axis_size("dp")
+        losses.append(float(loss))
+    return losses
+
+
+def save_job(name: str, path: str):
+    """Train SPLIT steps under plan ``name``, save."""
+    dm = compiled(name)
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    torch.manual_seed(1)
+    losses = train(dm, opt, range(SPLIT))
+    dm.save(path)
+    return losses
+
+
+def resume_job(name: str, paths: dict):
+    """Under plan ``name``: for each saved checkpoint, load it, train the remaining steps, and
+    compare losses and parameters with the uninterrupted single-device run."""
+    ref_losses, ref_params = reference()
+    dm = compiled(name)
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    out = {}
+    for source, path in paths.items():
+        torch.manual_seed(12345)          # the load must restore the generator
+        resumed = dm.load(path)
+        losses = train(dm, opt, range(resumed.step, STEPS))
+        full = dm.full_state_dict()
+        param_err, noise_err, worst = 0.0, 0.0, ""
+        for k, v in ref_params.items():
+            diff = (full[k] - v).abs()
+            scaled = diff / (1e-4 + 1e-3 * v.abs())
+            noise = _noise_mask(k, v)
+            if (~noise).any() and float(scaled[~noise].max()) > param_err:
+                param_err, worst = float(scaled[~noise].max()), k
+            if noise.any():
+                noise_err = max(noise_err, float(diff[noise].max()) / (2 * LR * (STEPS - SPLIT)))
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[SPLIT:]))
+        out[source] = {"step": resumed.step, "losses": losses, "ref": ref_losses[SPLIT:], "loss_err": loss_err,
+                       "param_err": param_err, "worst": worst, "noise_err": noise_err}
+    return out
+
+
+# ---- bad checkpoints -----------------------------------------------------------------------------
+
+def _snapshot(dm, opt):
+    params = {k: v.clone() for k, v in dm.full_state_dict().items()}
+    state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+             for p, s in opt.state.items()}
+    return params, state, torch.get_rng_state()
+
+
+def _same(a, b) -> bool:
+    (pa, sa, ra), (pb, sb, rb) = a, b
+    return (all(torch.equal(pa[k], pb[k]) for k in pa) and sa.keys() == sb.keys() and
+            all(all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+                for x, y in ((sa[i], sb[i]) for i in sa)) and torch.equal(ra, rb))
+
+
+def bad_checkpoint_job(root: str, case: str):
+    """Load the broken checkpoint ``case`` (made by the test under ``root``) under zero3 w2:
+    every rank must raise, and leave the module, the optimizer and the generator as they were."""
+    dm = autopar.compile(model(), autopar.Mesh(dp=2), example_inputs=(batch(0)[0],), plan=autopar.Plan(dp="zero3"))
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    torch.manual_seed(1)
+    train(dm, opt, range(1))
+    before = _snapshot(dm, opt)
+    try:
+        dm.load(f"{root}/{case}")
+    except Exception as e:     # noqa: BLE001 - the test checks the type and text
+        error = (type(e).__name__, str(e))
+    else:
+        error = None
+    return {"error": error, "untouched": _same(before, _snapshot(dm, opt))}
+
+
+def save_for_bad(root: str, what: str):
+    """The checkpoints the bad-checkpoint cases start from: ``good`` (zero3 w2, with AdamW),
+    ``no_optimizer`` (the model alone), ``other_model`` (a wider GPT), ``sgd`` (another optimizer)."""
+    if what == "mlp":
+        torch.manual_seed(0)
+        x = torch.randn(8, 16)
+        dm = autopar.compile(TinyMLP(), autopar.Mesh(dp=2), example_inputs=(x,), plan=autopar.Plan(dp="zero3"))
+        dm.optimizer(torch.optim.AdamW, lr=LR)
+        dm.save(f"{root}/{what}")
+        return
+    cfg = CONFIG if what != "other_model" else GPTConfig(vocab=67, seq=8, dim=24, heads=2, layers=4, max_seq=8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(cfg), autopar.Mesh(dp=2), example_inputs=(batch(0)[0],),
+                         plan=autopar.Plan(dp="zero3"))
+    opt = dm.optimizer(torch.optim.SGD if what == "sgd" else torch.optim.AdamW, lr=LR,
+                       **({"momentum": 0.9} if what == "sgd" else {}))
+    torch.manual_seed(1)
+    train(dm, opt, range(1))
+    dm.save(f"{root}/{what}", optimizer=None if what == "no_optimizer" else opt)
