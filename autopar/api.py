@@ -100,12 +100,18 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     return dm
 
 
-def _model_source(model: nn.Module) -> tuple[str, str | None]:
-    """The model's class (module-qualified) and, for a Hugging Face model, its config as JSON:
-    what a checkpoint records of where it came from (``export_safetensors`` writes the config)."""
-    config = getattr(model, "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    return f"{type(model).__module__}.{type(model).__qualname__}", to_json() if callable(to_json) else None
+def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
+    """The model's class (module-qualified) and, for a Hugging Face model (the model, or the
+    submodule of it that has a config, as a wrapper holds one), the qualified-name prefix of that
+    module ("" or e.g. "lm.") and its config as JSON: what a checkpoint records of where it came
+    from (``autopar.checkpoint.export_safetensors`` writes that module's weights and config)."""
+    found = None
+    for prefix, module in model.named_modules():
+        to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+        if callable(to_json):
+            found = (f"{prefix}." if prefix else "", to_json())
+            break
+    return f"{type(model).__module__}.{type(model).__qualname__}", found
 
 
 def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -68,7 +68,7 @@ class CompileContext:
     head_policy: Any = None         # LM head layout: policy(passes.lm_head.HeadChoice) -> (split, why),
                                     # the cost model's for the compile's cluster; None: passes.lm_head's default
     model_class: str = ""           # the captured model's class, module-qualified (checkpoints record it)
-    model_config: Any = None        # a Hugging Face model's config as JSON (export_safetensors writes it)
+    model_config: Any = None        # a Hugging Face model in it: (its name prefix, its config as JSON)
     # ---- results of passes, for later passes and emit (the pass that sets each) ----------------
     tp_params: dict = field(default_factory=dict)     # shard (tensor_parallel.decide): name -> TPParam
     grad_buckets: list = field(default_factory=list)  # collectives: parameter names per gradient bucket

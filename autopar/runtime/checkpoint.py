@@ -48,7 +48,7 @@ from ..placement import ShardSpec, TPParam
 from ..sizes import chunk_range
 
 __all__ = ["Pieces", "layout_boxes", "CheckpointError", "Resumed", "save_module", "load_module", "Holding",
-           "save_state", "read_metadata", "FORMAT", "MODEL", "STATE", "GROUPS", "META", "RNG_KEY"]
+           "save_state", "read_metadata", "checkpoint_meta", "load_flat", "piece_cap", "split_boxes", "FORMAT", "MODEL", "STATE", "GROUPS", "META", "RNG_KEY"]
 
 FORMAT = 1
 MODEL, STATE, GROUPS, META, RNG_KEY, EXTRA = "model.", "optim.state.", "optim.param_groups", "autopar.meta", \
@@ -107,6 +107,47 @@ def layout_boxes(local: torch.Tensor, shape: tuple, tp: TPParam | None = None, t
     return boxes
 
 
+PIECE_FLOOR = 64 * 1024
+
+
+def piece_cap(shapes_and_sizes) -> int:
+    """The most bytes one stored piece holds: a quarter of the largest tensor (``(shape,
+    itemsize)`` pairs), at least ``PIECE_FLOOR``. Loading reads a stored piece whole (DCP's reader
+    ``torch.load``s it: its bytes and the tensor made of them, while the previous piece's tensor
+    is still referenced), so the transient memory of a load is about three pieces: capped so,
+    under one tensor. Smaller pieces cost torch.save's ~1.5 KB of framing each."""
+    largest = 0
+    for shape, itemsize in shapes_and_sizes:
+        n = itemsize
+        for d in shape:
+            n *= d
+        largest = max(largest, n)
+    return max(largest // 4, PIECE_FLOOR)
+
+
+def split_boxes(boxes, cap: int):
+    """Each box cut into boxes of at most ``cap`` bytes (along dim 0, then dim 1 where one row is
+    larger, and so on), in order."""
+    out = []
+    for off, view in boxes:
+        out += _split(tuple(off), view, cap, 0)
+    return out
+
+
+def _split(off, view, cap, dim):
+    if view.numel() * view.element_size() <= cap or dim >= view.dim():
+        return [(off, view)]
+    inner = view.element_size()
+    for n in view.shape[dim + 1:]:
+        inner *= n
+    if inner > cap:          # one slice along dim is too big: cut each slice along the next dim
+        return [box for i in range(view.shape[dim])
+                for box in _split(off[:dim] + (off[dim] + i,) + off[dim + 1:], view.narrow(dim, i, 1), cap, dim + 1)]
+    step = max(1, cap // inner)
+    return [(off[:dim] + (off[dim] + i,) + off[dim + 1:], view.narrow(dim, i, min(step, view.shape[dim] - i)))
+            for i in range(0, view.shape[dim], step)]
+
+
 class Pieces:
     """This rank's boxes of one tensor of global ``shape``, for DCP (its ``_Checkpointable``
     protocol: DCP asks it for write items, for the chunks to read, and for each box's tensor).
@@ -132,11 +173,24 @@ class Pieces:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         if index.index is not None and index.index < len(self.boxes) and \
                 torch.Size(self.boxes[index.index][0]) == index.offset:
-            return self.boxes[index.index][1].detach()
+            return _exact(self.boxes[index.index][1])
         for off, view in self.boxes:
             if torch.Size(off) == index.offset:
-                return view.detach()
+                return _exact(view)
         raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
+
+
+def _exact(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (detached) over a storage of exactly its bytes, sharing its memory, when it is
+    contiguous: DCP's writer clones a tensor whose storage is larger than itself and keeps the
+    clone to the end of the file, which would hold a copy of every piece cut from a larger
+    tensor (a ZeRO-1/2 shard of its replica, a piece of a split tensor)."""
+    view = view.detach()
+    if not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes or view.device.type == "meta":
+        return view
+    start = view.storage_offset() * view.element_size()
+    storage = view.untyped_storage()[start:start + view.nbytes]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape)
 
 
 def _lookup(state_dict, index: MetadataIndex):
@@ -186,11 +240,14 @@ class Holding:
     tp_i: int = 0
     spec: ShardSpec | None = None
 
+    cap: int = 1 << 62       # the most bytes of one stored piece (``piece_cap``)
+
     def pieces(self, tensor: torch.Tensor | None = None) -> Pieces:
         """``tensor`` (default: the holding's own; else a tensor of the same local shape, as an
-        optimizer's state of it) as boxes of the global tensor."""
+        optimizer's state of it) as boxes of the global tensor, each at most ``cap`` bytes."""
         t = self.local if tensor is None else tensor
-        return Pieces(self.shape, layout_boxes(t, self.shape, self.tp, self.tp_n, self.tp_i, self.spec), t.dtype)
+        boxes = layout_boxes(t, self.shape, self.tp, self.tp_n, self.tp_i, self.spec)
+        return Pieces(self.shape, split_boxes(boxes, self.cap), t.dtype)
 
 
 def _stage_holdings(st) -> list[Holding]:
@@ -209,10 +266,12 @@ def _stage_holdings(st) -> list[Holding]:
 
 def _holdings(dm) -> dict[str, list[Holding]]:
     """name -> every holding of it on this rank (a weight tied across two stages this rank runs:
-    two)."""
+    two), each cut into pieces of at most ``piece_cap`` of the whole model (its fp32 state included)."""
+    cap = piece_cap((info.shape, max(dm.ctx.stored_dtype(name).itemsize, 4)) for name, info in dm.ctx.params.items())
     out: dict[str, list[Holding]] = {}
     for st in dm._stage_modules():
         for h in _stage_holdings(st):
+            h.cap = cap
             out.setdefault(h.name, []).append(h)
     return out
 
@@ -227,11 +286,12 @@ def _optimizer_params(dm, optimizer, holdings) -> dict[int, Holding]:
         for qual, host in offload.host_params.items():
             h = by_local.get(id(offload.device_params[qual]))
             if h is not None:
-                out[id(host)] = Holding(h.name, h.shape, host, h.tp, h.tp_n, h.tp_i, h.spec)
+                out[id(host)] = Holding(h.name, h.shape, host, h.tp, h.tp_n, h.tp_i, h.spec, h.cap)
     per_tensor = getattr(dm, "_per_tensor", None)
     if per_tensor is not None:
         for name, copy in per_tensor.copies.items():
-            out[id(copy)] = Holding(name, tuple(copy.shape), copy)
+            cap = next((h.cap for hs in holdings.values() for h in hs), Holding.cap)
+            out[id(copy)] = Holding(name, tuple(copy.shape), copy, cap=cap)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in out and id(p) in by_local:
@@ -256,9 +316,8 @@ def _state_dict(dm, optimizer, step, extra) -> dict:
     holdings = _holdings(dm)
     sd: dict[str, Any] = {MODEL + name: hs[0].pieces() for name, hs in holdings.items()}
     aliases = {name: list(info.aliases) for name, info in dm.ctx.params.items() if info.aliases}
-    meta = {"format": FORMAT, "step": 0, "mesh": str(dm.mesh), "plan": repr(dm.plan),
-            "world": dist.get_world_size() if dist.is_initialized() else 1, "optimizer": None, "aliases": aliases,
-            "model_class": getattr(dm.ctx, "model_class", ""), "model_config": getattr(dm.ctx, "model_config", None)}
+    meta = checkpoint_meta(mesh=str(dm.mesh), plan=repr(dm.plan), aliases=aliases, model_class=dm.ctx.model_class,
+                           model_config=dm.ctx.model_config)
     if optimizer is not None:
         owner = _optimizer_params(dm, optimizer, holdings)
         groups, seen = [], set()
@@ -285,6 +344,15 @@ def _state_dict(dm, optimizer, step, extra) -> dict:
     for key, value in (extra or {}).items():
         sd[EXTRA + key] = value
     return sd
+
+
+def checkpoint_meta(**fields) -> dict:
+    """``autopar.meta``: what a checkpoint records besides tensors (``fields`` over the defaults)."""
+    meta = {"format": FORMAT, "step": 0, "mesh": "", "plan": "", "optimizer": None, "groups": [], "aliases": {},
+            "world": dist.get_world_size() if dist.is_initialized() else 1, "model_class": "",
+            "model_config": None}
+    meta.update(fields)
+    return meta
 
 
 def _union_groups(groups: list[dict]) -> list[dict]:
@@ -321,6 +389,21 @@ def save_state(sd: dict, path: str, no_dist: bool = False) -> Metadata:
     """Write a flat dict (values: ``Pieces``, tensors, picklable objects) with DCP."""
     os.makedirs(path, exist_ok=True)
     return dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)
+
+
+def load_flat(path: str, keys=None, md: Metadata | None = None) -> dict:
+    """Whole tensors and objects of the checkpoint at ``path`` (``keys``: these only; default
+    every one), read in this process alone: the full tensors, as one device holds them."""
+    md = md if md is not None else read_metadata(path)[0]
+    sd = {}
+    for key in (keys if keys is not None else md.state_dict_metadata):
+        entry = md.state_dict_metadata[key]
+        sd[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype) \
+            if isinstance(entry, TensorStorageMetadata) else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    return sd
 
 
 def save_module(dm, path: str, optimizer=None, step=None, extra=None) -> Metadata:

@@ -150,26 +150,36 @@ def _same(a, b) -> bool:
                 for x, y in ((sa[i], sb[i]) for i in sa)) and torch.equal(ra, rb))
 
 
-def bad_checkpoint_job(root: str, case: str):
-    """Load the broken checkpoint ``case`` (made by the test under ``root``) under zero3 w2:
+def bad_checkpoint_job(root: str, cases: list):
+    """Load each broken checkpoint of ``cases`` (made by the test under ``root``) under zero3 w2:
     every rank must raise, and leave the module, the optimizer and the generator as they were."""
     dm = autopar.compile(model(), autopar.Mesh(dp=2), example_inputs=(batch(0)[0],), plan=autopar.Plan(dp="zero3"))
     opt = dm.optimizer(torch.optim.AdamW, lr=LR)
     torch.manual_seed(1)
     train(dm, opt, range(1))
-    before = _snapshot(dm, opt)
-    try:
-        dm.load(f"{root}/{case}")
-    except Exception as e:     # noqa: BLE001 - the test checks the type and text
-        error = (type(e).__name__, str(e))
-    else:
-        error = None
-    return {"error": error, "untouched": _same(before, _snapshot(dm, opt))}
+    out = {}
+    for case in cases:
+        before = _snapshot(dm, opt)
+        try:
+            dm.load(f"{root}/{case}")
+        except Exception as e:     # noqa: BLE001 - the test checks the type and text
+            error = (type(e).__name__, str(e))
+        else:
+            error = None
+        out[case] = {"error": error, "untouched": _same(before, _snapshot(dm, opt))}
+        train(dm, opt, range(1, 2))     # the module still trains after a refused load
+    return out
 
 
-def save_for_bad(root: str, what: str):
+def save_for_bad(root: str):
     """The checkpoints the bad-checkpoint cases start from: ``good`` (zero3 w2, with AdamW),
-    ``no_optimizer`` (the model alone), ``other_model`` (a wider GPT), ``sgd`` (another optimizer)."""
+    ``no_optimizer`` (the model alone), ``other_model`` (a wider GPT), ``sgd`` (another optimizer),
+    ``mlp`` (another model)."""
+    for what in ("good", "no_optimizer", "other_model", "sgd", "mlp"):
+        _save_for_bad(root, what)
+
+
+def _save_for_bad(root: str, what: str):
     if what == "mlp":
         torch.manual_seed(0)
         x = torch.randn(8, 16)
@@ -186,3 +196,87 @@ def save_for_bad(root: str, what: str):
     torch.manual_seed(1)
     train(dm, opt, range(1))
     dm.save(f"{root}/{what}", optimizer=None if what == "no_optimizer" else opt)
+
+
+# ---- PyTorch and Hugging Face ------------------------------------------------------------------------
+
+def hf_save_job(path: str):
+    """A transformers GPT-2 (wrapped to return logits) under tp2, one step, saved; its full weights."""
+    from jobs.hf import hf_model
+    torch.manual_seed(0)
+    m = hf_model("gpt2")
+    x = torch.randint(0, 97, (4, 16))
+    dm = autopar.compile(m, autopar.Mesh(tp=2), example_inputs=(x,), plan=autopar.Plan(tp=True))
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    lm_loss(dm(x), x).backward()
+    opt.step()
+    dm.save(path)
+    return {k: v.clone() for k, v in dm.full_state_dict().items()}
+
+
+def mixed_save_job(path: str):
+    """ZeRO-2 with bf16 compute and fp32 masters, one step, saved; the masters as the module has them."""
+    dm = autopar.compile(model(), autopar.Mesh(dp=2), example_inputs=(batch(0)[0],),
+                         plan=autopar.Plan(dp="zero2", param_dtype=torch.bfloat16))
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    torch.manual_seed(1)
+    train(dm, opt, range(1))
+    dm.save(path)
+    return {k: v.clone() for k, v in dm.full_state_dict().items()}
+
+
+# ---- memory during save and load --------------------------------------------------------------------
+
+class Layers(torch.nn.Module):
+    """Equal square layers: the model is many times its largest tensor."""
+
+    def __init__(self, width=512, depth=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def memory_job(path: str, load_plan: str):
+    """Peak memory above this rank's own pieces while it saves (ZeRO-3 over the world) and while it
+    loads under ``load_plan``: tensor storage (the profiler's allocator records) plus Python
+    objects (tracemalloc), each measured around the call alone."""
+    import tracemalloc
+
+    from autopar.testing import profiled_peak_bytes
+    world = dist.get_world_size()
+    x = torch.randn(8, 512)
+
+    def one_step(dm):
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        dm(dm.shard_batch(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return opt
+
+    def peak(fn):
+        tracemalloc.start()
+        tensors = profiled_peak_bytes(fn)
+        python = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return tensors, python
+
+    torch.manual_seed(0)
+    dm = autopar.compile(Layers(), autopar.Mesh(dp=world), example_inputs=(x,), plan=autopar.Plan(dp="zero3"))
+    one_step(dm)
+    save = peak(lambda: dm.save(path))
+    own_save = sum(p.numel() * p.element_size() for p in dm.parameters()) * 3     # weights, exp_avg, exp_avg_sq
+    torch.manual_seed(0)
+    plan = {"ddp": autopar.Plan(dp="ddp"), "zero3": autopar.Plan(dp="zero3")}[load_plan]
+    dm2 = autopar.compile(Layers(), autopar.Mesh(dp=world), example_inputs=(x,), plan=plan)
+    one_step(dm2)
+    dist.barrier()
+    load = peak(lambda: dm2.load(path))
+    tensor_bytes = 512 * 512 * 4
+    import os
+    return {"save": save, "load": load, "tensor": tensor_bytes, "own": own_save,
+            "metadata": os.path.getsize(os.path.join(path, ".metadata")),
+            "model": 8 * tensor_bytes}
