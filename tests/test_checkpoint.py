@@ -224,3 +224,17 @@ def test_save_and_load_hold_no_more_than_one_tensor_beyond_the_shard(ranks, tmp_
             assert tensors + python <= r["tensor"] + 64 * 1024, \
                 (f"{what}: {tensors} B of tensors + {python} B of Python objects at the peak ({r['metadata']} B of metadata), "
                  f"one tensor is {r['tensor']} B, the model {r['model']} B")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_offload_and_per_tensor_optimizers_resume(ranks, saved, tmp_path):
+    """The optimizer's state on the host (Plan(offload="optimizer")) and on full copies
+    (dm.optimizer(..., per_tensor=True)) saves and loads in the parameters' layout too."""
+    for name in ("zero2 offload w2", "zero3 tp2 per_tensor"):
+        ranks(J.save_job, J.world_of(name), name, str(tmp_path / name.replace(" ", "_")), timeout=240)
+    offload, per_tensor = (str(tmp_path / n.replace(" ", "_")) for n in ("zero2 offload w2", "zero3 tp2 per_tensor"))
+    _check(ranks(J.resume_job, 2, "zero2 offload w2", {"per_tensor": per_tensor, "tp2": saved("tp2")}),
+           "zero2 offload w2")
+    _check(ranks(J.resume_job, 4, "zero3 tp2 per_tensor", {"offload": offload, "zero3 w4": saved("zero3 w4")}),
+           "zero3 tp2 per_tensor")

@@ -27,11 +27,16 @@ PLANS = {   # name -> (mesh axes, plan)
     "zero1 w4": ({"dp": 4}, dict(dp="zero1")),
     "pp4 interleaved": ({"pp": 4}, dict(pp_schedule="interleaved", microbatches=4, virtual_stages=2)),
 }
+MORE = {    # not in the matrix: each resumed from and into one other plan
+    "zero2 offload w2": ({"dp": 2}, dict(dp="zero2", offload="optimizer")),
+    "zero3 tp2 per_tensor": ({"dp": 2, "tp": 2}, dict(dp="zero3", tp=True)),
+}
+OPTIMIZER = {"zero3 tp2 per_tensor": {"per_tensor": True}}    # full copies stepped on every rank
 
 
 def world_of(name: str) -> int:
     n = 1
-    for v in PLANS[name][0].values():
+    for v in {**PLANS, **MORE}[name][0].values():
         n *= v
     return n
 
@@ -73,7 +78,7 @@ def _noise_mask(name: str, v: torch.Tensor) -> torch.Tensor:
 
 
 def compiled(name: str):
-    axes, kw = PLANS[name]
+    axes, kw = {**PLANS, **MORE}[name]
     x, _ = batch(0)
     return autopar.compile(model(), autopar.Mesh(**axes), example_inputs=(x,), plan=autopar.Plan(**kw))
 
@@ -100,7 +105,7 @@ def train(dm, opt, steps) -> list[float]:
 def save_job(name: str, path: str):
     """Train SPLIT steps under plan ``name``, save."""
     dm = compiled(name)
-    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR, **OPTIMIZER.get(name, {}))
     torch.manual_seed(1)
     losses = train(dm, opt, range(SPLIT))
     dm.save(path)
@@ -112,7 +117,7 @@ def resume_job(name: str, paths: dict):
     compare losses and parameters with the uninterrupted single-device run."""
     ref_losses, ref_params = reference()
     dm = compiled(name)
-    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR, **OPTIMIZER.get(name, {}))
     out = {}
     for source, path in paths.items():
         torch.manual_seed(12345)          # the load must restore the generator
