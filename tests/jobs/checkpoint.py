@@ -108,7 +108,7 @@ def save_job(name: str, path: str):
     opt = dm.optimizer(torch.optim.AdamW, lr=LR, **OPTIMIZER.get(name, {}))
     torch.manual_seed(1)
     losses = train(dm, opt, range(SPLIT))
-    dm.save(path)
+    dm.save(path, extra={"saved under": name})
     return losses
 
 
@@ -134,7 +134,7 @@ def resume_job(name: str, paths: dict):
             if noise.any():
                 noise_err = max(noise_err, float(diff[noise].max()) / (2 * LR * (STEPS - SPLIT)))
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[SPLIT:]))
-        out[source] = {"step": resumed.step, "losses": losses, "ref": ref_losses[SPLIT:], "loss_err": loss_err,
+        out[source] = {"step": resumed.step, "extra": resumed.extra, "losses": losses, "ref": ref_losses[SPLIT:], "loss_err": loss_err,
                        "param_err": param_err, "worst": worst, "noise_err": noise_err}
     return out
 
