@@ -29,6 +29,7 @@ covered), on every rank, and every rank raises if any rank found a problem.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import warnings
@@ -210,6 +211,14 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         found = _lookup(self.state_dict, index)
         return found if found is not None else super().lookup_object(index)
+
+    def create_global_plan(self, all_plans):
+        # autopar's own record also rides in DCP's metadata (its planner_data, unused without
+        # flattening), so that a load reads it with the metadata it reads anyway
+        plans, md = super().create_global_plan(all_plans)
+        if isinstance(self.state_dict.get(META), dict):
+            md = dataclasses.replace(md, planner_data={"autopar": self.state_dict[META]})
+        return plans, md
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -431,14 +440,14 @@ def read_metadata(path: str) -> tuple[Metadata, dict]:
     problems = _check_files(path, md)
     if problems:
         raise CheckpointError("\n  ".join(problems))
-    meta = {}
-    if META in md.state_dict_metadata:
+    meta = md.planner_data.get("autopar") if isinstance(md.planner_data, dict) else None
+    if meta is None and META in md.state_dict_metadata:
         box = {META: None}
         with warnings.catch_warnings():     # DCP's note that it reads in one process: that is the intent here
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(box, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
-        meta = box[META] or {}
-    return md, meta
+        meta = box[META]
+    return md, meta or {}
 
 
 def _check_files(path: str, md: Metadata) -> list[str]:
