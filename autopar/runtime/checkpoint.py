@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..placement import ShardSpec, TPParam
@@ -425,6 +426,19 @@ def save_module(dm, path: str, optimizer=None, step=None, extra=None) -> Metadat
 
 # ---- load ---------------------------------------------------------------------------------------
 
+class _ReadReader(FileSystemReader):
+    """DCP's file reader, given the metadata the checks already read (not read a second time)."""
+
+    def __init__(self, path: str, md: Metadata):
+        super().__init__(path)
+        self._md = md
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        self._md.storage_meta = getattr(self._md, "storage_meta", None) or StorageMeta()
+        self._md.storage_meta.load_id = self.load_id
+        return self._md
+
+
 def read_metadata(path: str) -> tuple[Metadata, dict]:
     """DCP's metadata of the checkpoint at ``path`` and autopar's own (``autopar.meta``)."""
     if not os.path.isdir(path):
@@ -543,8 +557,7 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
         if key.startswith(EXTRA):
             sd[key] = None
     with torch.no_grad():
-        dcp.load(sd, storage_reader=FileSystemReader(path), planner=_LoadPlanner(),
-                 no_dist=not dist.is_initialized())
+        dcp.load(sd, storage_reader=_ReadReader(path, md), planner=_LoadPlanner(), no_dist=not dist.is_initialized())
         for hs in holdings.values():              # a weight tied across two stages of this rank
             for h in hs[1:]:
                 h.local.copy_(hs[0].local)
