@@ -342,7 +342,8 @@ def _state_dict(dm, optimizer, step, extra) -> dict:
                 for key, value in optimizer.state.get(p, {}).items():
                     sd[f"{STATE}{h.name}.{key}"] = _state_value(h, p, value)
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(dict.fromkeys(names))})
-        groups = _union_groups(groups)     # a pipeline rank's optimizer holds its own stages' parameters
+        if len(dm._stage_modules()) != 1 or dm.mesh.axis_size("pp") > 1:
+            groups = _union_groups(groups)     # a pipeline rank's optimizer holds its own stages' parameters
         sd[GROUPS] = groups
         meta["groups"] = [g["params"] for g in groups]
         meta["optimizer"] = type(optimizer).__name__
@@ -498,11 +499,16 @@ def _volume(sizes) -> int:
     return v
 
 
-def _agree(problems: list[str], what: str) -> None:
-    """Raise on every rank when any rank found a problem (one all-gather of the messages), so
-    that no rank goes on into a collective another has left."""
+def _agree(problems: list[str], what: str, device=None) -> None:
+    """Raise on every rank when any rank found a problem (an all-reduce of a flag on ``device``,
+    the process group's; then, only if one did, an all-gather of the messages), so that no rank
+    goes on into a collective another has left."""
     found = [problems]
     if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([len(problems)], dtype=torch.int64, device=device)   # one small collective when all is well
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag):
+            return
         found = [None] * dist.get_world_size()
         dist.all_gather_object(found, problems)
     lines = []
@@ -535,7 +541,7 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
         problems += _check_model(md, dm, holdings)
         if optimizer is not None:
             problems += _check_optimizer(md, meta, optimizer, owner)
-    _agree(problems, f"cannot load the checkpoint {path!r} into this module")
+    _agree(problems, f"cannot load the checkpoint {path!r} into this module", dm._device())
 
     sd: dict[str, Any] = {MODEL + name: hs[0].pieces() for name, hs in holdings.items()}
     groups_sd = None
