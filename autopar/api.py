@@ -106,7 +106,7 @@ def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
     module ("" or e.g. "lm.") and its config as JSON: what a checkpoint records of where it came
     from (``autopar.checkpoint.export_safetensors`` writes that module's weights and config)."""
     found = None
-    for prefix, module in model.named_modules():
+    for prefix, module in (model.named_modules() if isinstance(model, nn.Module) else ()):
         to_json = getattr(getattr(module, "config", None), "to_json_string", None)
         if callable(to_json):
             found = (f"{prefix}." if prefix else "", to_json())

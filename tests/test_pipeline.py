@@ -274,12 +274,13 @@ def test_dump_writes_schedule_picture_and_stages(tmp_path, schedule, v):
 
 def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
     """Every public method of DistributedModule either has a pipeline version, or works as
-    inherited (shard_batch, and the inspection the front end provides), or refuses: none
+    inherited (shard_batch, save and load over its stages, and the inspection the front end
+    provides), or refuses: none
     fails on an attribute only a single stage has."""
     from autopar.runtime import DistributedModule, PipelineModule
     own = {k for k, v in vars(DistributedModule).items() if callable(v) and not k.startswith("_")}
     overridden = {k for k in own if k in vars(PipelineModule)}
-    assert own - overridden == {"shard_batch", "explain", "predict", "dump", "record_timeline"}
+    assert own - overridden == {"shard_batch", "explain", "predict", "dump", "record_timeline", "save", "load"}
     c = GPTConfig(layers=2)
     with torch.device("meta"):
         model = TinyGPT(c)

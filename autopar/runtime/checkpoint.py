@@ -409,7 +409,7 @@ def load_flat(path: str, keys=None, md: Metadata | None = None) -> dict:
     sd = {}
     for key in (keys if keys is not None else md.state_dict_metadata):
         entry = md.state_dict_metadata[key]
-        sd[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype) \
+        sd[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="cpu") \
             if isinstance(entry, TensorStorageMetadata) else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -599,7 +599,7 @@ def _state_target(h: Holding, p, state: dict, key: str, entry):
             state[key] = current
         return h.pieces(current)
     if not isinstance(current, torch.Tensor) or tuple(current.shape) != tuple(entry.size):
-        current = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)   # a step: on the host, as torch keeps it
+        current = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")   # a step: on the host, as torch keeps it
         state[key] = current
     return current
 
