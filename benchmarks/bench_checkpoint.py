@@ -82,6 +82,9 @@ import autopar
 import autopar.testing
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 
+# benchmarks/ is the script's folder: bench_dp's slicing of the global batch
+from bench_dp import local_slice  # noqa: E402
+
 CONFIG = dict(vocab=512, seq=32, dim=256, heads=4, layers=4, max_seq=32)
 GLOBAL_BATCH = 8
 LR = 1e-3
@@ -93,12 +96,6 @@ OPS = ("save", "load")
 def fresh_model() -> TinyGPT:
     torch.manual_seed(SEED)
     return TinyGPT(GPTConfig(**CONFIG))
-
-
-def local_slice(t: torch.Tensor) -> torch.Tensor:
-    n, i = dist.get_world_size(), dist.get_rank()
-    k = t.shape[0] // n
-    return t[i * k:(i + 1) * k]
 
 
 class Probe:
