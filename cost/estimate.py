@@ -56,7 +56,7 @@ from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
-from .profile import GroupCost, Profile, profile
+from .profile import GroupCost, Profile, expand, profile, repeated_stack, truncated
 from .replay import pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
@@ -150,22 +150,42 @@ class Estimate:
 class Profiles:
     """``cost.profile`` results per (tp size, sp), captured once and re-annotated per
     variant: the planner's cache. ``flash``: attention as a fused kernel; ``dropout_math``:
-    except attention with dropout, which autopar runs in the math form (``cost.profile``)."""
+    except attention with dropout, which autopar runs in the math form (``cost.profile``).
+
+    A model with a stack of repeated blocks (``cost.profile.repeated_stack``) is captured with
+    its first ``PROFILED_BLOCKS`` blocks only and each profile extended to the full depth
+    (``expand``: equal to the whole model's profile, tested), so that capturing and profiling
+    do not grow with depth; ``blocks_once=False`` captures the whole model."""
 
     def __init__(self, model, example_inputs, example_kwargs=None, *, flash: bool = True, cluster=None,
-                 dropout_math: bool = False):
+                 dropout_math: bool = False, blocks_once: bool = True):
+        self.flash, self.dropout_math = flash, dropout_math
+        self._cache: dict = {}
+        self._args = (tuple(example_inputs), dict(example_kwargs or {}), cluster)
+        self.stack = repeated_stack(model) if blocks_once else None     # (path, blocks) or None
+        if self.stack is not None:
+            try:
+                self._capture(truncated(model, self.stack[0]))
+                names = [g.name for g in self.get(1, False).layers]
+            except Exception:      # the model does not run with fewer blocks: capture it whole
+                names = None
+            if names != [f"{self.stack[0]}.{i}" for i in range(self.stack[1])]:
+                self.stack, self._cache = None, {}
+        if self.stack is None:
+            self._capture(model)
+
+    def _capture(self, model) -> None:
+        inputs, kwargs, cluster = self._args
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
         # LM heads laid out as a compile for ``cluster`` would (None: passes.lm_head's default)
         self._ctx.head_policy = head_policy(cluster) if cluster is not None else None
-        self._gm = capture(model, tuple(example_inputs), dict(example_kwargs or {}), self._ctx)
-        self.flash, self.dropout_math = flash, dropout_math
-        self._cache: dict = {}
+        self._gm = capture(model, inputs, kwargs, self._ctx)
 
     def get(self, tp: int, sp: bool) -> Profile:
         key = (tp, sp and tp > 1)
         if key not in self._cache:
-            self._cache[key] = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash,
-                                       dropout_math=self.dropout_math)
+            p = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math)
+            self._cache[key] = expand(p, *self.stack) if self.stack is not None else p
         return self._cache[key]
 
     @property

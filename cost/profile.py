@@ -28,6 +28,7 @@ keep their input. Adds, views and copies keep nothing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from autopar.passes.analysis import batch_dependent
 from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
 
-__all__ = ["GroupCost", "Profile", "profile"]
+__all__ = ["GroupCost", "Profile", "profile", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
 
 def _op(node: fx.Node) -> str:
     return op_name(node.target)
@@ -433,4 +434,84 @@ def _logical_groups(gm: fx.GraphModule) -> dict:
         else:
             seen_layer = True
         out[node] = key
+    return out
+
+
+# ---- a repeated block profiled once ---------------------------------------------------------------
+
+PROFILED_BLOCKS = 2     # blocks of a repeated stack captured: the first, and one that stands for the rest
+
+
+def repeated_stack(model: torch.nn.Module) -> Optional[tuple[str, int]]:
+    """The model's stack of repeated blocks: the path of the ``nn.ModuleList`` (or
+    ``nn.Sequential``) with the most children, all of one class with equal parameter names and
+    shapes, and its length; None when there is none longer than ``PROFILED_BLOCKS``."""
+    best = None
+    for path, m in model.named_modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) or len(m) <= PROFILED_BLOCKS:
+            continue
+        kids = list(m)
+        first = [(n, tuple(p.shape)) for n, p in kids[0].named_parameters()]
+        if all(type(k) is type(kids[0]) and [(n, tuple(p.shape)) for n, p in k.named_parameters()] == first
+               for k in kids[1:]) and (best is None or len(kids) > best[1]):
+            best = (path, len(kids))
+    return best
+
+
+def truncated(model: torch.nn.Module, path: str, keep: int = PROFILED_BLOCKS) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose stack at ``path`` holds its first ``keep`` blocks (the
+    blocks and every other module are the model's own; nothing is copied but the modules on
+    the path)."""
+    parts = path.split(".") if path else []
+    root = _shallow(model)
+    m = root
+    for name in parts[:-1]:
+        child = _shallow(m._modules[name])
+        m._modules[name] = child
+        m = child
+    stack = m._modules[parts[-1]] if parts else root
+    short = type(stack)(*list(stack)[:keep]) if isinstance(stack, torch.nn.Sequential) else \
+        torch.nn.ModuleList(list(stack)[:keep])
+    if parts:
+        m._modules[parts[-1]] = short
+        return root
+    return short
+
+
+def _shallow(m: torch.nn.Module) -> torch.nn.Module:
+    out = copy.copy(m)
+    out._modules = dict(m._modules)
+    return out
+
+
+def expand(p: Profile, stem: str, n: int) -> Profile:
+    """The profile of the model with ``n`` blocks at ``stem`` from ``p``, the profile with
+    ``PROFILED_BLOCKS``: block 1 stands for blocks 1 .. n-1 (renamed), block 0 and the groups
+    before and after stay."""
+    template = next(g for g in p.groups if g.name == f"{stem}.1")
+    old = f"{stem}.1."
+    groups = []
+    for g in p.groups:
+        if g.name == template.name:
+            groups += [_renamed(template, old, f"{stem}.{i}.", f"{stem}.{i}") for i in range(1, n)]
+        else:
+            groups.append(g)
+    shapes = dict(p.shapes)
+    for name, shape in p.shapes.items():
+        if name.startswith(old):
+            for i in range(2, n):
+                shapes[f"{stem}.{i}." + name[len(old):]] = shape
+    return dataclasses.replace(p, groups=groups, shapes=shapes)
+
+
+def _renamed(g: GroupCost, old: str, new: str, name: str) -> GroupCost:
+    def ren(x: str) -> str:
+        return new + x[len(old):] if x.startswith(old) else x
+    out = copy.copy(g)
+    out.name = name
+    out.params = {ren(k): v for k, v in g.params.items()}
+    out.param_bytes = {ren(k): v for k, v in g.param_bytes.items()}
+    out.read_by_backward = {ren(k) for k in g.read_by_backward}
+    out.reads = {ren(k) for k in g.reads}
+    out.tp_forward, out.tp_backward = list(g.tp_forward), list(g.tp_backward)
     return out

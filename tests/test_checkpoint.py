@@ -137,7 +137,7 @@ def _train_plain(model, opt, steps):
         loss = J.lm_loss(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -219,12 +219,25 @@ def test_save_and_load_hold_no_more_than_one_tensor_beyond_the_shard(ranks, tmp_
     weights and AdamW's two moments (the live state before the call). Saving, and loading under
     ZeRO-3 or ddp (which holds whole tensors: its own pieces are the whole model), may add at most
     one tensor (256 KiB) of transient memory: tensor storage plus Python objects, measured."""
-    for r in ranks(J.memory_job, 2, str(tmp_path / "ck"), load_plan):
+    results = ranks(J.memory_job, 2, str(tmp_path / "ck"), load_plan)
+    for r in results:
         for what in ("save", "load"):
             tensors, python = r[what]
             assert tensors + python <= r["tensor"] + 64 * 1024, \
                 (f"{what}: {tensors} B of tensors + {python} B of Python objects at the peak ({r['metadata']} B of metadata), "
                  f"one tensor is {r['tensor']} B, the model {r['model']} B")
+    if load_plan == "zero3":     # export, on this process: one whole tensor at a time, never the model
+        import tracemalloc
+
+        from autopar.checkpoint import export_safetensors
+        from autopar.testing import profiled_peak_bytes
+        tracemalloc.start()
+        tensors = profiled_peak_bytes(lambda: export_safetensors(str(tmp_path / "ck"), str(tmp_path / "st"), prefix=""))
+        python = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        one = results[0]["tensor"]
+        assert tensors + python <= 2 * one + 64 * 1024, f"export: {tensors} + {python} B at the peak, one tensor is {one} B"
+        assert os.path.getsize(tmp_path / "st" / "model.safetensors") > results[0]["model"]
 
 
 @pytest.mark.slow

@@ -399,7 +399,10 @@ def _rng_state(dm) -> dict:
 def save_state(sd: dict, path: str, no_dist: bool = False) -> Metadata:
     """Write a flat dict (values: ``Pieces``, tensors, picklable objects) with DCP."""
     os.makedirs(path, exist_ok=True)
-    return dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)
+    with warnings.catch_warnings():
+        if no_dist:         # DCP's note that it saves in one process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+        return dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)
 
 
 def load_flat(path: str, keys=None, md: Metadata | None = None) -> dict:

@@ -62,7 +62,7 @@ def reference():
         loss = lm_loss(ref(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
