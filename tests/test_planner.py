@@ -92,15 +92,21 @@ def gpt3():
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_gpt3_175b_on_1024_virtual_gpus_plans_in_under_a_minute(gpt3):
-    model, example = gpt3
+@pytest.mark.parametrize("name,gpus,batch,bound", [("gpt3-175b", 1024, 1536, 10.0), ("gpt-146b", 1536, 1536, 10.0),
+                                                    ("gpt-1t", 3072, 3072, 20.0)])
+def test_published_sizes_plan_in_seconds(name, gpus, batch, bound):
+    """Narayanan et al.'s sizes on their GPU counts, planned (capture, profiles for every tp size,
+    the search, the detailed estimate of the best) within the issue's bounds on this machine:
+    10 s for GPT-3 175B on 1,024 and 145.6B on 1,536, 20 s for the 1T model on 3,072. The
+    repeated block is profiled once (``Profiles``), so depth costs the search alone."""
+    model, example = named(name)
     t0 = time.perf_counter()
-    r = autopar.plan(model, 1024, example_inputs=example, cluster="dgx-a100-80gb", global_batch=1536)
+    r = autopar.plan(model, gpus, example_inputs=example, cluster="dgx-a100-80gb", global_batch=batch)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 60, f"planning took {elapsed:.1f} s"
-    assert r.mesh.size == 1024 and r.memory_bytes <= 80e9
+    assert elapsed < bound, f"planning {name} on {gpus} took {elapsed:.1f} s"
+    assert r.mesh.size == gpus and r.memory_bytes <= 80e9
     assert r.estimate is not None and r.estimate.fits
-    # a 175B model does not fit without sharding something
+    # a model of this size does not fit without sharding something
     assert r.mesh.axis_size("tp") > 1 or r.mesh.axis_size("pp") > 1 or r.plan.dp == "zero3"
 
 
