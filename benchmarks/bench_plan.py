@@ -46,6 +46,17 @@ def planner_speed():
     print("growth against 24 layers (linear would be 1, 2, 4, 8): total " +
           ", ".join(f"{x[3] / base[3]:.2f}" for x in rows) + "; search " +
           ", ".join(f"{x[2] / base[2]:.2f}" for x in rows))
+    print("\n## planner speed: Narayanan et al.'s sizes on their GPU counts (autopar.plan from scratch, dgx-a100-80gb)")
+    print(f"{'model':>10} {'GPUs':>5} {'batch':>5} {'blocks captured':>15} {'total s':>8} {'goal s':>6}  chosen")
+    for name, gpus, batch, goal in (("gpt3-175b", 1024, 1536, 10), ("gpt-146b", 1536, 1536, 10),
+                                    ("gpt-1t", 3072, 3072, 20)):
+        model, example = named(name)
+        t0 = time.perf_counter()
+        r = autopar.plan(model, gpus, example_inputs=example, cluster="dgx-a100-80gb", global_batch=batch)
+        total = time.perf_counter() - t0
+        stack = Profiles(model, example).stack
+        print(f"{name:>10} {gpus:>5} {batch:>5} {f'2 of {stack[1]}' if stack else 'all':>15} {total:>8.1f} {goal:>6}  "
+              f"{dict(r.mesh.axes)} {r.plan}")
 
 
 def local_predictions(runs: int, steps: int = 21):
