@@ -265,7 +265,7 @@ def _stage_holdings(st) -> list[Holding]:
     out = []
     tp_n, tp_i = (st._tp.size, st._tp.index) if st._tp is not None else (1, 0)
     for name, info in st.ctx.params.items():
-        if not getattr(info, "persistent", True):
+        if not info.persistent:
             continue
         trainable = name in st._sync.specs
         local = st.module.get_parameter(name) if trainable else st._buffer(name)
