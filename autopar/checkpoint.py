@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from .runtime.checkpoint import (GROUPS, META, MODEL, RNG_KEY, STATE, CheckpointError, Pieces, Resumed,
+from .runtime.checkpoint import (EXTRA, GROUPS, META, MODEL, RNG_KEY, STATE, CheckpointError, Pieces, Resumed,
                                  checkpoint_meta, load_flat, piece_cap, read_metadata, save_state, split_boxes)
 
 __all__ = ["to_torch", "from_torch", "export_safetensors", "CheckpointError", "Resumed"]
@@ -45,7 +45,7 @@ def to_torch(path: str, model: nn.Module | None = None, optimizer: torch.optim.O
             for alias in meta.get("aliases", {}).get(name, ()):
                 model_sd[alias] = value
     out = {"model": model_sd, "step": int(meta.get("step", 0)), "meta": meta, "rng": flat.get(RNG_KEY),
-           "extra": {k[len("extra."):]: v for k, v in flat.items() if k.startswith("extra.")}}
+           "extra": {k[len(EXTRA):]: v for k, v in flat.items() if k.startswith(EXTRA)}}
     if GROUPS in flat:
         state: dict[str, dict] = {}
         for key, value in flat.items():
@@ -132,7 +132,7 @@ def from_torch(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: 
     sd[META] = meta
     sd[RNG_KEY] = {"cpu": torch.get_rng_state()}
     for key, value in (extra or {}).items():
-        sd["extra." + key] = value
+        sd[EXTRA + key] = value
     # stored in pieces, as dm.save stores them: a load's transient memory stays under one tensor
     cap = piece_cap((tuple(v.shape), max(v.element_size(), 4)) for k, v in sd.items() if k.startswith(MODEL))
     for key, value in sd.items():

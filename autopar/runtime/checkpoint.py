@@ -50,7 +50,7 @@ from ..placement import ShardSpec, TPParam
 from ..sizes import chunk_range
 
 __all__ = ["Pieces", "layout_boxes", "CheckpointError", "Resumed", "save_module", "load_module", "Holding",
-           "save_state", "read_metadata", "checkpoint_meta", "load_flat", "piece_cap", "split_boxes", "FORMAT", "MODEL", "STATE", "GROUPS", "META", "RNG_KEY"]
+           "save_state", "read_metadata", "checkpoint_meta", "EXTRA", "load_flat", "piece_cap", "split_boxes", "FORMAT", "MODEL", "STATE", "GROUPS", "META", "RNG_KEY"]
 
 FORMAT = 1
 MODEL, STATE, GROUPS, META, RNG_KEY, EXTRA = "model.", "optim.state.", "optim.param_groups", "autopar.meta", \
@@ -524,9 +524,6 @@ def _agree(problems: list[str], what: str, device=None) -> None:
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(lines[:20]) +
                               (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "") +
                               "\nnothing was loaded: the module and optimizer are as they were")
-
-
-_AUTO = object()
 
 
 def load_module(dm, path: str, optimizer=None) -> Resumed:

@@ -2,8 +2,6 @@
 device trained without interruption."""
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
