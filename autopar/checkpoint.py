@@ -16,6 +16,7 @@ world size loads (``autopar.runtime.checkpoint`` says how). Here, on one process
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -168,7 +169,7 @@ def export_safetensors(path: str, out: str, *, prefix: str | None = None) -> lis
         dtype = entry.properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{key[len(MODEL):]} is {dtype}, which safetensors does not store")
-        nbytes = dtype.itemsize * _numel(entry.size)
+        nbytes = dtype.itemsize * math.prod(entry.size)
         header[key[len(MODEL) + len(prefix):]] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(entry.size),
                                                   "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -190,9 +191,3 @@ def export_safetensors(path: str, out: str, *, prefix: str | None = None) -> lis
             f.write(source[1])
     return files
 
-
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -118,12 +119,7 @@ def piece_cap(shapes_and_sizes) -> int:
     ``torch.load``s it: its bytes and the tensor made of them, while the previous piece's tensor
     is still referenced), so the transient memory of a load is about three pieces: capped so,
     under one tensor. Smaller pieces cost torch.save's ~1.5 KB of framing each."""
-    largest = 0
-    for shape, itemsize in shapes_and_sizes:
-        n = itemsize
-        for d in shape:
-            n *= d
-        largest = max(largest, n)
+    largest = max((itemsize * math.prod(shape) for shape, itemsize in shapes_and_sizes), default=0)
     return max(largest // 4, PIECE_FLOOR)
 
 
@@ -489,17 +485,7 @@ def _check_files(path: str, md: Metadata) -> list[str]:
 
 
 def _covered(md: TensorStorageMetadata) -> bool:
-    total = 1
-    for n in md.size:
-        total *= n
-    return sum(_volume(c.sizes) for c in md.chunks) >= total
-
-
-def _volume(sizes) -> int:
-    v = 1
-    for n in sizes:
-        v *= n
-    return v
+    return sum(math.prod(c.sizes) for c in md.chunks) >= math.prod(md.size)
 
 
 def _agree(problems: list[str], what: str, device=None) -> None:
