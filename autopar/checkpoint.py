@@ -190,4 +190,3 @@ def export_safetensors(path: str, out: str, *, prefix: str | None = None) -> lis
         with open(files[1], "w") as f:
             f.write(source[1])
     return files
-
