@@ -181,12 +181,18 @@ class Llama(nn.Module):
 # Using Megatron-LM" (SC'21), table 1 (vocabulary 51,200, sequence 2,048), and GPT-3 175B
 # (Brown et al. 2020, table 2.1: 96 layers, d_model 12,288, 96 heads); Llama-style 70B and 7B as
 # in Touvron et al., "Llama 2" (2023), table 1 / the released configurations (vocabulary 32,000,
-# context 4,096; 70B: 80 layers, 8,192 hidden, 64 heads, 8 KV heads, SwiGLU 28,672).
+# context 4,096; 70B: 80 layers, 8,192 hidden, 64 heads, 8 KV heads, SwiGLU 28,672). Korthikanti et
+# al. 2022's 22B (table 3: 48 layers, 6,144 hidden, 64 heads); BLOOM-176B (BigScience 2022: 70 layers,
+# 14,336 hidden, 112 heads, vocabulary 250,880; ALiBi and its embedding LayerNorm not modelled);
+# Llama 3.1 8B / 70B / 405B as released (Dubey et al., "The Llama 3 Herd of Models", 2024, table 3:
+# vocabulary 128,256; 32 / 80 / 126 layers; 4,096 / 8,192 / 16,384 hidden; FFN 14,336 / 28,672 /
+# 53,248; 32 / 64 / 128 heads, 8 KV heads) at torchtitan's training sequence of 8,192.
 NAMED = {
     "gpt-1.7b": GPTConfig(vocab=51200, seq=2048, dim=2304, heads=24, layers=24, max_seq=2048, dropout=0.1),
     "gpt-3.6b": GPTConfig(vocab=51200, seq=2048, dim=3072, heads=32, layers=30, max_seq=2048, dropout=0.1),
     "gpt-7.5b": GPTConfig(vocab=51200, seq=2048, dim=4096, heads=32, layers=36, max_seq=2048, dropout=0.1),
     "gpt-18b": GPTConfig(vocab=51200, seq=2048, dim=6144, heads=48, layers=40, max_seq=2048, dropout=0.1),
+    "gpt-22b": GPTConfig(vocab=51200, seq=2048, dim=6144, heads=64, layers=48, max_seq=2048, dropout=0.1),
     "gpt-39b": GPTConfig(vocab=51200, seq=2048, dim=8192, heads=64, layers=48, max_seq=2048, dropout=0.1),
     "gpt-76b": GPTConfig(vocab=51200, seq=2048, dim=10240, heads=80, layers=60, max_seq=2048, dropout=0.1),
     "gpt-146b": GPTConfig(vocab=51200, seq=2048, dim=12288, heads=96, layers=80, max_seq=2048, dropout=0.1),
@@ -194,8 +200,12 @@ NAMED = {
     "gpt-310b": GPTConfig(vocab=51200, seq=2048, dim=16384, heads=128, layers=96, max_seq=2048, dropout=0.1),
     "gpt-530b": GPTConfig(vocab=51200, seq=2048, dim=20480, heads=128, layers=105, max_seq=2048, dropout=0.1),
     "gpt-1t": GPTConfig(vocab=51200, seq=2048, dim=25600, heads=160, layers=128, max_seq=2048, dropout=0.1),
+    "bloom-176b": GPTConfig(vocab=250880, seq=2048, dim=14336, heads=112, layers=70, max_seq=2048, dropout=0.0),
     "llama-7b": LlamaConfig(vocab=32000, seq=4096, dim=4096, heads=32, kv_heads=32, ffn=11008, layers=32),
     "llama-70b": LlamaConfig(vocab=32000, seq=4096, dim=8192, heads=64, kv_heads=8, ffn=28672, layers=80),
+    "llama3-8b": LlamaConfig(vocab=128256, seq=8192, dim=4096, heads=32, kv_heads=8, ffn=14336, layers=32),
+    "llama3-70b": LlamaConfig(vocab=128256, seq=8192, dim=8192, heads=64, kv_heads=8, ffn=28672, layers=80),
+    "llama3-405b": LlamaConfig(vocab=128256, seq=8192, dim=16384, heads=128, kv_heads=8, ffn=53248, layers=126),
 }
 
 

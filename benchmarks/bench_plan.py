@@ -1,6 +1,6 @@
 """The cost model and the planner, measured.
 
-    python benchmarks/bench_plan.py [--skip-speed] [--skip-local] [--skip-published] [--runs 2] [--steps 21]
+    python benchmarks/bench_plan.py [--skip-speed] [--skip-local] [--skip-published] [--fit] [--runs 2] [--steps 21]
 
 1. Planner speed: GPT-3 175B-shaped models of 24, 48, 96 and 192 layers on 1,024 virtual
    A100s (dgx-a100-80gb preset, global batch 1,536): capture + profiles, search, total.
@@ -8,7 +8,10 @@
    tests/jobs/predict.py at world 4 under every plan of PREDICT_PLANS, measured on real gloo
    processes (bytes per step, peak memory, median step time), with the ratio to the prediction;
    and the plan the planner picks, measured in the same run.
-3. Predictions against published runs: Narayanan et al. (SC'21) table 1 on DGX A100 80GB.
+3. Predictions against published runs (tests/published_runs.py): every row of Narayanan et al.
+   (SC'21) table 1, Korthikanti et al. (2022) table 4's iteration times, torchtitan's Llama 3.1
+   8B/70B/405B H100 figures, each estimated as published, with the ratio; ``--fit`` also fits the
+   A100 matmul efficiency on the calibration run (BLOOM-176B) the preset's number comes from.
 """
 from __future__ import annotations
 
@@ -101,33 +104,35 @@ def local_predictions(runs: int, steps: int = 21):
                   f"{fastest[0] * 1e3:.1f} ms; ratio {mine / fastest[0]:.2f}")
 
 
-def published():
-    import autopar
+def published(fit: bool = False):
+    """Every published run of tests/published_runs.py, estimated as it ran, against its figure."""
+    import published_runs as P
     from autopar.cost.cluster import get_cluster
-    from autopar.cost.estimate import Profiles, evaluate_plan
-    from autopar.models import NAMED, named
-    rows = [("gpt-39b", 8, 2, 512, 1536, 138), ("gpt-76b", 8, 4, 1024, 1792, 140),
-            ("gpt-146b", 8, 8, 1536, 2304, 148), ("gpt-310b", 8, 16, 1920, 2160, 155)]
-    c = get_cluster("dgx-a100-80gb")
-    print("\n## published runs: Narayanan et al. SC'21 table 1 (DGX A100 80GB), full recomputation, "
-          "1F1B, micro-batch 1")
-    print(f"{'model':9s} {'t':>2} {'p':>3} {'d':>3} {'batch':>6} {'published TF/s':>15} {'predicted':>10} "
-          f"{'ratio':>6} {'mem GiB':>8} {'bubble':>7}  planner (predicted TF/s)")
-    for name, t, p, gpus, batch, pub in rows:
-        cfg = NAMED[name]
-        model, example = named(name)
-        profiles = Profiles(model, example, flash=False)
-        d = gpus // (t * p)
-        plan = autopar.Plan(dp="ddp", tp=True, pp_schedule="1f1b", microbatches=batch // d)
-        e = evaluate_plan(profiles, {"pp": p, "dp": d, "tp": t}, plan, c, batch, recompute="full")
-        s, lay, h, V = cfg.seq, cfg.layers, cfg.dim, cfg.vocab
-        flops = 96 * batch * s * lay * h * h * (1 + s / (6 * h) + V / (16 * lay * h))
-        tf = flops / (e.step_time_s * gpus) / 1e12
-        r = autopar.plan(model, gpus, example_inputs=example, cluster=c, global_batch=batch, profiles=profiles)
-        tf_plan = flops / (r.step_time_s * gpus) / 1e12
-        print(f"{name:9s} {t:>2} {p:>3} {d:>3} {batch:>6} {pub:>15} {tf:>10.1f} {tf / pub:>6.2f} "
-              f"{e.memory_bytes / 2**30:>8.1f} {e.bubble_fraction:>7.3f}  {r.plan} {dict(r.mesh.axes)} "
-              f"recompute={r.recompute} ({tf_plan:.1f})")
+    cal = P.CALIBRATION
+    print("\n## published runs: the calibration and every validation row, each estimated as published")
+    e = P.estimate(cal)
+    print(f"calibration: {cal.label} ({cal.source}); A100 matmul efficiency "
+          f"{get_cluster('dgx-a100-80gb').device.matmul_efficiency}: predicted {P.in_unit(cal, e.step_time_s):.1f} "
+          f"TFLOP/s per GPU against {cal.published:g}")
+    if fit:
+        print(f"fit: the A100 matmul efficiency at which the estimate equals {cal.published:g}: "
+              f"{P.fit_matmul_efficiency():.4f}")
+    print(f"{'run':58s} {'mesh':24s} {'unit':>7s} {'published':>10s} {'predicted':>10s} {'speed':>6s} "
+          f"{'mem GiB':>8s} {'pub GiB':>8s}")
+    source, within = None, []
+    for run in P.VALIDATION:
+        if run.source != source:
+            source = run.source
+            print(f"-- {source}")
+        e = P.estimate(run)
+        ratio = P.speed_ratio(run, e.step_time_s)
+        within.append(abs(ratio - 1) <= 0.15)
+        mesh = " ".join(f"{k}={v}" for k, v in run.axes.items())
+        pub_mem = f"{run.published_memory_gib:.1f}" if run.published_memory_gib else "-"
+        print(f"{run.label:58s} {mesh:24s} {run.unit:>7s} {run.published:>10g} {P.in_unit(run, e.step_time_s):>10.2f} "
+              f"{ratio:>6.2f} {e.memory_bytes / 2**30:>8.1f} {pub_mem:>8s}")
+    print(f"speed = published step time / predicted step time (above 1: predicted faster than it ran); "
+          f"{sum(within)} of {len(within)} rows within 15%")
 
 
 def main():
@@ -135,6 +140,7 @@ def main():
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-local", action="store_true")
     ap.add_argument("--skip-published", action="store_true")
+    ap.add_argument("--fit", action="store_true", help="also fit the A100 matmul efficiency on the calibration run")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=21, help="timed steps per plan (the median is reported)")
     args = ap.parse_args()
@@ -143,7 +149,7 @@ def main():
     if not args.skip_local:
         local_predictions(args.runs, args.steps)
     if not args.skip_published:
-        published()
+        published(args.fit)
 
 
 if __name__ == "__main__":
