@@ -24,7 +24,7 @@ from autopar.sizes import inflight_microbatches
 from autopar.cost.compute import group_time
 from autopar.cost.estimate import Profiles, evaluate_plan, saved_bytes
 from autopar.cost.replay import closed_form_pipeline
-from autopar.models import NAMED, GPTConfig, TinyGPT, gpt_batch, named
+from autopar.models import GPTConfig, TinyGPT, gpt_batch, named
 from autopar.schedule import build_schedule, simulate
 
 pytestmark = pytest.mark.timeout(300)
