@@ -376,7 +376,8 @@ def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inpu
     if plan == "auto":
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
-        profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention)
+        profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention,
+                                        cluster=cluster)
         plan = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                          cluster=cluster, global_batch=global_batch, mesh_axes=dict(mesh.axes),
                          profiles=profiles).plan

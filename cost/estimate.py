@@ -97,6 +97,7 @@ class Estimate:
     recompute_layers: dict = field(default_factory=dict)   # layer -> "selective" | "full" (the others keep all)
     host_bytes: float = 0.0          # Plan(offload="optimizer"): bytes over the host link per step (down + up)
     host_memory_bytes: float = 0.0   # Plan(offload="optimizer"): host memory the optimizer's copy and state hold
+    caveats: list = field(default_factory=list)   # what of this plan the estimate only approximates, and why
 
     def explain(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_axes.items())
@@ -116,6 +117,7 @@ class Estimate:
             lines.append(f"    bytes  {k:18s} {v:14,.0f} B")
         for k, v in self.time_breakdown.items():
             lines.append(f"    time   {k:18s} {v * 1e3:14.3f} ms")
+        lines += [f"  caveat: {c}" for c in self.caveats]
         if self.formulas:
             lines.append("  formulas (symbolic = value):")
             lines += [f"    {what}: {formula} = {value}" for what, formula, value in self.formulas]
@@ -177,14 +179,19 @@ class Profiles:
     def _capture(self, model) -> None:
         inputs, kwargs, cluster = self._args
         self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
-        # LM heads laid out as a compile for ``cluster`` would (None: passes.lm_head's default)
-        self._ctx.head_policy = head_policy(cluster) if cluster is not None else None
+        # LM heads laid out as a compile for ``cluster`` would (None: a compile's default, this
+        # machine's calibrated preset if there is one, else cost.lm_head.DEFAULT_CLUSTER)
+        self._ctx.head_policy = head_policy(cluster)
         self._gm = capture(model, inputs, kwargs, self._ctx)
 
-    def get(self, tp: int, sp: bool) -> Profile:
-        key = (tp, sp and tp > 1)
+    def get(self, tp: int, sp: bool, vocab_parallel: Optional[bool] = None) -> Profile:
+        """The profile at tp size ``tp``, with or without sequence parallelism; LM heads split
+        along the vocabulary or kept whole as ``vocab_parallel`` says (``Plan.vocab_parallel``;
+        None: as the compile's cost-model policy chooses)."""
+        key = (tp, sp and tp > 1, vocab_parallel if tp > 1 else None)
         if key not in self._cache:
-            p = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math)
+            p = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math,
+                        vocab_parallel=key[2])
             self._cache[key] = expand(p, *self.stack) if self.stack is not None else p
         return self._cache[key]
 
@@ -305,7 +312,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     if isinstance(rc, int) and not isinstance(rc, bool):
         return choose_recompute(profiles, axes, plan, c, global_batch, rc, simulate=simulate)
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
-    prof = profiles.get(t, plan.sp) if isinstance(profiles, Profiles) else profiles
+    prof = profiles.get(t, plan.sp, plan.vocab_parallel) if isinstance(profiles, Profiles) else profiles
     kinds = dict(rc) if isinstance(rc, dict) else {g.name: rc for g in prof.groups if g.name not in ("pre", "post")}
     for kind in kinds.values():
         if kind not in RECOMPUTE_MODES:
@@ -541,7 +548,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                                     "optimizer": max(opt_time), **host_times},
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem,
                     host_bytes=host_bytes, host_memory_bytes=host_memory,
-                    recompute_layers={k: v for k, v in kinds.items() if v != "none"})
+                    recompute_layers={k: v for k, v in kinds.items() if v != "none"},
+                    caveats=_stage_caveats(groups, S))
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -555,7 +563,7 @@ def choose_recompute(profiles, axes: dict, plan: Plan, c, global_batch: int, bud
     attention FLOPs again), layer by layer; then whole layers (full: a layer's forward again),
     layer by layer. The peak falls along this order, so the first prefix that fits is found by
     bisection. A ValueError says how far the budget is from what full recomputation needs."""
-    prof = profiles.get(axes.get("tp", 1), plan.sp) if isinstance(profiles, Profiles) else profiles
+    prof = profiles.get(axes.get("tp", 1), plan.sp, plan.vocab_parallel) if isinstance(profiles, Profiles) else profiles
     layers = [g for g in prof.groups if g.name not in ("pre", "post")]
     steps = [(g.name, "selective") for g in layers if g.saved_quadratic > 0] + [(g.name, "full") for g in layers]
 
@@ -751,6 +759,18 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         opt_tmp += sum(gathers[:2 if offload else 1])
     peak = max(peak, base + (0.0 if offload else grads) + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
+
+
+def _stage_caveats(groups, S: int) -> list:
+    """The estimate cuts a pipeline between layers; the pipeline pass cuts between ops, where
+    forward FLOPs balance and the fewest bytes cross. With more stages than layers the two
+    differ: the runtime's stages end inside layers, and its sends and stage times with them."""
+    layers = sum(1 for g in groups if g.name not in ("pre", "post"))
+    if S > 1 and S > layers:
+        return [f"{S} pipeline stages over {layers} layers: the runtime cuts inside layers (passes.pipeline "
+                "balances forward FLOPs op by op); this estimate cuts between layers, so its pipeline bytes and "
+                "stage times are approximate"]
+    return []
 
 
 def _first_layer(groups):

@@ -206,6 +206,28 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
     return [], 0.0, False
 
 
+READ_BACK = MATMULS | NORMS | {"embedding", "mul", "div"}
+"""Ops whose backward reads a parameter they take (autograd saves it: a product's other
+gradient needs it), so that ZeRO-3 gathers the parameter again in backward; a sum's does not."""
+
+_PASS_THROUGH = VIEWS | {"_to_copy", "clone"}
+
+
+def _computing_users(node: fx.Node) -> list:
+    """The ops that compute with ``node``'s value, through views and dtype copies of it."""
+    out, todo, seen = [], list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "call_function" and _op(u) in _PASS_THROUGH:
+            todo.extend(u.users)
+        elif u.op == "call_function":
+            out.append(u)
+    return out
+
+
 def _tp_comm(node: fx.Node, info, sp: bool = False) -> tuple[list, list]:
     """Forward and backward tp collectives a comm node causes (autograd's conjugates)."""
     fwd, bwd = [], []
@@ -258,7 +280,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             name = node.meta[meta.PARAM]
             for u in node.users:
                 readers.setdefault(name, set()).add(logical.get(u, "pre"))
-                if u.op == "call_function" and _op(u) in MATMULS | NORMS | {"embedding"}:
+            for u in _computing_users(node):
+                if _op(u) in READ_BACK:
                     read_back.setdefault(name, set()).add(logical.get(u, "pre"))
     order0 = list(dict.fromkeys(logical.values()))
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)

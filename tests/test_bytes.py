@@ -113,3 +113,47 @@ def test_zero3_on_a_world_of_256():
     assert r["total"] == pytest.approx((2 * r["psi_padded"] + r["psi_read_padded"]) * (n - 1) / n * 4, rel=0,
                                        abs=1e-6)
     assert r["psi_padded"] > r["psi"]       # 256 chunks pad most tensors
+
+
+@pytest.mark.parametrize("axes,kw", [
+    pytest.param({"tp": 2}, {"tp": True}, id="tp", marks=pytest.mark.slow),
+    pytest.param({"tp": 2}, {"tp": True, "vocab_parallel": True}, id="tp-vocab-split", marks=pytest.mark.slow),
+    pytest.param({"tp": 2}, {"tp": True, "vocab_parallel": False}, id="tp-vocab-whole", marks=pytest.mark.slow),
+    pytest.param({"tp": 2}, {"tp": True, "sp": True}, id="tp+sp"),
+    pytest.param({"dp": 2}, {"dp": "zero3"}, id="zero3"),
+    pytest.param({"dp": 2, "tp": 2}, {"dp": "zero3", "tp": True, "sp": True}, id="zero3+tp+sp",
+                 marks=pytest.mark.slow),
+])
+def test_llama_bytes_match_the_cost_model(axes, kw):
+    """The test suite's Llama (separate q, k, v and gate, up products; RMSNorm weights that
+    multiply) on the last rank of a fake world: each axis's bytes per step by the counters
+    equal the cost model's prediction (``evaluate_plan`` on the model's profile, the compile's
+    default LM-head policy on both sides, or the plan's ``vocab_parallel``). Sequence parallelism gathers each sequence-sharded
+    input once more in backward however many products read it (q, k and v share one gather);
+    ZeRO-3 gathers again in backward every parameter backward reads, the norms' too."""
+    import math
+
+    import torch
+
+    import autopar
+    from autopar.cost.cluster import get_cluster
+    from autopar.cost.estimate import Profiles, evaluate_plan
+    from autopar.models import Llama, gpt_batch, lm_loss
+
+    world = math.prod(axes.values())
+    torch.manual_seed(0)
+    x, t = gpt_batch(Llama().config, 8)
+    fp32 = get_cluster("dgx-h100").with_(mixed_precision=False)      # the model runs in fp32
+    pred = evaluate_plan(Profiles(Llama(), (x,)), axes, autopar.Plan(**kw), fp32, 8)
+    with fake_rank(world, world - 1):
+        dm = autopar.compile(Llama(), autopar.Mesh(**axes), example_inputs=(x,), plan=autopar.Plan(**kw))
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            lm_loss(dm(*lx), lt).backward()
+            opt.step()
+            if _ == 0:
+                dm.comm_stats.reset()
+        got = {a: dm.comm_stats.total(axis=a) for a in axes}
+    assert got == {a: pred.comm_bytes_by_axis.get(a, 0.0) for a in axes}

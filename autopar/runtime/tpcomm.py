@@ -366,22 +366,35 @@ def tp_vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: Axi
 _TOKEN = object()
 
 
+class _Regathered:
+    """One gathered tensor's saved shard, shared by every saved reference to the gathered
+    tensor in a forward (q, k and v each save the input they share): backward gathers it
+    once, when the first of them unpacks, and lets it go after the last."""
+    __slots__ = ("shard", "comm", "dim", "size", "left", "full")
+
+    def __init__(self, shard, comm, dim, size):
+        self.shard, self.comm, self.dim, self.size = shard, comm, dim, size
+        self.left, self.full = 0, None
+
+
 class SavedRegather:
     """Sequence parallelism's saved-activation saving (Korthikanti et al. 2022, section 4.2.2):
     the input of a column product is all-gathered from sequence shards, and autograd would
     save the gathered tensor for the weight gradient. Instead the shard is saved and
-    gathered again when backward needs it (one more all-gather of b·s·h per column input in
-    backward, counted like every other collective).
+    gathered again when backward needs it: one more all-gather of b·s·h per gathered input
+    in backward, however many products read it (counted like every other collective).
 
     ``tp_gather`` notes each gathered tensor read by per-rank compute; ``scope`` installs the
     saved-tensor hooks for one forward."""
 
     def __init__(self):
-        self._live: dict[int, tuple] = {}
+        self._live: dict[int, list] = {}
 
     def note(self, out, shard, comm, dim, size) -> None:
+        """``out`` was gathered from ``shard``; its saved references share one ``_Regathered``
+        (made at the first, kept in the note: a later tensor at the same address gets its own)."""
         if out.untyped_storage().nbytes():
-            self._live[out.untyped_storage().data_ptr()] = (weakref.ref(out), shard, comm, dim, size)
+            self._live[out.untyped_storage().data_ptr()] = [weakref.ref(out), shard, comm, dim, size, None]
 
     def _entry(self, t):
         """The note of the gathered tensor ``t`` is, if any. An address only identifies a
@@ -398,7 +411,8 @@ class SavedRegather:
     def scope(self):
         """Saved-tensor hooks for one forward. Hooks do not nest (the innermost alone runs), so
         these hand every tensor that is not theirs, and the shard they keep, to the hooks that
-        were active (ZeRO-3's, a profiler's, the caller's)."""
+        were active (ZeRO-3's, a profiler's, the caller's). The saved references to one gathered
+        tensor share one ``_Regathered``: one gather in backward for all of them."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = outer if outer is not None else (lambda t: t, lambda p: p)
 
@@ -406,13 +420,22 @@ class SavedRegather:
             entry = self._entry(t) if self._live else None
             if entry is None:
                 return pack(t)
-            _, shard, comm, dim, size = entry
-            return (_TOKEN, pack(shard), comm, dim, size, t.size(), t.stride(), t.storage_offset())
+            held = entry[5]
+            if held is None:
+                _, shard, comm, dim, size, _ = entry
+                held = entry[5] = _Regathered(pack(shard), comm, dim, size)
+            held.left += 1
+            return (_TOKEN, held, t.size(), t.stride(), t.storage_offset())
 
         def _unpack(p):
             if isinstance(p, tuple) and p and p[0] is _TOKEN:
-                _, shard, comm, dim, size, shape, stride, offset = p
-                full = _gather(unpack(shard), comm, dim, size, "re-gather of a sequence-parallel input")
+                _, held, shape, stride, offset = p
+                full = held.full
+                if full is None:
+                    full = _gather(unpack(held.shard), held.comm, held.dim, held.size,
+                                   "re-gather of a sequence-parallel input")
+                held.left -= 1      # the last reader lets it go (a second backward gathers anew)
+                held.full = full if held.left > 0 else None
                 return full.as_strided(shape, stride, offset)
             return unpack(p)
 
