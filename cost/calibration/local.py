@@ -349,6 +349,9 @@ def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
         alpha, beta = _fit_alpha_beta(moved, seconds)
         if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
             beta = seconds[-1] / moved[-1]
+        if not alpha > 0:  # a noisy large message tilted the line below the origin: the small
+            # messages, which are nearly all latency, say what a call costs (their median excess)
+            alpha = statistics.median(t - beta * x for x, t in zip(moved[:3], seconds[:3]))
         out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
         if kind == "all_reduce" and g == world:
             times = seconds
@@ -712,7 +715,8 @@ def _measure_local() -> Cluster:
         f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
         "compute timed with every rank at once), slowest rank; "
         "1/time-weighted least squares of "
-        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
+        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size (each kind likewise; an alpha "
+        "fitted below zero: the three smallest messages' median excess over bytes_moved/bandwidth); "
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
