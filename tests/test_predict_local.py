@@ -4,7 +4,8 @@ under every plan of ``jobs.predict.PREDICT_PLANS`` (ddp, ZeRO-1/2/3, tp, tp+sp, 
 pipelines). The calibration's probes never run this GPT (they run a synthetic stack of linear
 layers, GPTs of h=8, bare collectives and matmuls), so these are hold-out predictions. Bytes
 must be exact, memory within 10%, and each plan's step time within ``WORST`` of its
-measurement (benchmarks/bench_holdout.py measures the same on a grid of models and plans).
+measurement (benchmarks/bench_holdout.py measures the same on a grid of models and plans;
+the bound's reasons are beside it).
 """
 import dataclasses
 import statistics
@@ -92,11 +93,11 @@ def test_planner_pick_is_within_ten_percent_of_the_fastest_hand_plan(measured, p
     assert _step(measured, name) <= 1.10 * fastest, (name, {n: round(_step(measured, n) * 1e3, 1) for n in measured})
 
 
-# The bound on every plan's |predicted / measured - 1|. On a quiet machine the hold-out grid
-# (BENCHMARKS.md, "hold-out") sees a worst case of WORST_SEEN over models and plans like these;
-# the suite runs on 2 shared cores whose load moves a timing by more than that from run to
-# run (the rank pools of earlier tests, other jobs), hence the margin.
-WORST_SEEN = 0.57
+# The bound on every plan's |predicted / measured - 1|, stated from measurements (BENCHMARKS.md,
+# "Hold-out"): on this GPT the worst plan was tp+sp at 0.62 (38% short) with the machine shared
+# with another test run; over the hold-out grid's 117 plans at world 4 the worst was 54-57% in two
+# runs (tp+sp and 2-layer pipelines, which the model predicts short). The goal of 25% is not met;
+# the bound keeps a margin over the worst seen here, the suite's own load moving a timing by 10-20%.
 WORST = 0.5
 
 
