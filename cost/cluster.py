@@ -97,6 +97,10 @@ class Device:
     #                            ops (its call, the runtime's autograd functions; local CPU; GPU presets: 0)
     message_overhead: float = 0.0   # host seconds to post and complete one point-to-point message
     #                            (local CPU; GPU presets: 0, the copy engines move it)
+    sync_overhead: tuple = ()  # ((dp mode, seconds), ...): host work of the data-parallel runtime per
+    #                            parameter tensor and step under each mode (bucket flattening, ZeRO's
+    #                            chunks and replicas, ZeRO-3's gathers and hooks; measured on the local
+    #                            CPU; GPU presets: none, the host runs ahead of the device)
 
     @property
     def attention_rate(self) -> float:
@@ -197,7 +201,8 @@ class Cluster:
     def from_dict(cls, d: dict) -> "Cluster":
         """Inverse of ``dataclasses.asdict`` (the cache's JSON form)."""
         d = dict(d)
-        d["device"] = Device(**d["device"])
+        d["device"] = Device(**{**d["device"], "sync_overhead": tuple(
+            tuple(x) for x in d["device"].get("sync_overhead", ()))})
         for level in ("intra", "inter", "host", "shared"):
             if d.get(level):
                 link = dict(d[level])

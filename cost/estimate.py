@@ -61,16 +61,6 @@ from .replay import pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
 
-# Ops (each costing the preset's op_overhead) the data-parallel runtime dispatches per parameter
-# tensor and step besides the arithmetic: flattening into buckets, ZeRO's padded chunks and shard
-# views, ZeRO-3's gathered units laid back into parameters forward and backward (SYNC), and
-# ZeRO-1/2's copy of the gathered parameters into the replicas after the step (GATHER). Fitted to
-# the thread CPU time of benchmarks/bench_plan.py's small GPT per mode against the plain model,
-# on the local preset (BENCHMARKS.md, cost model).
-SYNC_OPS_PER_TENSOR = {"ddp": 2, "zero1": 3, "zero2": 3, "zero3": 22}
-GATHER_OPS_PER_TENSOR = {"zero1": 2, "zero2": 2}
-
-
 # ---- results ------------------------------------------------------------------------------
 
 @dataclass
@@ -246,15 +236,15 @@ def saved_bytes(g: GroupCost, recompute: str) -> float:
 
 def optimizer_time(mode: str, states: float, n_tensors: int, c) -> float:
     """Seconds of the optimizer step over this rank's shard: reading and writing parameters,
-    gradients and state (3 x the state bytes, on the roofline), AdamW's per-tensor cost and
-    the runtime's per-tensor work after it (ZeRO-1/2's copy into the replicas)."""
-    return compute_time(0.0, 3 * states, c) + n_tensors * (
-        c.device.step_overhead + GATHER_OPS_PER_TENSOR.get(mode, 0) * c.device.op_overhead)
+    gradients and state (3 x the state bytes, on the roofline) and AdamW's per-tensor cost."""
+    return compute_time(0.0, 3 * states, c) + n_tensors * c.device.step_overhead
 
 
 def sync_time(mode: str, n_tensors: int, c) -> float:
-    """Seconds of the data-parallel runtime's per-tensor work in a step (``SYNC_OPS_PER_TENSOR``)."""
-    return n_tensors * SYNC_OPS_PER_TENSOR[mode] * c.device.op_overhead
+    """Seconds of the data-parallel runtime's host work per parameter tensor in a step under
+    ``mode`` (``Device.sync_overhead``, measured by the local calibration's dp runtime probe;
+    ZeRO-1/2's copy into the replicas after the optimizer step included)."""
+    return n_tensors * dict(c.device.sync_overhead).get(mode, 0.0)
 
 
 def loss_broadcast_time(p: int, link) -> float:

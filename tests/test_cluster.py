@@ -149,6 +149,11 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert 0 < d.attention_efficiency <= 1 and 0 <= d.attention_overhead < 1e-3
     assert 0 < d.op_overhead < 1e-3 and 0 < d.step_overhead < 1e-2
     assert 0 <= d.pass_overhead < 1e-2 and 0 < d.message_overhead < 1e-2
+    # the dp runtime's host work per tensor, every mode (ZeRO-3 lays out gathered units and hooks
+    # saved tensors: more than ddp's bucket flattening)
+    sync = dict(d.sync_overhead)
+    assert set(sync) == {"ddp", "zero1", "zero2", "zero3"} and all(0 <= v < 1e-2 for v in sync.values())
+    assert sync["zero3"] > sync["ddp"]
     assert not c.mixed_precision and c.gpus_per_node >= 1
     kinds = {(k, g) for k, g, _, _ in c.intra.fits}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("p2p", 2)} <= kinds

@@ -1,8 +1,12 @@
 """Predictions of the cost model (``local`` preset, calibrated on this machine) against
-measurements of the same plans on real processes: the small GPT at world 4 under every plan of
-``jobs.predict.PREDICT_PLANS`` (ddp, ZeRO-1/2/3, tp, tp+sp, three pipelines). Bytes must be
-exact and memory within 10%. Step time is checked within a factor of two here, the machine's
-load varying from run to run; BENCHMARKS.md reports it against 30%."""
+measurements of the same plans on real processes: the small GPT of ``jobs.predict`` at world 4
+under every plan of ``jobs.predict.PREDICT_PLANS`` (ddp, ZeRO-1/2/3, tp, tp+sp, three
+pipelines). The calibration's probes never run this GPT (they run a synthetic stack of linear
+layers, GPTs of h=8, bare collectives and matmuls), so these are hold-out predictions. Bytes
+must be exact, memory within 10%, and each plan's step time within ``WORST`` of its
+measurement (benchmarks/bench_holdout.py measures the same on a grid of models and plans;
+the bound's reasons are beside it).
+"""
 import dataclasses
 import statistics
 
@@ -89,8 +93,19 @@ def test_planner_pick_is_within_ten_percent_of_the_fastest_hand_plan(measured, p
     assert _step(measured, name) <= 1.10 * fastest, (name, {n: round(_step(measured, n) * 1e3, 1) for n in measured})
 
 
+# The bound on every plan's |predicted / measured - 1|, stated from measurements (BENCHMARKS.md,
+# "Hold-out"): on this GPT the worst plan was tp+sp at 0.62 (38% short) with the machine shared
+# with another test run; over the hold-out grid's 117 plans at world 4 the worst was 54-57% in two
+# runs (tp+sp and 2-layer pipelines, which the model predicts short). The goal of 25% is not met;
+# the bound keeps a margin over the worst seen here, the suite's own load moving a timing by 10-20%.
+WORST = 0.5
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_step_time(measured, predicted, name):
-    step = max(statistics.median(r["times"]) for r in measured[name])
+    """Each plan's predicted step time against its measurement (the slowest rank's median):
+    within ``WORST``."""
+    step = _step(measured, name)
     ratio = predicted[name].step_time_s / step
-    assert 0.5 <= ratio <= 2.0, f"{name}: predicted {predicted[name].step_time_s * 1e3:.1f} ms, measured {step * 1e3:.1f} ms"
+    assert abs(ratio - 1) <= WORST, (f"{name}: predicted {predicted[name].step_time_s * 1e3:.1f} ms, measured "
+                                     f"{step * 1e3:.1f} ms (ratio {ratio:.2f}, bound 1 +- {WORST})")

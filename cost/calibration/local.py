@@ -349,6 +349,9 @@ def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
         alpha, beta = _fit_alpha_beta(moved, seconds)
         if not beta > 0:   # nonsense fit (very noisy machine): the largest message's rate
             beta = seconds[-1] / moved[-1]
+        if not alpha > 0:  # a noisy large message tilted the line below the origin: the small
+            # messages, which are nearly all latency, say what a call costs (their median excess)
+            alpha = statistics.median(t - beta * x for x, t in zip(moved[:3], seconds[:3]))
         out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
         if kind == "all_reduce" and g == world:
             times = seconds
@@ -498,23 +501,59 @@ def _op_overhead_probe(layers: int) -> tuple[float, float, float]:
     return statistics.median(compute), float(sum(g.ops for g in mine)), statistics.median(message)
 
 
+class _Block(torch.nn.Module):
+    """Two residual halves of (LayerNorm, Linear d -> 2d, GeLU, Linear 2d -> d): 12 parameter
+    tensors, as many as a transformer layer has."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.halves = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                torch.nn.Linear(2 * dim, dim)) for _ in range(2))
+
+    def forward(self, x):
+        for half in self.halves:
+            x = x + half(x)
+        return x
+
+
+class _Stack(torch.nn.Module):
+    """The probes' synthetic workload: ``blocks`` of ``_Block`` on rows of width ``dim``, matmuls
+    with pointwise ops between them; no attention, no embedding: none of the models the cost
+    model's predictions are checked on."""
+
+    def __init__(self, dim: int, blocks: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(dim) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+_STACK_DIM, _STACK_BLOCKS, _STACK_ROWS = 96, 4, 128     # the contention probe's stack
+_SYNC_DIM, _SYNC_ROWS, _SYNC_BLOCKS, _SYNC_STEPS = 8, 4, (2, 8), 25   # the dp runtime probe's stacks
+_SYNC_MODES = ("ddp", "zero1", "zero2", "zero3")
+_TENSORS_PER_BLOCK = 12
+
+
 def _contention_probe(seconds: float) -> float:
-    """Run on every rank by ``autopar.testing.run``: seconds per forward + backward of a small
-    GPT (autopar.models.TinyGPT: 4 layers, h = 64, 4 x 32 tokens; one thread) while every rank
-    runs the same loop at once."""
+    """Run on every rank by ``autopar.testing.run``: seconds per forward + backward of the
+    synthetic stack (``_Stack``: 4 blocks, d = 96, 128 rows; one thread) while every rank runs
+    the same loop at once."""
     torch.set_num_threads(1)
-    return _small_gpt_seconds(seconds, dist.barrier)
+    return _stack_seconds(seconds, dist.barrier)
 
 
-def _small_gpt_seconds(seconds: float, start=None) -> float:
-    c = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4)
+def _stack_seconds(seconds: float, start=None) -> float:
     torch.manual_seed(0)
-    model = TinyGPT(c)
-    x, t = gpt_batch(c, 4)
+    model = _Stack(_STACK_DIM, _STACK_BLOCKS)
+    x = torch.randn(_STACK_ROWS, _STACK_DIM)
 
     def fb():
         model.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x).reshape(-1, c.vocab), t.reshape(-1)).backward()
+        model(x).square().mean().backward()
 
     for _ in range(5):
         fb()
@@ -527,24 +566,94 @@ def _small_gpt_seconds(seconds: float, start=None) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _sync_probe(modes: tuple, steps: int) -> dict:
+    """Run on every rank by ``autopar.testing.run``: (mode, blocks) -> thread CPU seconds of a
+    training step (zero_grad, forward, backward, AdamW step) of the synthetic stack of
+    ``_SYNC_BLOCKS`` blocks (d = 8, 4 rows a rank: no arithmetic to speak of) compiled by
+    autopar on the dp axis of the world under each of ``modes``; ("adam", blocks): a plain
+    AdamW step over the same parameters, their gradients set. Thread CPU time: the rank's own
+    work, not its waits on collectives (gloo's threads carry those); the median over ``steps``
+    rounds, each stepping every model once."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    world = dist.get_world_size()
+    steps_of = {}
+    for blocks in _SYNC_BLOCKS:
+        torch.manual_seed(0)
+        x = torch.randn(_SYNC_ROWS * world, _SYNC_DIM)
+        model = _Stack(_SYNC_DIM, blocks)
+        model(x).square().mean().backward()
+        steps_of[("adam", blocks)] = torch.optim.AdamW(model.parameters(), lr=1e-3).step
+        for mode in modes:
+            steps_of[(mode, blocks)] = _compiled_step(_Stack(_SYNC_DIM, blocks), world, mode, x)
+    # round-robin, one step of each per round: a disturbance of the machine falls on all alike
+    for step in steps_of.values():
+        for _ in range(3):
+            step()
+    times = {key: [] for key in steps_of}
+    for _ in range(steps):
+        for key, step in steps_of.items():
+            c0 = time.thread_time()
+            step()
+            times[key].append(time.thread_time() - c0)
+    dist.barrier()
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def _compiled_step(model, world: int, mode: str, x):
+    """A training step of ``model`` compiled on the dp axis of ``world`` ranks under ``mode``."""
+    dm = autopar_compile(model, Mesh(dp=world), example_inputs=(x,), plan=Plan(dp=mode))
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    lx = dm.shard_batch((x,))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        dm(*lx).square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def _measure_sync_overhead(op_overhead: float) -> tuple:
+    """((mode, seconds per parameter tensor), ...): the data-parallel runtime's host work per
+    parameter tensor and step under each dp mode (flattening gradients into buckets, ZeRO's
+    padded chunks and shard views, ZeRO-3's gathers laid out into parameters and its saved-tensor
+    hooks, ZeRO-1/2's copy into the replicas after the step), on 2 processes: the growth of a
+    compiled step's thread CPU time from the 2- to the 8-block synthetic stack, less what the
+    cost model charges for that growth elsewhere (the added ops' dispatch, forward and twice in
+    backward, at ``op_overhead``; the plain AdamW step's measured growth), over the tensors
+    added; the ranks' mean."""
+    per_rank = run(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
+    lo, hi = _SYNC_BLOCKS
+    ops = [sum(g.ops for g in Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),),
+                                       blocks_once=False).base.groups) for b in (lo, hi)]
+    added = (hi - lo) * _TENSORS_PER_BLOCK
+    charged = 3 * (ops[1] - ops[0]) * op_overhead
+
+    def growth(r, key):
+        return r[(key, hi)] - r[(key, lo)]
+
+    return tuple((mode, max(0.0, statistics.mean(growth(r, mode) - growth(r, "adam") for r in per_rank) - charged)
+                  / added) for mode in _SYNC_MODES)
+
+
 def _measure_contention(cores: int) -> tuple:
     """((processes, slowdown), ...) for as many processes as cores and twice as many (at most 8):
-    the small GPT's forward + backward per iteration with that many processes looping at once,
-    the ranks' mean, over the same loop alone. Processes on a core of their own still share caches
+    the synthetic stack's forward + backward per iteration with that many processes looping at once,
+    the ranks' mean, over the same loop alone (timed before and after, the quicker). Processes on a core of their own still share caches
     and memory; twice as many time-share the cores, and pay for the switching on top of the fair
     share."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = _small_gpt_seconds(_CONTENTION_SECONDS)
+        alone = _stack_seconds(_CONTENTION_SECONDS)
+        crowded = {k: run(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
+                   for k in sorted({cores, 2 * cores}) if 1 < k <= 8}
+        # alone again, and the quicker of the two: a loop alone is only ever slowed by others
+        alone = min(alone, _stack_seconds(_CONTENTION_SECONDS))
     finally:
         torch.set_num_threads(threads)
-    out = []
-    for k in sorted({cores, 2 * cores}):
-        if 1 < k <= 8:
-            per_rank = run(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
-            out.append((k, max(1.0, statistics.mean(per_rank) / alone)))
-    return tuple(out)
+    return tuple((k, max(1.0, statistics.mean(per_rank) / alone)) for k, per_rank in crowded.items())
 
 
 def _cpu_model() -> str:
@@ -572,6 +681,7 @@ def _measure_local() -> Cluster:
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
         overhead, pass_overhead, message_overhead = _measure_op_overhead()
+        sync = _measure_sync_overhead(overhead)
         step_overhead = _measure_step_overhead()
         pointwise = _measure_pointwise_efficiency(mem_bw)
         matmul = _measure_matmul_efficiency(flops)
@@ -605,7 +715,8 @@ def _measure_local() -> Cluster:
         f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
         "compute timed with every rank at once), slowest rank; "
         "1/time-weighted least squares of "
-        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size; "
+        "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size (each kind likewise; an alpha "
+        "fitted below zero: the three smallest messages' median excess over bytes_moved/bandwidth); "
         f"times {[float(f'{s:.3g}') for s in seconds]} s",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
@@ -614,6 +725,12 @@ def _measure_local() -> Cluster:
         f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us",
+        f"sync_overhead: thread CPU time of training steps of a synthetic stack (blocks of 2 x (LayerNorm, "
+        f"Linear d->2d, GeLU, Linear 2d->d), {_TENSORS_PER_BLOCK} tensors a block, d={_SYNC_DIM}) of "
+        f"{' and '.join(map(str, _SYNC_BLOCKS))} blocks compiled on dp={_GLOO_WORLD} under each mode, "
+        f"timed round-robin; the growth with the blocks less the added ops at op_overhead and a plain "
+        f"AdamW step's growth, per added tensor: "
+        + ", ".join(f"{m} {v * 1e6:.1f} us" for m, v in sync),
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if crowded else "",
@@ -622,14 +739,15 @@ def _measure_local() -> Cluster:
         f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
         + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
            f"wake {crowded.wake * 1e3:.2f} ms" if crowded else ""),
-        f"contention: forward + backward of a small GPT (4 layers, h=64, 4x32 tokens, 1 thread) with k "
+        f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
+        f"{_STACK_ROWS} rows, 1 thread) with k "
         f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
                     dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
                     attention_efficiency=attention, attention_overhead=attention_overhead,
-                    pass_overhead=pass_overhead, message_overhead=message_overhead)
+                    pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                    mixed_precision=False, shared=crowded, contention=contention)

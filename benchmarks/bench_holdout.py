@@ -1,0 +1,202 @@
+"""The cost model on models and plans its calibration never ran, and the planner's pick measured
+against every plan it could have picked.
+
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--skip-grid] [--quality]
+
+1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
+   sequence lengths 16/48, and the test suite's Llama (``autopar.models.Llama()``), under one
+   plan of every parallelism (ddp, ZeRO-1/2/3, tp, tp+sp, pp 1F1B, interleaved and zero-bubble)
+   on 2 and on 4 gloo processes. The local calibration's probes run none of these (a synthetic
+   stack of linear layers, GPTs of h=8, bare collectives and matmuls). Measured as
+   tests/jobs/predict.py measures its small GPT: bytes by the counters, peak memory by the
+   census plus the profiler's peak, median step time of the slowest rank with each model's
+   plans timed round-robin; predicted by ``evaluate_plan`` on the ``local`` preset. Prints a
+   row per (world, model, plan) and the mean and worst |predicted/measured - 1| of step time
+   and memory, and how many rows' bytes are exact.
+2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
+   narrow and deep, long sequences, the Llama), ``autopar.plan`` (local preset, no
+   recomputation: compile has nothing that matches the planner's recomputation choice), and
+   every plan of its report's candidates, all measured round-robin the same way: each plan's
+   predicted and measured step time and rank, and the chosen plan's measured time over the
+   fastest measured one.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+BATCH = 8
+WIDTHS, DEPTHS, SEQS = (32, 64, 96), (2, 4), (16, 48)
+
+# (name, mesh axes, plan keyword arguments): one plan of each parallelism on 2 processes
+PLANS_2 = (
+    ("ddp", {"dp": 2}, {"dp": "ddp"}),
+    ("zero1", {"dp": 2}, {"dp": "zero1"}),
+    ("zero2", {"dp": 2}, {"dp": "zero2"}),
+    ("zero3", {"dp": 2}, {"dp": "zero3"}),
+    ("tp", {"tp": 2}, {"dp": "ddp", "tp": True}),
+    ("tp+sp", {"tp": 2}, {"dp": "ddp", "tp": True, "sp": True}),
+    ("pp 1f1b", {"pp": 2}, {"dp": "ddp", "pp_schedule": "1f1b", "microbatches": 4}),
+    ("pp interleaved", {"pp": 2}, {"dp": "ddp", "pp_schedule": "interleaved", "microbatches": 4,
+                                   "virtual_stages": 2}),
+    ("pp zero_bubble", {"pp": 2}, {"dp": "ddp", "pp_schedule": "zero_bubble", "microbatches": 4}),
+)
+
+
+def plans(world: int) -> tuple:
+    """One plan of every parallelism on ``world`` processes: tests/jobs/predict.py's at 4."""
+    from jobs import predict
+    return PLANS_2 if world == 2 else predict.PREDICT_PLANS
+
+
+def grid_models() -> list:
+    """(key, spec, batch) of the hold-out models: ("gpt", GPTConfig fields) / ("llama", ...)."""
+    out = [(f"gpt h{h} L{n} s{s}", ("gpt", dict(vocab=67, seq=s, dim=h, heads=4, layers=n, max_seq=s)), BATCH)
+           for h in WIDTHS for n in DEPTHS for s in SEQS]
+    return out + [("llama", ("llama", {}), BATCH)]
+
+
+def predictions(models, plan_list, cluster) -> dict:
+    """(model key, plan name) -> Estimate, by ``evaluate_plan`` on ``cluster``."""
+    import autopar
+    from autopar.cost.estimate import Profiles, evaluate_plan
+    from autopar.models import gpt_batch
+    from jobs.holdout import build
+    out = {}
+    for key, spec, batch in models:
+        model, c = build(spec)
+        x, _ = gpt_batch(c, batch)
+        profiles = Profiles(model, (x,))
+        for name, axes, kw in plan_list:
+            out[(key, name)] = evaluate_plan(profiles, axes, autopar.Plan(**kw), cluster, batch)
+    return out
+
+
+def _step(per_rank, k) -> float:
+    """The slowest rank's median step time."""
+    return max(statistics.median(r[k]["times"]) for r in per_rank)
+
+
+def grid(worlds, steps: int, cluster) -> list:
+    from autopar.testing import run
+    from jobs.holdout import measured_cases
+    models = grid_models()
+    rows = []
+    for world in worlds:
+        plan_list = plans(world)
+        pred = predictions(models, plan_list, cluster)
+        t0 = time.perf_counter()
+        per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps,
+                       timeout=3600)
+        print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
+              f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores")
+        print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
+              f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}")
+        for key, _, _ in models:
+            for name, _, _ in plan_list:
+                k = (key, name)
+                rs = [r[k] for r in per_rank]
+                b = max(r["bytes"] for r in rs)
+                peak = max(r["peak"] for r in rs)
+                step = _step(per_rank, k)
+                e = pred[k]
+                axes_ok = all(max(r["by_axis"][a] for r in rs) == v for a, v in e.comm_bytes_by_axis.items())
+                rows.append(dict(world=world, model=key, plan=name, bytes=b, bytes_pred=e.comm_bytes,
+                                 exact=b == e.comm_bytes and axes_ok, peak=peak, peak_pred=e.memory_bytes,
+                                 step=step, step_pred=e.step_time_s))
+                print(f"{key:16s} {name:15s} {b:>10,.0f} {e.comm_bytes:>10,.0f} | {peak / 1e6:>8.3f} "
+                      f"{e.memory_bytes / 1e6:>7.3f} {e.memory_bytes / peak:>5.2f} | {step * 1e3:>8.1f} "
+                      f"{e.step_time_s * 1e3:>7.1f} {e.step_time_s / step:>5.2f}")
+        summary([r for r in rows if r["world"] == world], f"world {world}")
+    if len(worlds) > 1:
+        summary(rows, "all worlds")
+    return rows
+
+
+def summary(rows, label: str) -> None:
+    st = [abs(r["step_pred"] / r["step"] - 1) for r in rows]
+    mem = [abs(r["peak_pred"] / r["peak"] - 1) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["step_pred"] / r["step"] - 1))
+    worst_m = max(rows, key=lambda r: abs(r["peak_pred"] / r["peak"] - 1))
+    print(f"{label}: {len(rows)} rows; step time |pred/meas - 1| mean {statistics.mean(st):.1%}, worst {max(st):.1%} "
+          f"({worst['model']}, {worst['plan']}, world {worst['world']}), {sum(x <= 0.25 for x in st)} within 25%; "
+          f"bytes exact {sum(r['exact'] for r in rows)}/{len(rows)}; memory mean {statistics.mean(mem):.1%}, worst "
+          f"{max(mem):.1%} ({worst_m['model']}, {worst_m['plan']}, world {worst_m['world']}), "
+          f"{sum(x <= 0.10 for x in mem)} within 10%")
+    by_plan: dict = {}
+    for r in rows:
+        by_plan.setdefault(r["plan"], []).append(r["step_pred"] / r["step"])
+    print("  step time pred/meas by plan (mean, min..max): " + "; ".join(
+        f"{p} {statistics.mean(v):.2f} ({min(v):.2f}..{max(v):.2f})" for p, v in by_plan.items()))
+
+
+# wide and shallow, narrow and deep, long sequences, and the test suite's Llama
+QUALITY_MODELS = (
+    ("wide-shallow gpt h128 L2 s16", ("gpt", dict(vocab=67, seq=16, dim=128, heads=4, layers=2, max_seq=16)), 16),
+    ("narrow-deep gpt h32 L8 s16", ("gpt", dict(vocab=67, seq=16, dim=32, heads=4, layers=8, max_seq=16)), 16),
+    ("long-seq gpt h64 L2 s128", ("gpt", dict(vocab=67, seq=128, dim=64, heads=4, layers=2, max_seq=128)), 8),
+    ("llama", ("llama", {}), 16),
+)
+
+
+def _plan_kwargs(plan) -> dict:
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if getattr(plan, f.name) != f.default}
+
+
+def quality(steps: int, cluster, world: int = 4) -> list:
+    """The planner's pick against every candidate of its report, measured round-robin."""
+    import autopar
+    from autopar.models import gpt_batch
+    from autopar.testing import run
+    from jobs.holdout import build, measured_cases
+    ratios = []
+    for key, spec, batch in QUALITY_MODELS:
+        model, c = build(spec)
+        x, _ = gpt_batch(c, batch)
+        report = autopar.plan(model, world, example_inputs=(x,), cluster=cluster, recompute=("none",))
+        cands = [(f"#{i + 1}", dict(x_.axes), _plan_kwargs(x_.plan), x_) for i, x_ in enumerate(report.candidates)
+                 if x_.fits]
+        t0 = time.perf_counter()
+        per_rank = run(measured_cases, world, [(key, spec, batch, [(n, a, kw) for n, a, kw, _ in cands])], steps,
+                       False, timeout=1800)
+        measured = {n: _step(per_rank, (key, n)) for n, _, _, _ in cands}
+        order = sorted(measured, key=measured.get)
+        print(f"\n## planner quality: {key} ({c}), global batch {batch}, world {world}; {report.searched} plans "
+              f"searched, {len(cands)} candidates measured in {time.perf_counter() - t0:.0f} s")
+        print(f"{'#':>3s} {'mesh':22s} {'plan':70s} {'pred ms':>8s} {'meas ms':>8s} {'rank':>4s}")
+        for n, axes, kw, cand in cands:
+            mesh = ", ".join(f"{a}={s}" for a, s in axes.items())
+            print(f"{n:>3s} {mesh:22s} {str(cand.plan)[:70]:70s} {cand.step_time_s * 1e3:>8.1f} "
+                  f"{measured[n] * 1e3:>8.1f} {order.index(n) + 1:>4d}")
+        ratio = measured["#1"] / measured[order[0]]
+        ratios.append((key, ratio))
+        print(f"chosen (#1): measured {measured['#1'] * 1e3:.1f} ms; fastest measured {order[0]} "
+              f"{measured[order[0]] * 1e3:.1f} ms; ratio {ratio:.3f} (goal <= 1.10)")
+    print("\nplanner quality: chosen / fastest measured: " + ", ".join(f"{k} {r:.3f}" for k, r in ratios))
+    return ratios
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
+    ap.add_argument("--steps", type=int, default=7, help="timed rounds per plan (the median is reported)")
+    ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
+    ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
+    args = ap.parse_args()
+    from autopar.cost.calibration import calibrate_local
+    c = calibrate_local()
+    print("local preset:\n  " + c.source.replace("\n", "\n  "))
+    if not args.skip_grid:
+        grid(args.worlds, args.steps, c)
+    if args.quality:
+        quality(args.steps, c)
+
+
+if __name__ == "__main__":
+    main()

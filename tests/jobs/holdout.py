@@ -1,0 +1,102 @@
+"""Measurements of models and plans the local calibration never ran (benchmarks/bench_holdout.py):
+per rank, the bytes each plan sends per step, its peak memory and its step times, measured as
+``jobs.predict`` measures its small GPT, for any GPT or Llama shape and batch."""
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.testing import profiled_peak_bytes, steady_live_bytes
+
+
+def build(spec):
+    """(model, config) of ``spec``: ("gpt", GPTConfig fields) or ("llama", LlamaConfig fields),
+    weights from ``torch.manual_seed(0)``."""
+    kind, fields = spec
+    torch.manual_seed(0)
+    if kind == "gpt":
+        c = GPTConfig(**fields)
+        return TinyGPT(c), c
+    c = LlamaConfig(**fields)
+    return Llama(c), c
+
+
+def prepared(spec, batch, axes, kw):
+    """(step: zero_grad, forward, backward, AdamW step; body: the same without zero_grad; dm; opt)
+    of the model of ``spec`` compiled under ``kw`` on a mesh of ``axes``."""
+    model, c = build(spec)
+    x, t = gpt_batch(c, batch)
+    plan = autopar.Plan(**kw)
+    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    del model
+    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+
+    def body():
+        if plan.pp_schedule:
+            dm.train_step(lx, lt, lm_loss)
+        else:
+            loss = lm_loss(dm(*lx), lt)
+            loss.backward()
+            del loss
+        opt.step()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        body()
+
+    return step, body, dm, opt
+
+
+def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
+    """{(model key, plan name): {bytes, by_axis, peak, times}} on this rank for ``cases``, a list
+    of (model key, spec, batch, [(plan name, mesh axes, plan kwargs), ...]). A model's plans
+    are compiled one after another, each one's bytes (the counters, after two warm-up steps)
+    and peak memory measured when it is compiled: what lives between its steps (the census
+    after zero_grad, less what lived before it was compiled) plus the profiler's peak of what
+    its step allocates on top (median of three). Then the model's plans are timed round-robin,
+    one step each per round, ``steps`` rounds, so that a disturbance of the machine falls on all
+    of them alike; then they are dropped before the next model. ``memory=False``: step times
+    only (no counters, no census)."""
+    torch.set_num_threads(1)
+    out = {}
+    for key, spec, batch, plans in cases:
+        runners = {}
+        for name, axes, kw in plans:
+            before = steady_live_bytes(3) if memory else 0    # collects garbage first
+            step, body, dm, opt = prepared(spec, batch, axes, kw)
+            runners[name] = step
+            if not memory:
+                out[(key, name)] = {"times": []}
+                continue
+            for _ in range(2):
+                step()
+            dm.comm_stats.reset()
+            step()
+            row = {"bytes": dm.comm_stats.total(), "by_axis": {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}}
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            base = steady_live_bytes(3) - before
+            peaks = sorted(base + profiled_peak_bytes(body) for _ in range(3))
+            opt.zero_grad(set_to_none=True)
+            row.update(peak=peaks[1], times=[])
+            out[(key, name)] = row
+            dist.barrier()
+        for step in runners.values():
+            for _ in range(1 if memory else 2):
+                step()
+        for _ in range(steps):
+            for name, step in runners.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                out[(key, name)]["times"].append(time.perf_counter() - t0)
+        del runners, step, body, dm, opt
+        gc.collect()
+        dist.barrier()
+    return out
