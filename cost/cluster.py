@@ -97,6 +97,9 @@ class Device:
     #                            ops (its call, the runtime's autograd functions; local CPU; GPU presets: 0)
     message_overhead: float = 0.0   # host seconds to post and complete one point-to-point message
     #                            (local CPU; GPU presets: 0, the copy engines move it)
+    split_pass_overhead: float = 0.0   # host seconds a zero-bubble schedule's separate weight-gradient (W)
+    #                            action adds per micro-batch and stage, beyond its matmuls (local CPU)
+    split_op_overhead: float = 0.0     # the same, per forward op of the stage (local CPU; GPU presets: 0)
     sync_overhead: tuple = ()  # ((dp mode, seconds), ...): host work of the data-parallel runtime per
     #                            parameter tensor and step under each mode (bucket flattening, ZeRO's
     #                            chunks and replicas, ZeRO-3's gathers and hooks; measured on the local
@@ -277,6 +280,10 @@ def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tu
         ("device.attention_overhead", _NO_HOST),
         ("device.pass_overhead", _NO_HOST),
         ("device.message_overhead", _NO_HOST),
+        ("device.split_pass_overhead", _NO_HOST),
+        ("device.split_op_overhead", _NO_HOST),
+        ("device.sync_overhead", "none on GPU presets: the data-parallel runtime's host work per tensor hides "
+                                 "under kernels as the host runs ahead; measured only on the local preset"),
     )
 
 

@@ -425,6 +425,11 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         Bs = [stage_sum(B, s) + (2 * dev.pass_overhead / 3 + msgs[s] * dev.message_overhead) * cslow
               for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
+        if plan.split_backward:     # splitting W out of backward costs host work of its own (measured on
+            #                         the local preset: per W action, and per forward op of the stage)
+            split = [(dev.split_pass_overhead + dev.split_op_overhead * sum(g.ops for g in stage_groups[s])) * cslow
+                     for s in range(S)]
+            Bs, Ws = [b + x for b, x in zip(Bs, split)], [w + x for w, x in zip(Ws, split)]
         if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]

@@ -427,25 +427,34 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead() -> tuple[float, float, float]:
-    """(seconds per op, seconds per stage pass, seconds per message) of framework time as
-    autopar's compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT,
-    h = 8, 2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4
-    micro-batches on 2 gloo processes. The thread CPU time of each rank's forward and backward
-    actions per micro-batch, against the ops the cost model's profile counts in its stage, is
-    fitted as pass + 3 x ops x per-op (each forward op runs again twice in backward): the per-op
-    slope is the dispatch (the FX module's Python and the aten op), the constant what a stage
-    does per micro-batch besides its ops (its call, the runtime's autograd functions and
-    hooks). A send or receive action's CPU time is the per-message cost."""
-    points, messages = [], []
+def _measure_op_overhead() -> tuple[float, float, float, float, float]:
+    """(seconds per op, seconds per stage pass, seconds per message, and a zero-bubble W
+    action's seconds per pass and per op) of framework time as autopar's compiled modules run
+    them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
+    and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
+    processes. The thread CPU time of each rank's forward and backward actions per
+    micro-batch, against the ops the cost model's profile counts in its stage, is fitted as
+    pass + 3 x ops x per-op (each forward op runs again twice in backward): the per-op slope is
+    the dispatch (the FX module's Python and the aten op), the constant what a stage does per
+    micro-batch besides its ops (its call, the runtime's autograd functions and hooks). A send
+    or receive action's CPU time is the per-message cost. The same pipelines under the
+    zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
+    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs."""
+    points, messages, split = [], [], []
     for layers in (2, 10):
-        for fb, ops, msg in run(_op_overhead_probe, 2, layers, timeout=120):
+        plain = run(_op_overhead_probe, 2, layers, "1f1b", timeout=120)
+        zb = run(_op_overhead_probe, 2, layers, "zero_bubble", timeout=120)
+        for (fb, ops, msg), (fbw, _, _) in zip(plain, zb):
             points.append((3 * ops, fb))
             messages.append(msg)
+            split.append((ops, fbw - fb))
     per_op, per_pass = _fit_line(points)
     if per_op <= 0:      # a nonsense fit (a noisy machine): everything per op
         per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
-    return per_op, max(per_pass, 0.0), statistics.median(messages)
+    split_op, split_pass = _fit_line(split)
+    if split_op <= 0:
+        split_op, split_pass = max(0.0, sum(y for _, y in split) / sum(x for x, _ in split)), 0.0
+    return per_op, max(per_pass, 0.0), statistics.median(messages), max(split_pass, 0.0), split_op
 
 
 def _fit_line(points: list) -> tuple[float, float]:
@@ -457,17 +466,17 @@ def _fit_line(points: list) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _op_overhead_probe(layers: int) -> tuple[float, float, float]:
-    """On each rank of a 2-stage pipeline: (thread CPU seconds of its F and B actions per
-    micro-batch, median of 25 steps; ops the profile counts in its stage per micro-batch; CPU
-    seconds per send or receive action)."""
+def _op_overhead_probe(layers: int, schedule: str = "1f1b") -> tuple[float, float, float]:
+    """On each rank of a 2-stage pipeline under ``schedule``: (thread CPU seconds of its F, B
+    (and W) actions per micro-batch, median of 25 steps; ops the profile counts in its stage
+    per micro-batch; CPU seconds per send or receive action)."""
     torch.set_num_threads(1)
     c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
     torch.manual_seed(0)
     x, t = gpt_batch(c, 8)
     m = 4
     dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
-                         plan=Plan(pp_schedule="1f1b", microbatches=m))
+                         plan=Plan(pp_schedule=schedule, microbatches=m))
     opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
     lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
 
@@ -680,7 +689,7 @@ def _measure_local() -> Cluster:
     try:
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
-        overhead, pass_overhead, message_overhead = _measure_op_overhead()
+        overhead, pass_overhead, message_overhead, split_pass, split_op = _measure_op_overhead()
         sync = _measure_sync_overhead(overhead)
         step_overhead = _measure_step_overhead()
         pointwise = _measure_pointwise_efficiency(mem_bw)
@@ -724,7 +733,9 @@ def _measure_local() -> Cluster:
         f"processes, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
         f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
-        f"{step_overhead * 1e6:.1f} us",
+        f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
+        f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + ops x op: "
+        f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per op",
         f"sync_overhead: thread CPU time of training steps of a synthetic stack (blocks of 2 x (LayerNorm, "
         f"Linear d->2d, GeLU, Linear 2d->d), {_TENSORS_PER_BLOCK} tensors a block, d={_SYNC_DIM}) of "
         f"{' and '.join(map(str, _SYNC_BLOCKS))} blocks compiled on dp={_GLOO_WORLD} under each mode, "
@@ -747,7 +758,8 @@ def _measure_local() -> Cluster:
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
                     dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
                     attention_efficiency=attention, attention_overhead=attention_overhead,
-                    pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync)
+                    pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync,
+                    split_pass_overhead=split_pass, split_op_overhead=split_op)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                    mixed_precision=False, shared=crowded, contention=contention)
