@@ -166,6 +166,7 @@ def test_estimate_refuses_mismatched_inputs(small_gpt):
                          cluster=CPU, recompute="half")
 
 
+@pytest.mark.slow      # a subprocess: python's and torch's start-up (kept out of the fast tier's budget)
 def test_plan_command_prints_the_table(tmp_path):
     import subprocess
     import sys

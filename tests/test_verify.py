@@ -145,6 +145,7 @@ def test_plans_read_in_short_form():
         autopar.Plan.parse("dp=zero3,tpp")
 
 
+@pytest.mark.slow      # a subprocess: python's and torch's start-up (kept out of the fast tier's budget)
 @pytest.mark.timeout(120)
 def test_cli_verifies_a_plan():
     out = subprocess.run([sys.executable, "-m", "autopar", "verify", "--model", "tiny-mlp", "--mesh", "dp=2",
