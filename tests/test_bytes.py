@@ -6,9 +6,16 @@ transfers, and ZeRO-3 on a world of 256.
 
 The counters count what a ring algorithm moves per rank, whatever the backend, so these hold
 on real processes too (the slow tier's parity runs use the same runtime)."""
-import pytest
+import math
 
+import pytest
+import torch
+
+import autopar
 from autopar.cost import dp_comm_elements, evaluate
+from autopar.cost.cluster import get_cluster
+from autopar.cost.estimate import Profiles, evaluate_plan
+from autopar.models import Llama, gpt_batch, lm_loss
 from autopar.testing import fake_rank
 
 from jobs import data_parallel, pipeline, tensor_parallel
@@ -131,15 +138,6 @@ def test_llama_bytes_match_the_cost_model(axes, kw):
     default LM-head policy on both sides, or the plan's ``vocab_parallel``). Sequence parallelism gathers each sequence-sharded
     input once more in backward however many products read it (q, k and v share one gather);
     ZeRO-3 gathers again in backward every parameter backward reads, the norms' too."""
-    import math
-
-    import torch
-
-    import autopar
-    from autopar.cost.cluster import get_cluster
-    from autopar.cost.estimate import Profiles, evaluate_plan
-    from autopar.models import Llama, gpt_batch, lm_loss
-
     world = math.prod(axes.values())
     torch.manual_seed(0)
     x, t = gpt_batch(Llama().config, 8)
