@@ -1,4 +1,4 @@
-"""The local preset: this machine measured for the cost model (about a minute), then cached.
+"""The local preset: this machine measured for the cost model (about two minutes), then cached.
 
 ``calibrate_local`` runs the probes below (some on several gloo processes, some compiling
 small models with ``autopar.compile``), builds a Cluster named "local" whose ``source`` says
@@ -683,7 +683,7 @@ def _total_ram() -> int:
 
 
 def _measure_local() -> Cluster:
-    """Measure this machine (about a minute) and describe it as a Cluster named "local"."""
+    """Measure this machine (about two minutes) and describe it as a Cluster named "local"."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # the distributed tests run one compute thread per process
     try:
@@ -769,7 +769,7 @@ def _measure_local() -> Cluster:
 def calibrate_local(*, force: bool = False, cache_path: str | None = None) -> Cluster:
     """This machine as a Cluster named "local": read from the cache (``autopar.cost.cache``;
     ``cache_path`` overrides where) unless ``force``, else measured now by the probes of this
-    module (about a minute; see the returned Cluster's ``source`` for each number's method)
+    module (about two minutes; see the returned Cluster's ``source`` for each number's method)
     and stored there."""
     if not force:
         cached = cached_local(cache_path)
