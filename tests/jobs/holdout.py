@@ -9,9 +9,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import autopar
-from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch
 from autopar.testing import profiled_peak_bytes, steady_live_bytes
+
+from . import memory_peak
 
 
 def build(spec):
@@ -30,21 +31,8 @@ def prepared(spec, batch, axes, kw):
     """(step: zero_grad, forward, backward, AdamW step; body: the same without zero_grad; dm; opt)
     of the model of ``spec`` compiled under ``kw`` on a mesh of ``axes``."""
     model, c = build(spec)
-    x, t = gpt_batch(c, batch)
-    plan = autopar.Plan(**kw)
-    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    body, dm, opt = memory_peak.compiled_body(model, gpt_batch(c, batch), axes, kw)
     del model
-    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
-    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
-
-    def body():
-        if plan.pp_schedule:
-            dm.train_step(lx, lt, lm_loss)
-        else:
-            loss = lm_loss(dm(*lx), lt)
-            loss.backward()
-            del loss
-        opt.step()
 
     def step():
         opt.zero_grad(set_to_none=True)

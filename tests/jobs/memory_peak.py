@@ -29,7 +29,13 @@ def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
     """(body: forward, backward, optimizer step; dm; opt) of ``TinyGPT(config)`` under ``kw``."""
     torch.manual_seed(seed)
     model = TinyGPT(config)
-    x, t = gpt_batch(config, batch)
+    return compiled_body(model, gpt_batch(config, batch), axes, kw, hold_reduced=hold_reduced)
+
+
+def compiled_body(model, batch, axes, kw, *, hold_reduced=False):
+    """(body: forward, backward, optimizer step; dm; opt) of a language model ``model`` on
+    ``batch`` = (tokens, targets), compiled under ``kw`` on a mesh of ``axes``."""
+    x, t = batch
     plan = autopar.Plan(**kw)
     dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
     del model
