@@ -234,7 +234,7 @@ def saved_bytes(g: GroupCost, recompute: str) -> float:
     return g.saved
 
 
-def optimizer_time(mode: str, states: float, n_tensors: int, c) -> float:
+def optimizer_time(states: float, n_tensors: int, c) -> float:
     """Seconds of the optimizer step over this rank's shard: reading and writing parameters,
     gradients and state (3 x the state bytes, on the roofline) and AdamW's per-tensor cost."""
     return compute_time(0.0, 3 * states, c) + n_tensors * c.device.step_overhead
@@ -386,7 +386,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                 shp = prof.shapes[name]
                 held = math.prod(shp) if mode == "ddp" else padded_numel(shp, n) // n
                 tied_bytes += held * pbytes
-    opt_time = [optimizer_time(mode, states[s], n_tensors[s], c) * slow for s in range(S)]
+    opt_time = [optimizer_time(states[s], n_tensors[s], c) * slow for s in range(S)]
     dt_device, copies = dt, [None] * S
     if plan.offload == "optimizer":    # the step on the host; the host link's copies around it (cost.offload)
         opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]

@@ -190,7 +190,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
     states = state_bytes(mode, psi, n, dt, padded_psi=pad)
-    opt = (optimizer_time(mode, states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
+    opt = (optimizer_time(states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
     tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
     if S == 1:
         if mode == "zero3":
