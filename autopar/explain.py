@@ -333,7 +333,7 @@ def predicted_section(dm, cluster) -> list:
     c = cluster if cluster is not None else cached_local()
     if c is None:
         return ["\npredicted step: dm.explain(cluster='local' | 'dgx-h100' | 'dgx-a100-80gb') prints the cost "
-                "model's prediction (the local preset needs `python -m autopar calibrate` once: about two minutes)"]
+                "model's prediction (the local preset needs `python -m autopar calibrate` once: about a minute)"]
     try:
         est = dm.predict(c)
     except Exception as exc:

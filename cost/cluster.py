@@ -432,7 +432,7 @@ def get_cluster(spec: "Cluster | str") -> Cluster:
                 found = (f"the cache is unusable: {problem}" if problem else
                          "it has not been measured here yet")
                 raise ValueError(f"cluster 'local' is this machine as measured by `python -m autopar calibrate` "
-                                 f"(about two minutes; cached in {cache.cache_path()}), and {found}: run that "
+                                 f"(about a minute; cached in {cache.cache_path()}), and {found}: run that "
                                  "once (it rewrites the cache), or pass a preset ('dgx-h100', 'dgx-a100-80gb') "
                                  "or a Cluster")
             return local

@@ -1,4 +1,4 @@
-"""The local preset: this machine measured for the cost model (about two minutes), then cached.
+"""The local preset: this machine measured for the cost model (about a minute), then cached.
 
 ``calibrate_local`` runs the probes below (some on several gloo processes, some compiling
 small models with ``autopar.compile``), builds a Cluster named "local" whose ``source`` says
@@ -26,7 +26,7 @@ from autopar.mesh import Mesh
 from autopar.models import GPTConfig, TinyGPT, gpt_batch
 from autopar.planspec import Plan
 from autopar.schedule import build_schedule, lower
-from autopar.testing import run
+from autopar.testing import RankPool
 
 from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
@@ -38,11 +38,32 @@ log = logging.getLogger("autopar")
 
 __all__ = ["calibrate_local"]
 
+
+class _Ranks:
+    """The probes' processes: ``ranks(fn, world, *args)`` runs ``fn`` on a pool of ``world``
+    local gloo processes kept between probes (starting torch in fresh processes cost more than
+    most probes). One pool at a time: starting another closes the last, so no idle rank shares
+    the cores with a probe."""
+
+    def __init__(self):
+        self.pool = None
+
+    def __call__(self, fn, world: int, *args, timeout: float = 180.0):
+        if self.pool is None or self.pool.world_size != world or not self.pool.alive:
+            self.close()
+            self.pool = RankPool(world, timeout=300.0)
+        return self.pool.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
 _MATMUL_SIZES = (384, 768)
 _MATMUL_SECONDS = 0.25                   # timed seconds per matmul size
 _COPY_BYTES = 64 * 2**20
 _COPY_SECONDS = 0.25
-_GLOO_SIZES = tuple(4096 * 2**k for k in range(11))   # 4 KiB .. 4 MiB
+_GLOO_SIZES = tuple(4096 * 4**k for k in range(6))    # 4 KiB .. 4 MiB, 4x apart
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
 _GLOO_WORLD = 2
@@ -106,48 +127,44 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     n, first = g, (rank // g) * g
     a = torch.randn(160, 160)
     work = _about_a_millisecond(a) if busy else 0
-    base = _crowded_seconds(lambda: [a @ a for _ in range(work)], reps) if busy else 0.0
-    medians = []
-    for nbytes in sizes:
+
+    def op_of(nbytes):
         x = torch.ones(nbytes // 4)
         part = torch.empty(nbytes // 4 // n)
         if kind == "all_reduce":
-            op = lambda: dist.all_reduce(x, group=group)    # noqa: E731
-        elif kind == "all_gather":
-            op = lambda: dist.all_gather_into_tensor(x, part, group=group)    # noqa: E731
-        elif kind == "reduce_scatter":
-            op = lambda: dist.reduce_scatter_tensor(part, x, group=group)    # noqa: E731
-        else:
-            def op():
-                if rank == first:
-                    dist.send(x, first + 1)
-                    dist.recv(x, first + 1)
-                else:
-                    dist.recv(x, first)
-                    dist.send(x, first)
+            return lambda: dist.all_reduce(x, group=group)
+        if kind == "all_gather":
+            return lambda: dist.all_gather_into_tensor(x, part, group=group)
+        if kind == "reduce_scatter":
+            return lambda: dist.reduce_scatter_tensor(part, x, group=group)
+
+        def p2p():
+            if rank == first:
+                dist.send(x, first + 1)
+                dist.recv(x, first + 1)
+            else:
+                dist.recv(x, first)
+                dist.send(x, first)
+        return p2p
+
+    ops = [op_of(nbytes) for nbytes in sizes]
+    for op in ops:
         for _ in range(warmup):
             op()
-        times = []
-        for _ in range(reps):
+    # the sizes in turn, rep after rep, and the compute alone among them (the base the excess
+    # is taken over): a disturbance of the machine that lasts a while falls on all of them alike
+    times = [[] for _ in range(len(ops) + 1)]
+    for _ in range(reps):
+        for i, op in enumerate(ops + [None]):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(work):
                 a @ a
-            op()
-            times.append(max(time.perf_counter() - t0 - base, 1e-6))
-        medians.append(statistics.median(times))
-    return medians
-
-
-def _crowded_seconds(op, reps: int) -> float:
-    """Median seconds of ``op()`` with every rank running it at once (a barrier before each)."""
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            if op is not None:
+                op()
+            times[i].append(time.perf_counter() - t0)
+    base = statistics.median(times[-1]) if busy else 0.0
+    return [max(statistics.median(ts) - base, 1e-6) for ts in times[:-1]]
 
 
 def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -191,14 +208,21 @@ def _excess_per_round(compute, exchange, rounds: int, blocks: int = 3) -> float:
     return statistics.median(out)
 
 
+_MS_WORK: dict = {}     # this process's (world size, shape) -> _about_a_millisecond's count
+
+
 def _about_a_millisecond(a) -> int:
-    """Matmuls of ``a`` that take about 1 ms on a core of one's own (timed alone, in turn)."""
-    work = 1
-    for r in range(dist.get_world_size()):
-        if r == dist.get_rank():
-            work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
-        dist.barrier()
-    return work
+    """Matmuls of ``a`` that take about 1 ms on a core of one's own (timed alone, in turn; once
+    per process: every rank of a pool runs the same probes, so all skip it alike)."""
+    key = (dist.get_world_size(), tuple(a.shape))
+    if key not in _MS_WORK:
+        work = 1
+        for r in range(dist.get_world_size()):
+            if r == dist.get_rank():
+                work = math.ceil(1e-3 / _timed_median(lambda: a @ a, 0.01))
+            dist.barrier()
+        _MS_WORK[key] = work
+    return _MS_WORK[key]
 
 
 def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
@@ -330,12 +354,12 @@ def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: floa
     return (lo + hi) / 2
 
 
-def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
+def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float], float]:
     """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
     ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
     table of ``skew`` (ranks outnumbering cores; the slowest rank's); the all-reduce's
     per-size times; and the synthetic pipeline's step (``_pipeline_probe``, slowest rank)."""
-    per_rank = run(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
+    per_rank = ranks(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
     out = []
     skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
     pipeline = max(r[("pipeline",)] for r in per_rank)
@@ -358,11 +382,11 @@ def _measure_kinds(world: int) -> tuple[tuple, tuple, list[float], float]:
     return tuple(out), skew, times, pipeline
 
 
-def _measure_gloo(world: int = _GLOO_WORLD) -> tuple[Link, list[float], float]:
+def _measure_gloo(ranks: _Ranks, world: int = _GLOO_WORLD) -> tuple[Link, list[float], float]:
     """The gloo link between ``world`` local processes: per-kind fits, and latency / bandwidth
     per message from the all-reduce's (a ring all-reduce sends 2(N-1) messages in turn);
     also the all-reduce's per-size times."""
-    fits, skew, seconds, pipeline = _measure_kinds(world)
+    fits, skew, seconds, pipeline = _measure_kinds(ranks, world)
     _, _, alpha, beta = next(f for f in fits if f[0] == "all_reduce" and f[1] == world)
     return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits, skew=skew), seconds, pipeline
 
@@ -427,7 +451,7 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead() -> tuple[float, float, float, float, float]:
+def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, float]:
     """(seconds per op, seconds per stage pass, seconds per message, and a zero-bubble W
     action's seconds per pass and per op) of framework time as autopar's compiled modules run
     them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
@@ -442,8 +466,8 @@ def _measure_op_overhead() -> tuple[float, float, float, float, float]:
     1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs."""
     points, messages, split = [], [], []
     for layers in (2, 10):
-        plain = run(_op_overhead_probe, 2, layers, "1f1b", timeout=120)
-        zb = run(_op_overhead_probe, 2, layers, "zero_bubble", timeout=120)
+        plain = ranks(_op_overhead_probe, 2, layers, "1f1b", timeout=120)
+        zb = ranks(_op_overhead_probe, 2, layers, "zero_bubble", timeout=120)
         for (fb, ops, msg), (fbw, _, _) in zip(plain, zb):
             points.append((3 * ops, fb))
             messages.append(msg)
@@ -623,7 +647,7 @@ def _compiled_step(model, world: int, mode: str, x):
     return step
 
 
-def _measure_sync_overhead(op_overhead: float) -> tuple:
+def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
     """((mode, seconds per parameter tensor), ...): the data-parallel runtime's host work per
     parameter tensor and step under each dp mode (flattening gradients into buckets, ZeRO's
     padded chunks and shard views, ZeRO-3's gathers laid out into parameters and its saved-tensor
@@ -632,7 +656,7 @@ def _measure_sync_overhead(op_overhead: float) -> tuple:
     cost model charges for that growth elsewhere (the added ops' dispatch, forward and twice in
     backward, at ``op_overhead``; the plain AdamW step's measured growth), over the tensors
     added; the ranks' mean."""
-    per_rank = run(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
+    per_rank = ranks(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
     lo, hi = _SYNC_BLOCKS
     ops = [sum(g.ops for g in Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),),
                                        blocks_once=False).base.groups) for b in (lo, hi)]
@@ -646,23 +670,12 @@ def _measure_sync_overhead(op_overhead: float) -> tuple:
                   / added) for mode in _SYNC_MODES)
 
 
-def _measure_contention(cores: int) -> tuple:
-    """((processes, slowdown), ...) for as many processes as cores and twice as many (at most 8):
-    the synthetic stack's forward + backward per iteration with that many processes looping at once,
-    the ranks' mean, over the same loop alone (timed before and after, the quicker). Processes on a core of their own still share caches
-    and memory; twice as many time-share the cores, and pay for the switching on top of the fair
-    share."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = _stack_seconds(_CONTENTION_SECONDS)
-        crowded = {k: run(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
-                   for k in sorted({cores, 2 * cores}) if 1 < k <= 8}
-        # alone again, and the quicker of the two: a loop alone is only ever slowed by others
-        alone = min(alone, _stack_seconds(_CONTENTION_SECONDS))
-    finally:
-        torch.set_num_threads(threads)
-    return tuple((k, max(1.0, statistics.mean(per_rank) / alone)) for k, per_rank in crowded.items())
+def _slowdowns(alone: float, crowded: dict) -> tuple:
+    """((processes, slowdown), ...): the synthetic stack's seconds per forward + backward with k
+    processes looping at once (``crowded[k]``, per rank; ``_contention_probe``), the ranks' mean,
+    over the same loop alone. Processes on a core of their own still share caches and memory;
+    more than the cores time-share them, and pay for the switching on top of the fair share."""
+    return tuple((k, max(1.0, statistics.mean(per_rank) / alone)) for k, per_rank in sorted(crowded.items()))
 
 
 def _cpu_model() -> str:
@@ -683,29 +696,43 @@ def _total_ram() -> int:
 
 
 def _measure_local() -> Cluster:
-    """Measure this machine (about two minutes) and describe it as a Cluster named "local"."""
+    """Measure this machine (about a minute) and describe it as a Cluster named "local"."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # the distributed tests run one compute thread per process
+    cores = os.cpu_count() or 1
+    # contention is measured with as many processes as cores and twice as many (at most 8)
+    crowd = [k for k in sorted({cores, 2 * cores}) if 1 < k <= 8]
+    loops, ranks = {}, _Ranks()
+    shared = pipe_shared = None
     try:
+        # this process alone first, no other rank alive
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
-        overhead, pass_overhead, message_overhead, split_pass, split_op = _measure_op_overhead()
-        sync = _measure_sync_overhead(overhead)
         step_overhead = _measure_step_overhead()
         pointwise = _measure_pointwise_efficiency(mem_bw)
         matmul = _measure_matmul_efficiency(flops)
         attention, attention_overhead = _measure_attention(flops)
+        alone = _stack_seconds(_CONTENTION_SECONDS)
+        # then the probes on processes, grouped by world size: each pool starts once
+        overhead, pass_overhead, message_overhead, split_pass, split_op = _measure_op_overhead(ranks)
+        sync = _measure_sync_overhead(ranks, overhead)
+        gloo, seconds, pipe_alone = _measure_gloo(ranks)
+        for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
+            if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
+                shared, _, pipe_shared = _measure_gloo(ranks, k)
+            loops[k] = ranks(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
+        ranks.close()
+        # alone again, and the quicker of the two: a loop alone is only ever slowed by others
+        alone = min(alone, _stack_seconds(_CONTENTION_SECONDS))
     finally:
+        ranks.close()
         torch.set_num_threads(threads)
-    gloo, seconds, pipe_alone = _measure_gloo()
-    cores = os.cpu_count() or 1
-    crowded, _, pipe_crowded = _measure_gloo(2 * cores) if 2 * cores <= 8 else (None, None, None)
-    contention = _measure_contention(cores)
+    contention = _slowdowns(alone, loops)
     gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores,
                                                   slowdown(contention, cores, _GLOO_WORLD)))
-    if crowded is not None:
-        crowded = dataclasses.replace(crowded, hop=gloo.hop, wake=_fit_hop(
-            pipe_crowded, 2 * cores, cores, slowdown(contention, cores, 2 * cores), hop=gloo.hop))
+    if shared is not None:
+        shared = dataclasses.replace(shared, hop=gloo.hop, wake=_fit_hop(
+            pipe_shared, 2 * cores, cores, slowdown(contention, cores, 2 * cores), hop=gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
         f"measured on {socket.gethostname()} at {when} by autopar.cost.calibration.calibrate_local "
@@ -720,7 +747,7 @@ def _measure_local() -> Cluster:
         f"memory_efficiency {pointwise:.2f}: GeLU, LayerNorm, softmax and add on 512x256 fp32, bytes / summed "
         "median times / that",
         f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
-        f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB, median of {_GLOO_REPS} after "
+        f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB by 4x, median of {_GLOO_REPS} after "
         f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
         "compute timed with every rank at once), slowest rank; "
         "1/time-weighted least squares of "
@@ -744,12 +771,12 @@ def _measure_local() -> Cluster:
         + ", ".join(f"{m} {v * 1e6:.1f} us" for m, v in sync),
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
-        "(excess over the same compute alone)" if crowded else "",
+        "(excess over the same compute alone)" if shared else "",
         f"hop: a synthetic 2-stage 1F1B pipeline ({_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / "
         f"{_PIPE_B * 1e3:g} ms of matmuls, receives posted ahead), the message latency at which the "
         f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
         + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
-           f"wake {crowded.wake * 1e3:.2f} ms" if crowded else ""),
+           f"wake {shared.wake * 1e3:.2f} ms" if shared else ""),
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
         f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
@@ -762,14 +789,14 @@ def _measure_local() -> Cluster:
                     split_pass_overhead=split_pass, split_op_overhead=split_op)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
-                   mixed_precision=False, shared=crowded, contention=contention)
+                   mixed_precision=False, shared=shared, contention=contention)
 
 
 
 def calibrate_local(*, force: bool = False, cache_path: str | None = None) -> Cluster:
     """This machine as a Cluster named "local": read from the cache (``autopar.cost.cache``;
     ``cache_path`` overrides where) unless ``force``, else measured now by the probes of this
-    module (about two minutes; see the returned Cluster's ``source`` for each number's method)
+    module (about a minute; see the returned Cluster's ``source`` for each number's method)
     and stored there."""
     if not force:
         cached = cached_local(cache_path)
