@@ -73,11 +73,10 @@ def test_parity_pp2_dp2_every_zero_mode(ranks):
 @pytest.mark.timeout(600)
 def test_parity_3d_mesh_pp2_dp2_tp2(ranks):
     """Mesh(pp=2, dp=2, tp=2) on 8 processes: ZeRO and tensor (and sequence) parallelism inside
-    each stage."""
+    each stage (8 processes on the machine's cores: two plans, the most different)."""
     axes = {"pp": 2, "dp": 2, "tp": 2}
-    configs = [("gpt", axes, dict(dp="zero2", tp=True, pp_schedule="1f1b", microbatches=4)),
-               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4)),
-               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="1f1b", microbatches=4, overlap=False))]
+    configs = [("gpt", axes, dict(dp="zero2", tp=True, pp_schedule="1f1b", microbatches=4, overlap=False)),
+               ("gpt", axes, dict(dp="zero3", tp=True, sp=True, pp_schedule="zero_bubble", microbatches=4))]
     _check(ranks(pipeline_jobs.parity_pp, 8, configs, timeout=550))
 
 
