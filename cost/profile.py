@@ -268,7 +268,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                 vocab_parallel=vocab_parallel if tp > 1 else None)
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
-    gm = copy.deepcopy(gm)
+    # the passes below rewrite the graph, never a tensor: the copy shares the model's tensors
+    gm = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
     for f in ("params", "in_spec", "out_spec", "constant_inputs", "head_policy"):
         setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)

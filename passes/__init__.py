@@ -1,4 +1,7 @@
-"""autopar's graph passes: each ``(GraphModule, CompileContext) -> GraphModule``.
+"""autopar's graph passes: each ``(GraphModule, CompileContext) -> GraphModule``. A pass edits
+the graph and lints it; it does not regenerate the module's Python code (``recompile``): no
+intermediate module runs, and the emitted rank module (``runtime.emit``) and the pipeline's
+stage modules generate theirs once, when they are built.
 
 ``for_plan(plan)`` is the ordered list a graph goes through under a plan (the pipeline pass,
 which cuts the graph into stages first, and the order check, which compares ranks and

@@ -61,7 +61,6 @@ def autocast(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                      f"{_name(ctx.plan.master_dtype)}, gradient sums in {_name(ctx.plan.grad_reduce_dtype)}; "
                      f"{casts} casts where torch.autocast({ctx.device_type}) changes an op's dtype")
     gm.graph.lint()
-    gm.recompile()
     return gm
 
 

@@ -102,7 +102,6 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     else:
         _insert_bucket_syncs(gm, ctx, params, specs, sync)
     g.lint()
-    gm.recompile()
     return gm
 
 

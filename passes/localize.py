@@ -47,5 +47,4 @@ def localize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         node.args = _merge(node.args, tuple(info.args))
         node.kwargs = {k: _merge(node.kwargs.get(k), v) for k, v in info.kwargs.items()}
     gm.graph.lint()
-    gm.recompile()
     return gm

@@ -57,7 +57,6 @@ def overlap(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                          f"start/wait, {how}; {n_f} backward all-reduces of Megatron's f under their "
                          "linear's weight gradient")
     gm.graph.lint()
-    gm.recompile()
     return gm
 
 

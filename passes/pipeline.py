@@ -231,9 +231,8 @@ def _stage_graph(gm, k, nodes, pos, bounds, placeholders, output, n_stages, cost
     for x in [x for x in g.nodes if x.op == "get_attr"]:
         if x is not body:
             body.prepend(x)
-    sub = fx.GraphModule(gm, g, class_name=f"Stage{k}")
+    sub = fx.GraphModule(gm, g, class_name=f"Stage{k}")     # generates its code
     sub.graph.lint()
-    sub.recompile()
     send = 0 if last else sum(value_bytes(o.meta.get(meta.VAL)) for o in outs)
     spec = StageSpec(k, tuple(n.name for n in nodes), tuple(n.name for n in received), tuple(graph_inputs),
                      tuple(o.name for o in outs), tuple(params), int(cost[lo:hi].sum() - (hi - lo)), send)

@@ -285,5 +285,4 @@ def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         log.warning("autopar: %s", msg)
         ctx.notes.append(f"warning: {msg}")
     gm.graph.lint()
-    gm.recompile()
     return gm

@@ -156,5 +156,4 @@ def rng(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         gm.graph.erase_node(node)
         new._rename(name)       # the logical node's name: dumps and verify line up
     gm.graph.lint()
-    gm.recompile()
     return gm

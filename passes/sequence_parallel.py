@@ -102,5 +102,4 @@ def sequence_parallel(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
                     u.meta.update({key: src[u.args[1]][key] for key in (meta.VAL, meta.LAYOUT) if key in src[u.args[1]]})
         ctx.notes.append(f"{node.target}: {len(names)} sequence-parallel ops fused: {', '.join(names)}")
     gm.graph.lint()
-    gm.recompile()
     return gm

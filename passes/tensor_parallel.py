@@ -463,7 +463,6 @@ def decide(gm: fx.GraphModule, ctx: CompileContext) -> None:
         log.warning("autopar: %s", msg)
         ctx.notes.append(f"warning: {msg}")
     gm.graph.lint()
-    gm.recompile()
 
 
 WHOLE_WARNING = 0.5

@@ -66,5 +66,4 @@ def weight_split(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         count += 1
     ctx.notes.append(f"zero-bubble: {count} matmuls compute their weight gradient in W")
     g.lint()
-    gm.recompile()
     return gm
