@@ -463,12 +463,13 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, flo
     micro-batch besides its ops (its call, the runtime's autograd functions and hooks). A send
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
-    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs."""
+    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. The four
+    pipelines are stepped in turn in one job (``_op_overhead_probe``)."""
     points, messages, split = [], [], []
-    for layers in (2, 10):
-        plain = ranks(_op_overhead_probe, 2, layers, "1f1b", timeout=120)
-        zb = ranks(_op_overhead_probe, 2, layers, "zero_bubble", timeout=120)
-        for (fb, ops, msg), (fbw, _, _) in zip(plain, zb):
+    for per_pipeline in ranks(_op_overhead_probe, 2, _OP_PIPELINES, timeout=240):     # a list per rank
+        got = dict(zip(_OP_PIPELINES, per_pipeline))
+        for layers in (2, 10):
+            (fb, ops, msg), (fbw, _, _) = got[(layers, "1f1b")], got[(layers, "zero_bubble")]
             points.append((3 * ops, fb))
             messages.append(msg)
             split.append((ops, fbw - fb))
@@ -490,48 +491,62 @@ def _fit_line(points: list) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _op_overhead_probe(layers: int, schedule: str = "1f1b") -> tuple[float, float, float]:
-    """On each rank of a 2-stage pipeline under ``schedule``: (thread CPU seconds of its F, B
-    (and W) actions per micro-batch, median of 25 steps; ops the profile counts in its stage
-    per micro-batch; CPU seconds per send or receive action)."""
+_OP_PIPELINES = ((2, "1f1b"), (2, "zero_bubble"), (10, "1f1b"), (10, "zero_bubble"))   # (layers, schedule)
+
+
+def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
+    """On each rank of 2-stage pipelines of GPTs (h = 8) of ``(layers, schedule)`` each, all
+    compiled first, then stepped in turn, round after round (a disturbance of the machine falls
+    on all alike): per pipeline (thread CPU seconds of this rank's F, B (and W) actions per
+    micro-batch, median of ``steps`` rounds after 3; ops the profile counts in its stage per
+    micro-batch; CPU seconds per send or receive action)."""
     torch.set_num_threads(1)
-    c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
-    torch.manual_seed(0)
-    x, t = gpt_batch(c, 8)
     m = 4
-    dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
-                         plan=Plan(pp_schedule=schedule, microbatches=m))
-    opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
-    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+    spent = {"compute": 0.0, "message": 0.0}
 
     def loss(out, target):
-        return torch.nn.functional.cross_entropy(out.reshape(-1, c.vocab), target.reshape(-1))
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    spent = {"compute": 0.0, "message": 0.0}
-    run_action = dm._run
+    def prepared(layers, schedule):
+        c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
+        torch.manual_seed(0)
+        x, t = gpt_batch(c, 8)
+        dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
+                             plan=Plan(pp_schedule=schedule, microbatches=m))
+        opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
+        lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+        run_action = dm._run
 
-    def timed(a, *args, **kwargs):
-        c0 = time.thread_time()
-        try:
-            return run_action(a, *args, **kwargs)
-        finally:
-            spent["compute" if a.kind in ("F", "B", "W") else "message"] += time.thread_time() - c0
+        def timed(a, *args, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return run_action(a, *args, **kwargs)
+            finally:
+                spent["compute" if a.kind in ("F", "B", "W") else "message"] += time.thread_time() - c0
 
-    dm._run = timed
-    compute, message = [], []
-    for i in range(30):
-        spent.update(compute=0.0, message=0.0)
-        opt.zero_grad(set_to_none=True)
-        dm.train_step(lx, lt, loss)
-        opt.step()
-        if i >= 5:
-            compute.append(spent["compute"] / m)
-            message.append(spent["message"] / (2 * m))      # a receive and a send per micro-batch
+        dm._run = timed
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            dm.train_step(lx, lt, loss)
+            opt.step()
+
+        groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
+        cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
+        mine = groups[cut:] if dist.get_rank() else groups[:cut]
+        return step, float(sum(g.ops for g in mine))
+
+    runs = [prepared(layers, schedule) for layers, schedule in pipelines]
+    compute, message = [[] for _ in runs], [[] for _ in runs]
+    for i in range(steps + 3):
+        for k, (step, _) in enumerate(runs):
+            spent.update(compute=0.0, message=0.0)
+            step()
+            if i >= 3:
+                compute[k].append(spent["compute"] / m)
+                message[k].append(spent["message"] / (2 * m))      # a receive and a send per micro-batch
     dist.barrier()
-    groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
-    cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
-    mine = groups[cut:] if dist.get_rank() else groups[:cut]
-    return statistics.median(compute), float(sum(g.ops for g in mine)), statistics.median(message)
+    return [(statistics.median(compute[k]), ops, statistics.median(message[k])) for k, (_, ops) in enumerate(runs)]
 
 
 class _Block(torch.nn.Module):
@@ -757,7 +772,7 @@ def _measure_local() -> Cluster:
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
         f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
-        f"processes, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
+        f"processes, stepped in turn, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
         f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
