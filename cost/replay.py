@@ -7,11 +7,11 @@ do (the local preset); ``pipeline_placement`` says how the ranks of a mesh share
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from autopar.schedule import (COMPUTE, SCHEDULES, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
-                              deadlock_message, lower, matching_send)
-from autopar.schedule import simulate as simulate_schedule
+                              deadlock_message, execute, lower, matching_send)
 
 __all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time"]
 
@@ -147,6 +147,15 @@ def closed_form_pipeline(schedule: str, m: int, v: int, fb: list, w: list) -> fl
     return m * fb[top] + rest
 
 
+@functools.lru_cache(maxsize=64)
+def _lowered(name: str, p: int, m: int, v: int) -> tuple:
+    """A schedule (one of SCHEDULES, or a parsed custom one) built, validated and lowered once:
+    the planner's detailed estimates replay the same few schedules many times."""
+    schedule = build_schedule(name, p, m, v) if name in SCHEDULES else Schedule.parse(name)
+    schedule.validate()
+    return schedule, lower(schedule)
+
+
 def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=None, wake=0.0, slow=1.0):
     """(makespan of the schedule, bubble fraction, busiest rank's busy time). ``shared``: the
     ``pipeline_placement`` of ranks sharing cores (stage times are then each on a core of its
@@ -165,10 +174,7 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
         total = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws) + (p - 1) * max(hop) * 2
         busy = m * max(fb)
         return total, 1 - m * sum(fb) / len(fb) / total if total else 0.0, busy
-    if plan.pp_schedule in SCHEDULES:
-        schedule = build_schedule(plan.pp_schedule, p, m, v)
-    else:
-        schedule = Schedule.parse(plan.pp_schedule)
+    schedule, programs = _lowered(plan.pp_schedule, p, m, v)
 
     def duration(a):
         if a.kind == "F":
@@ -183,8 +189,9 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
         return hop[a.stage] if a.kind == "SEND_F" else hop[a.stage - 1]
 
     speed, placement = shared if shared is not None else (1.0, None)
-    tl = simulate_shared(schedule, duration=duration, latency=latency, wake=wake, placement=placement,
-                         speed=speed) if placement is not None else simulate_schedule(schedule, duration=duration, latency=latency)
+    tl = execute_shared(schedule, programs, schedule.p, duration=duration, latency=latency, wake=wake,
+                        placement=placement, speed=speed) if placement is not None else \
+        execute(schedule, programs, duration=duration, latency=latency)
     for r, evs in enumerate(tl.events):
         for a, s0, e in evs:
             timeline.append((r, "compute", str(a), s0, e))
