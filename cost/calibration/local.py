@@ -104,6 +104,27 @@ def _measure_memory_bandwidth() -> float:
     return 2 * _COPY_BYTES / t
 
 
+def _collective(kind: str, x, part, group, first: int):
+    """A call of one fp32 ``kind`` collective on ``x`` within ``group`` (``part``: a rank's piece
+    of it); p2p: a round trip between ranks ``first`` and ``first + 1``, the first sending first."""
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(x, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, x, group=group)
+    rank = dist.get_rank()
+
+    def p2p():
+        if rank == first:
+            dist.send(x, first + 1)
+            dist.recv(x, first + 1)
+        else:
+            dist.recv(x, first)
+            dist.send(x, first)
+    return p2p
+
+
 def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all_reduce",
                 group_size: int | None = None, busy: bool = False) -> list[float]:
     """Run on every rank by ``autopar.testing.run``: median seconds of an fp32 ``kind``
@@ -128,26 +149,8 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     a = torch.randn(160, 160)
     work = _about_a_millisecond(a) if busy else 0
 
-    def op_of(nbytes):
-        x = torch.ones(nbytes // 4)
-        part = torch.empty(nbytes // 4 // n)
-        if kind == "all_reduce":
-            return lambda: dist.all_reduce(x, group=group)
-        if kind == "all_gather":
-            return lambda: dist.all_gather_into_tensor(x, part, group=group)
-        if kind == "reduce_scatter":
-            return lambda: dist.reduce_scatter_tensor(part, x, group=group)
-
-        def p2p():
-            if rank == first:
-                dist.send(x, first + 1)
-                dist.recv(x, first + 1)
-            else:
-                dist.recv(x, first)
-                dist.send(x, first)
-        return p2p
-
-    ops = [op_of(nbytes) for nbytes in sizes]
+    ops = [_collective(kind, torch.ones(nbytes // 4), torch.empty(nbytes // 4 // n), group, first)
+           for nbytes in sizes]
     for op in ops:
         for _ in range(warmup):
             op()
@@ -246,21 +249,11 @@ def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
         for _ in range(work):
             a @ a
 
+    op = _collective(kind, x, part, group, first)
+
     def exchange(i):
         compute()
-        if kind == "p2p":
-            if rank == first:
-                dist.send(x, first + 1)
-                dist.recv(x, first + 1)
-            else:
-                dist.recv(x, first)
-                dist.send(x, first)
-        elif kind == "all_reduce":
-            dist.all_reduce(x, group=group)
-        elif kind == "all_gather":
-            dist.all_gather_into_tensor(x, part, group=group)
-        else:
-            dist.reduce_scatter_tensor(part, x, group=group)
+        op()
 
     excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)))
     return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
