@@ -127,7 +127,7 @@ def _collective(kind: str, x, part, group, first: int):
 
 def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all_reduce",
                 group_size: int | None = None, busy: bool = False) -> list[float]:
-    """Run on every rank by ``autopar.testing.run``: median seconds of an fp32 ``kind``
+    """Run on every rank (a job of ``_Ranks``' pool): median seconds of an fp32 ``kind``
     collective (all_reduce, all_gather, reduce_scatter; p2p: the pair's first rank sends to the
     second and back) of each size in bytes (the whole buffer), in groups of ``group_size``
     consecutive ranks all working at once (default: the world). A barrier before each timed
@@ -148,7 +148,6 @@ def _gloo_probe(sizes: tuple[int, ...], warmup: int, reps: int, kind: str = "all
     n, first = g, (rank // g) * g
     a = torch.randn(160, 160)
     work = _about_a_millisecond(a) if busy else 0
-
     ops = [_collective(kind, torch.ones(nbytes // 4), torch.empty(nbytes // 4 // n), group, first)
            for nbytes in sizes]
     for op in ops:
@@ -580,7 +579,7 @@ _TENSORS_PER_BLOCK = 12
 
 
 def _contention_probe(seconds: float) -> float:
-    """Run on every rank by ``autopar.testing.run``: seconds per forward + backward of the
+    """Run on every rank (a job of ``_Ranks``' pool): seconds per forward + backward of the
     synthetic stack (``_Stack``: 4 blocks, d = 96, 128 rows; one thread) while every rank runs
     the same loop at once."""
     torch.set_num_threads(1)
@@ -608,7 +607,7 @@ def _stack_seconds(seconds: float, start=None) -> float:
 
 
 def _sync_probe(modes: tuple, steps: int) -> dict:
-    """Run on every rank by ``autopar.testing.run``: (mode, blocks) -> thread CPU seconds of a
+    """Run on every rank (a job of ``_Ranks``' pool): (mode, blocks) -> thread CPU seconds of a
     training step (zero_grad, forward, backward, AdamW step) of the synthetic stack of
     ``_SYNC_BLOCKS`` blocks (d = 8, 4 rows a rank: no arithmetic to speak of) compiled by
     autopar on the dp axis of the world under each of ``modes``; ("adam", blocks): a plain
