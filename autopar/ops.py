@@ -16,7 +16,7 @@ import math
 import torch
 from torch import fx
 
-__all__ = ["op_name", "dropout_p", "random_site", "MATMULS", "VIEWS", "FREE", "ATTENTION", "NORMS", "LOSSES", "KEEP_INPUT", "KEEP_OUTPUT",
+__all__ = ["op_name", "dropout_p", "random_site", "MATMULS", "VIEWS", "FREE", "ATTENTION", "NORMS", "LOSSES", "KEEP_INPUT", "KEEP_OUTPUT", "KEEP_OPERANDS",
            "node_flops", "value_bytes"]
 
 MATMULS = frozenset({"linear", "mm", "bmm", "matmul", "addmm", "baddbmm"})
@@ -32,11 +32,16 @@ ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flas
 NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "batch_norm"})
 LOSSES = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
                     "tp_vocab_cross_entropy"})
-KEEP_INPUT = frozenset({"gelu", "silu", "relu", "tanh", "sigmoid", "mul", "div", "pow", "sqrt", "rsqrt", "sin",
-                        "cos", "log", "mean", "neg", "abs", "square"})
-"""Pointwise ops whose backward formula reads their input (autograd's derivatives.yaml)."""
-KEEP_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "sigmoid", "tanh", "rsqrt"})
+KEEP_INPUT = frozenset({"gelu", "silu", "pow", "sin", "cos", "log", "abs", "square"})
+"""Pointwise ops whose backward formula reads their input (autograd's derivatives.yaml; a sum,
+a mean and a negation read none; a product and a quotient are ``KEEP_OPERANDS``)."""
+KEEP_OUTPUT = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "exp", "sigmoid", "tanh", "rsqrt",
+                         "relu", "sqrt"})
 """Ops whose backward formula reads their output."""
+KEEP_OPERANDS = frozenset({"mul", "div"})
+"""Products and quotients: the gradient of one operand reads the other, so autograd keeps an
+operand only when the other one needs a gradient (``x * cos`` keeps ``cos``, not ``x``; a
+quotient's divisor is kept for the dividend's gradient)."""
 
 
 def op_name(target) -> str:

@@ -40,7 +40,7 @@ from torch import fx
 from autopar import meta, passes
 from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
-from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
+from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OPERANDS, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
 from autopar.passes.analysis import batch_dependent
 from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
@@ -161,18 +161,45 @@ def _root(node: fx.Node, sp: bool = False) -> fx.Node:
     seen = 0
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and seen < 64 and (
             _op(node) in VIEWS or (sp and _op(node) == "tp_gather" and len(node.args) > 4 and node.args[4])):
+        if _op(node) in _COPYING_VIEWS and _broadcast_below(node.args[0]):
+            return node          # a reshape of a broadcast copies: its result is a tensor of its own
         node, seen = node.args[0], seen + 1
     return node
 
 
-def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
+_COPYING_VIEWS = frozenset({"reshape", "flatten", "contiguous"})
+
+
+def _broadcast_below(node: fx.Node) -> bool:
+    """Whether a chain of views under ``node`` broadcasts (an ``expand`` to more elements than it
+    reads, as grouped-query attention repeats its key/value heads): then a reshape of it
+    cannot be a view, and copies."""
+    seen = 0
+    while node.op == "call_function" and _op(node) in VIEWS and node.args and isinstance(node.args[0], fx.Node) \
+            and seen < 64:
+        if _op(node) == "expand":
+            out, inp = node.meta.get(meta.VAL), node.args[0].meta.get(meta.VAL)
+            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.numel() > inp.numel():
+                return True
+        node, seen = node.args[0], seen + 1
+    return False
+
+
+def _saved(node: fx.Node, batch: set, grad: set) -> tuple[list, float, bool]:
     """(activation nodes whose value backward keeps, extra bytes the op keeps itself, whether
-    the extra is attention scores) for one call_function node of the logical graph."""
+    the extra is attention scores) for one call_function node of the logical graph; ``grad``:
+    the nodes that need a gradient (autograd records nothing for an op none of whose inputs do)."""
     name, args = _op(node), [a for a in node.args if isinstance(a, fx.Node)]
     act = [a for a in args if a in batch]
     val = node.meta.get(meta.VAL)
-    if node not in batch:
+    if node not in batch or node not in grad:
         return [], 0.0, False
+    if name in KEEP_OPERANDS:
+        a, b = (node.args + (None, None))[:2]
+        keep = [a] if a in batch and b in grad else []      # for b's gradient (a quotient's: a / b**2)
+        if b in batch and (a in grad or (name == "div" and b in grad)):
+            keep.append(b)
+        return keep, 0.0, False
     if name in MATMULS or name in LOSSES:
         return act, 0.0, False
     if name in NORMS:
@@ -198,12 +225,28 @@ def _saved(node: fx.Node, batch: set) -> tuple[list, float, bool]:
         *b, s, _ = q.shape
         flash = node.meta.get(meta.FLASH, True)
         dropout = (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) or 0.0
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        act = act[:3] + ([mask] if isinstance(mask, fx.Node) and mask in batch else [])   # a mask is kept too
         if flash:
-            return act[:3] + [node], float(math.prod(b) * s * 4), False
+            return act + [node], float(math.prod(b) * s * 4), False
         probs = math.prod(b) * s * k.shape[-2]
         extra = probs * q.element_size() * (2 if dropout else 1) + (probs if dropout else 0)
-        return act[:3], float(extra), True
+        return act, float(extra), True
     return [], 0.0, False
+
+
+def _needing_grad(graph: fx.Graph, params: dict) -> set:
+    """The nodes that need a gradient: the trainable parameters and every op that reads one of
+    them or such an op's result."""
+    out: set = set()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            info = params.get(n.meta.get(meta.PARAM))
+            if info is not None and info.requires_grad and not info.is_buffer:
+                out.add(n)
+        elif n.op in ("call_function", "call_module", "call_method") and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
 
 READ_BACK = MATMULS | NORMS | {"embedding", "mul", "div"}
@@ -293,6 +336,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     if tp > 1:
         gm = passes.collectives(gm, ctx)
     batch = batch_dependent(gm.graph) | batch_before
+    grad = _needing_grad(gm.graph, ctx.params)
     groups: dict[str, GroupCost] = {g: GroupCost(g) for g in order0}
     order: list[str] = list(order0)
     members: dict[str, list] = {g: [] for g in order0}
@@ -345,7 +389,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             g.bytes_moved += moved
             if name not in MATMULS and name not in ATTENTION:
                 g.pointwise_bytes += moved
-        keep, extra, quadratic = _saved(node, batch)
+        keep, extra, quadratic = _saved(node, batch, grad)
         g.saved += extra / split
         if quadratic:
             g.saved_quadratic += extra / split

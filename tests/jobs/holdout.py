@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch
-from autopar.testing import profiled_peak_bytes, steady_live_bytes
+from autopar.testing import steady_live_bytes
 
 from . import memory_peak
 
@@ -45,9 +45,10 @@ def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
     """{(model key, plan name): {bytes, by_axis, peak, times}} on this rank for ``cases``, a list
     of (model key, spec, batch, [(plan name, mesh axes, plan kwargs), ...]). A model's plans
     are compiled one after another, each one's bytes (the counters, after two warm-up steps)
-    and peak memory measured when it is compiled: what lives between its steps (the census
-    after zero_grad, less what lived before it was compiled) plus the profiler's peak of what
-    its step allocates on top (median of three). Then the model's plans are timed round-robin,
+    and peak memory measured when it is compiled: ``memory_peak.peak_of`` (what lives between
+    its steps, the census after zero_grad, plus the profiler's peak of what a step allocates on
+    top, each profiled step after zero_grad), less what lived before it was compiled. Then the
+    model's plans are timed round-robin,
     one step each per round, ``steps`` rounds, so that a disturbance of the machine falls on all
     of them alike; then they are dropped before the next model. ``memory=False``: step times
     only (no counters, no census)."""
@@ -67,12 +68,7 @@ def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
             dm.comm_stats.reset()
             step()
             row = {"bytes": dm.comm_stats.total(), "by_axis": {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}}
-            opt.zero_grad(set_to_none=True)
-            gc.collect()
-            base = steady_live_bytes(3) - before
-            peaks = sorted(base + profiled_peak_bytes(body) for _ in range(3))
-            opt.zero_grad(set_to_none=True)
-            row.update(peak=peaks[1], times=[])
+            row.update(peak=memory_peak.peak_of(body, opt, dm)["peak"] - before, times=[])
             out[(key, name)] = row
             dist.barrier()
         for step in runners.values():

@@ -162,7 +162,7 @@ def collectives_settled(pause: float = 1e-3):
     launch, wait = flight.launch, flight.Watched.wait
 
     def settled_launch(group, kind, label, nbytes, start, *args, peer=None):
-        if args != (False,):
+        if not (len(args) == 1 and args[0] is False):     # p2p and asynchronous ones as issued
             return launch(group, kind, label, nbytes, start, *args, peer=peer)
         launch(group, kind, label, nbytes, start, True, peer=peer).wait()
         return None

@@ -2,14 +2,12 @@
 measures per rank (bytes, peak memory, step time)."""
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
 import torch.distributed as dist
 
 from autopar.models import GPTConfig
-from autopar.testing import profiled_peak_bytes, steady_live_bytes
 
 from . import memory_peak
 
@@ -82,11 +80,7 @@ def measured_memory(axes, kw):
     nbytes = dm.comm_stats.total()
     by_axis = {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}
     # peak: what lives between steps (after zero_grad: parameters, optimizer state, persistent
-    # buffers) plus the most the step allocates on top; the profiler cannot see frees of blocks
-    # allocated before it started, so nothing older than the census is freed inside the window
-    opt.zero_grad(set_to_none=True)
-    gc.collect()
-    base = steady_live_bytes(3)
-    peaks = [base + profiled_peak_bytes(body) for _ in range(3)]   # the steady state: the median of three
-    dist.barrier()
-    return {"bytes": nbytes, "by_axis": by_axis, "peak": sorted(peaks)[1], "peaks": peaks, "base": base}
+    # buffers) plus the most a step allocates on top, each profiled step after zero_grad as in
+    # training (a step profiled after another without it would find the gradients already there)
+    peak = memory_peak.peak_of(body, opt, dm)
+    return {"bytes": nbytes, "by_axis": by_axis, **peak}
