@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from autopar.capture import capture
-from autopar.context import CompileContext
+from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
 from autopar.planspec import Plan
 from autopar.schedule import bubble_formula
@@ -57,7 +57,7 @@ from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
 from .profile import GroupCost, Profile, expand, profile, repeated_stack, truncated
-from .replay import pipeline_placement, pipeline_time
+from .replay import _lowered, pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
 
@@ -491,9 +491,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         mine = [s for s in range(S) if s % p == r]
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
-        flight = inflight_microbatches(plan.pp_schedule, p, m, v, stage=r)
+        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1]) if S > 1 else \
+            (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
-                                staging=c.name == "local", offload=plan.offload == "optimizer"))
+                                staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
@@ -605,6 +606,20 @@ def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> l
             for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in ready], bucket_bytes)]
 
 
+def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
+    """ZeRO-3's gradient buckets as the collectives pass makes them: its gather units (one per
+    numbered layer, the other parameters one root unit, each cut where it passes
+    ``bucket_bytes``), last unit first, each unit's members last first."""
+    order = [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
+    by_key: dict = {}
+    for x in order:
+        by_key.setdefault(layer_key(x) or "", []).append(x)
+    units = [u for members in by_key.values() for u in _cut_names(members, shapes, n, nbytes, bucket_bytes)]
+    position = {x: i for i, x in enumerate(order)}
+    units.sort(key=lambda u: position[u[0]])
+    return [list(reversed(u)) for u in reversed(units)]
+
+
 def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -> list:
     """Seconds of the gradient reductions each group's backward completes: ZeRO-3 reduces each
     layer's unit; the other modes the buckets of ``_grad_buckets`` (ddp unpadded), each once its
@@ -645,7 +660,8 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
             for b in _grad_buckets(gs, shapes, share, nbytes, bucket_bytes)]
 
 
-def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False):
+def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False,
+            extra=0.0):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -662,7 +678,8 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     the next one's gather in flight into its own (broadcast in place: no staging copy) with its
     send buffer: (2 + 1/N) units of its largest.
     ``offload``: the step runs on the host, after the device's gradients were dropped, and
-    ZeRO-1/2's replica gathers are pipelined with the copies up (two buckets in flight)."""
+    ZeRO-1/2's replica gathers are pipelined with the copies up (two buckets in flight).
+    ``extra``: what a split backward's W adds beyond the activations' peak (``_schedule_flight``)."""
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
@@ -682,7 +699,10 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     top = max(units, default=0.0)
     gathered = (root + (2 + 1 / n) * top) if mode == "zero3" else 0.0
     peak = base + act + gathered
-    buckets = _grad_buckets(gs, shapes, n if zero else 1, gb, bucket_bytes)
+    if pipelined and extra:          # a zero-bubble W: the stage's weight gradients made at once
+        peak = max(peak, base + gb * psi + act + extra)
+    buckets = (_unit_buckets(gs, shapes, n, gb, bucket_bytes) if mode == "zero3"
+               else _grad_buckets(gs, shapes, n if zero else 1, gb, bucket_bytes))
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
     accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
@@ -749,11 +769,45 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
     opt_tmp = 0.0 if offload else 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)
     if mode in ("zero1", "zero2"):   # the replicas' all-gather, a bucket at a time: its shard and result
-        gathers = sorted((pb * padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n)
+        # (and the backend's staging copy of the result: gloo's all_gather_into_tensor gathers into
+        # a buffer of its own, then copies it out)
+        gathers = sorted((pb * padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n + (1.0 if staging else 0.0))
                           for b in _grad_buckets(gs, shapes, n, pb, bucket_bytes)), reverse=True)
         opt_tmp += sum(gathers[:2 if offload else 1])
     peak = max(peak, base + (0.0 if offload else grads) + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
+
+
+def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes) -> tuple:
+    """(rank ``r``'s peak of activation bytes over its actions in the schedule, in micro-batches
+    through all of its stages' layers; what a W action adds beyond that peak). F of a stage
+    adds one micro-batch's activations; B frees them, but under a split backward keeps what W
+    reads (each weight matmul's input and output gradient, ``GroupCost.w_stash``) until that
+    micro-batch's W, and W computes the stage's weight gradients all at once before autograd
+    adds them to those accumulated (``runtime.wgrad``). 1F1B's walk gives min(m, p - r); an
+    interleaved schedule's depends on how its stages' sizes differ. Schedules of more actions
+    than the replay walks: ``inflight_microbatches``'s bound."""
+    if m * p * v > 20000:
+        return inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0
+    schedule, _ = _lowered(plan.pp_schedule, p, m, v)
+    act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs) for gs in stage_groups]
+    split = schedule.split_backward
+    stash = [sum(g.w_stash for g in gs) if split else 0.0 for gs in stage_groups]
+    wgrads = [grad_bytes * sum(math.prod(shp) for g in gs for shp in g.params.values()) for gs in stage_groups]
+    alive = peak = at_w = 0.0
+    for a in schedule.ranks[r]:
+        if a.kind == "F":
+            alive += act[a.stage]
+        elif a.kind == "B":
+            alive += stash[a.stage] - act[a.stage]
+        elif a.kind == "W":
+            at_w = max(at_w, alive + wgrads[a.stage])
+            alive -= stash[a.stage]
+        peak = max(peak, alive)
+    whole = sum(act[s] for s in range(len(stage_groups)) if s % p == r)
+    if not whole:
+        return inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0
+    return peak / whole, max(0.0, at_w - peak)
 
 
 def _stage_caveats(groups, S: int) -> list:

@@ -75,6 +75,8 @@ class GroupCost:
     out_bytes: float = 0.0             # bytes of what leaves the group (a pipeline cut after it)
     max_value: float = 0.0             # bytes of the group's largest activation (backward's working set)
     final_bytes: float = 0.0           # bytes of the model outputs this group produces
+    w_stash: float = 0.0               # bytes a split backward keeps from B to W: each weight matmul's
+                                       # input and output gradient (runtime.wgrad)
     ops: int = 0                       # ops the forward dispatches (views included: each costs a dispatch)
     signature: tuple = ()
 
@@ -86,7 +88,7 @@ class GroupCost:
         g.saved_after_core = self.saved_after_core * k
         g.attention_flops, g.dense_flops = self.attention_flops * k, self.dense_flops * k
         g.pointwise_bytes, g.attention_heads = self.pointwise_bytes * k, self.attention_heads * k
-        g.max_value, g.final_bytes = self.max_value * k, self.final_bytes * k
+        g.max_value, g.final_bytes, g.w_stash = self.max_value * k, self.final_bytes * k, self.w_stash * k
         g.tp_forward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_forward]
         g.tp_backward = [(kind, b * k if sc else b, sc) for kind, b, sc in self.tp_backward]
         return g
@@ -352,6 +354,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         where[node] = g
         members[g].append(node)
     counted: set = set()
+    stashed: set = set()       # matmul inputs a split backward keeps for W, counted once
     cored: set = set()         # groups whose attention forward has run (in graph order)
     for node in gm.graph.nodes:
         if node not in where:
@@ -378,6 +381,12 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         name = _op(node)
         if name in MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
+            g.w_stash += _nbytes(node, mesh)          # its output's gradient, kept for W
+            for a in node.all_input_nodes:            # and its input (once per tensor)
+                r = _root(a, plan.sp)
+                if a in batch and r in batch and r not in stashed:
+                    stashed.add(r)
+                    g.w_stash += _nbytes(r, mesh)
         if name in MATMULS:
             g.dense_flops += flops
         if name in ATTENTION:
