@@ -63,6 +63,9 @@ class Link:
     #                      before it, alpha seconds), ...): the latency of a small collective that
     #                      follows that much compute on every rank (ranks drift apart in their time
     #                      slices the longer they compute), which replaces the fit's alpha
+    overlap_loss: float = 0.0   # measured links: the fraction of an asynchronous collective's time that
+    #                      still delays the compute it overlaps (on CPU cores the collective's own
+    #                      threads take turns with the compute); 0: overlap hides it all
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
@@ -71,6 +74,9 @@ class Link:
         if not (self.latency >= 0 and math.isfinite(self.latency)):
             raise ValueError(f"Link {self.name!r}: latency must be a non-negative finite number of "
                              f"seconds, got {self.latency!r}")
+        if not 0.0 <= self.overlap_loss <= 1.0:
+            raise ValueError(f"Link {self.name!r}: overlap_loss must be a fraction in [0, 1], got "
+                             f"{self.overlap_loss!r}")
 
 
 @dataclass(frozen=True)

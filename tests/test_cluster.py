@@ -166,6 +166,7 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert dict(c.contention)[2 * c.gpus_per_node] >= 1.0
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"
+    assert 0.0 <= c.intra.overlap_loss <= 1.0 and "overlap_loss" in c.source
     assert 1e-6 <= c.intra.latency <= 1e-2
     assert 1e7 <= c.intra.bandwidth <= 1e11
     assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)

@@ -235,3 +235,29 @@ def test_planner_beats_or_matches_the_published_configuration():
     assert report.step_time_s <= published.step_time_s
     assert report.memory_bytes <= c.device.memory_bytes
     assert report.candidates[0].reason == "chosen"
+
+
+def test_overlap_loss_moves_the_step_from_overlapped_to_serial():
+    """A link's measured ``overlap_loss`` (the local preset's ranks share cores with their
+    collectives' threads) keeps that fraction of what overlap hides: 0 is the overlapped step,
+    1 the step of the same plan with every collective waited on when issued
+    (``Plan(overlap=False)``), and in between the line between them."""
+    import dataclasses
+    cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
+    x, _ = gpt_batch(cfg, 8)
+    prof = Profiles(TinyGPT(cfg), (x,))
+    base = get_cluster("dgx-a100-80gb")
+    slow = dataclasses.replace(base.intra, bandwidth=1e8)     # collectives long enough to hide
+    steps = {}
+    for loss in (0.0, 0.25, 1.0):
+        link = dataclasses.replace(slow, overlap_loss=loss)
+        c = base.with_(intra=link, inter=link)
+        steps[loss] = evaluate_plan(prof, {"dp": 4}, autopar.Plan(dp="zero3"), c, 8).step_time_s
+    link = dataclasses.replace(slow, overlap_loss=1.0)
+    serial = evaluate_plan(prof, {"dp": 4}, autopar.Plan(dp="zero3", overlap=False),
+                           base.with_(intra=link, inter=link), 8).step_time_s
+    assert serial > steps[0.0] * 1.05                        # overlap hid something to lose
+    assert steps[1.0] == pytest.approx(serial, rel=1e-9)
+    assert steps[0.25] == pytest.approx(steps[0.0] + 0.25 * (serial - steps[0.0]), rel=1e-9)
+    with pytest.raises(ValueError, match="overlap_loss"):
+        Link("gloo", 1e9, 1e-4, overlap_loss=1.5)

@@ -276,7 +276,51 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
                 for t in _SKEW_COMPUTE:
                     out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
     out[("pipeline",)] = _pipeline_probe()
+    out[("overlap",)] = _overlap_probe()
     return out
+
+
+_OVERLAP_BYTES, _OVERLAP_REPS = 1 << 20, 11    # the overlap probe's all-reduce, and its rounds
+
+
+def _overlap_probe() -> tuple:
+    """(compute alone, collective alone, the two overlapped) median seconds, every rank at once:
+    about 2 ms of matmuls; a 1 MiB all-reduce; the all-reduce issued asynchronously, the same
+    matmuls, then its wait (as the overlap pass issues gradient buckets and ZeRO-3's prefetch).
+    Timed in turn, round after round, a barrier before each."""
+    torch.set_num_threads(1)
+    a = torch.randn(160, 160)
+    work = 2 * _about_a_millisecond(a)
+    x = torch.ones(_OVERLAP_BYTES // 4)
+
+    def compute():
+        for _ in range(work):
+            a @ a
+
+    def both():
+        w = dist.all_reduce(x, async_op=True)
+        compute()
+        w.wait()
+
+    variants = (compute, lambda: dist.all_reduce(x), both)
+    for f in variants:
+        f()
+    times: list = [[], [], []]
+    for _ in range(_OVERLAP_REPS):
+        for i, f in enumerate(variants):
+            dist.barrier()
+            t0 = time.perf_counter()
+            f()
+            times[i].append(time.perf_counter() - t0)
+    return tuple(statistics.median(t) for t in times)
+
+
+def _overlap_loss(per_rank: list) -> float:
+    """The fraction of the shorter of compute and collective that overlapping them did not hide,
+    from each rank's ``_overlap_probe`` (the slowest rank's median of each): 0 when the two took
+    the longer one's time, 1 when they took the sum."""
+    c, m, both = (max(r[i] for r in per_rank) for i in range(3))
+    return min(1.0, max(0.0, (both - max(c, m)) / min(c, m)))
 
 
 _PIPE_M, _PIPE_F, _PIPE_B = 4, 6e-4, 1.2e-3      # the synthetic pipeline: micro-batches, F and B seconds
@@ -350,13 +394,15 @@ def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float]
     """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
     ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
     table of ``skew`` (ranks outnumbering cores; the slowest rank's); the all-reduce's
-    per-size times; and the synthetic pipeline's step (``_pipeline_probe``, slowest rank)."""
+    per-size times; the synthetic pipeline's step (``_pipeline_probe``, slowest rank); and
+    the overlap loss (``_overlap_probe``)."""
     per_rank = ranks(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
     out = []
     skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
     pipeline = max(r[("pipeline",)] for r in per_rank)
+    overlap = _overlap_loss([r[("overlap",)] for r in per_rank])
     for key in per_rank[0]:
-        if key[0] in ("skew", "pipeline"):
+        if key[0] in ("skew", "pipeline", "overlap"):
             continue
         kind, g = key
         seconds = [max(ts) for ts in zip(*(r[(kind, g)] for r in per_rank if r[(kind, g)]))]   # the slowest rank
@@ -371,16 +417,17 @@ def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float]
         out.append((kind, g, max(alpha, 1e-6) / (2 if kind == "p2p" else 1), beta / (2 if kind == "p2p" else 1)))
         if kind == "all_reduce" and g == world:
             times = seconds
-    return tuple(out), skew, times, pipeline
+    return tuple(out), skew, times, pipeline, overlap
 
 
 def _measure_gloo(ranks: _Ranks, world: int = _GLOO_WORLD) -> tuple[Link, list[float], float]:
     """The gloo link between ``world`` local processes: per-kind fits, and latency / bandwidth
     per message from the all-reduce's (a ring all-reduce sends 2(N-1) messages in turn);
     also the all-reduce's per-size times."""
-    fits, skew, seconds, pipeline = _measure_kinds(ranks, world)
+    fits, skew, seconds, pipeline, overlap = _measure_kinds(ranks, world)
     _, _, alpha, beta = next(f for f in fits if f[0] == "all_reduce" and f[1] == world)
-    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits, skew=skew), seconds, pipeline
+    return Link("gloo-tcp", 1.0 / beta, max(alpha / (2 * (world - 1)), 1e-6), fits=fits, skew=skew,
+                overlap_loss=overlap), seconds, pipeline
 
 
 def _measure_pointwise_efficiency(mem_bw: float) -> float:
@@ -784,6 +831,10 @@ def _measure_local() -> Cluster:
         f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
         + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
            f"wake {shared.wake * 1e3:.2f} ms" if shared else ""),
+        f"overlap_loss: a 1 MiB all-reduce issued asynchronously before ~2 ms of matmuls and waited on after, "
+        f"against each alone, every rank at once, median of {_OVERLAP_REPS} in turn, slowest rank; (both - "
+        f"longer) / shorter: {gloo.overlap_loss:.2f} on {_GLOO_WORLD} processes"
+        + (f", {shared.overlap_loss:.2f} on {2 * cores}" if shared else ""),
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
         f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
