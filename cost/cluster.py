@@ -65,7 +65,8 @@ class Link:
     #                      slices the longer they compute), which replaces the fit's alpha
     overlap_loss: float = 0.0   # measured links: the fraction of an asynchronous collective's time that
     #                      still delays the compute it overlaps (on CPU cores the collective's own
-    #                      threads take turns with the compute); 0: overlap hides it all
+    #                      threads take turns with the compute); 0: overlap hides it all (and on
+    #                      the local preset's ``shared`` link, whose busy-rank latencies hold it)
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
