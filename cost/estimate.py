@@ -57,7 +57,7 @@ from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
 from .profile import GroupCost, Profile, expand, profile, repeated_stack, truncated
-from .replay import _lowered, pipeline_placement, pipeline_time
+from .replay import lowered_schedule, pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
 
@@ -603,13 +603,17 @@ def _cut_names(names: list, shapes: dict, n: int, nbytes: int, bucket_bytes: int
             for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in names], bucket_bytes, bucket_bytes)]
 
 
+def _first_use(gs, shapes: dict) -> list[str]:
+    """``shapes``' parameters in order of first use: the groups' parameters in order, then the others."""
+    return [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
+
+
 def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
     """The gradient buckets of ``shapes``' parameters as the collectives pass cuts them
     (``sizes.cut_buckets`` over their bytes, ``nbytes`` per element, padded to ``n`` equal
     chunks), in the order gradients become ready: the reverse of first use (the groups'
     parameters in order, then the others)."""
-    order = [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
-    ready = list(reversed(order))
+    ready = list(reversed(_first_use(gs, shapes)))
     return [[ready[i] for i in b]
             for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in ready], bucket_bytes)]
 
@@ -618,7 +622,7 @@ def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> l
     """ZeRO-3's gradient buckets as the collectives pass makes them: its gather units (one per
     numbered layer, the other parameters one root unit, each cut where it passes
     ``bucket_bytes``), last unit first, each unit's members last first."""
-    order = [x for g in gs for x in g.params if x in shapes] + [x for x in shapes if not any(x in g.params for g in gs)]
+    order = _first_use(gs, shapes)
     by_key: dict = {}
     for x in order:
         by_key.setdefault(layer_key(x) or "", []).append(x)
@@ -797,7 +801,7 @@ def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes) -> tuple
     than the replay walks: ``inflight_microbatches``'s bound."""
     if m * p * v > 20000:
         return inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0
-    schedule, _ = _lowered(plan.pp_schedule, p, m, v)
+    schedule, _ = lowered_schedule(plan.pp_schedule, p, m, v)
     act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs) for gs in stage_groups]
     split = schedule.split_backward
     stash = [sum(g.w_stash for g in gs) if split else 0.0 for gs in stage_groups]

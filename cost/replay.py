@@ -13,7 +13,8 @@ import math
 from autopar.schedule import (COMPUTE, SCHEDULES, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
                               deadlock_message, execute, lower, matching_send)
 
-__all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time"]
+__all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time",
+           "lowered_schedule"]
 
 
 def simulate_shared(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *, duration=None,
@@ -148,7 +149,7 @@ def closed_form_pipeline(schedule: str, m: int, v: int, fb: list, w: list) -> fl
 
 
 @functools.lru_cache(maxsize=64)
-def _lowered(name: str, p: int, m: int, v: int) -> tuple:
+def lowered_schedule(name: str, p: int, m: int, v: int) -> tuple:
     """A schedule (one of SCHEDULES, or a parsed custom one) built, validated and lowered once:
     the planner's detailed estimates replay the same few schedules many times."""
     schedule = build_schedule(name, p, m, v) if name in SCHEDULES else Schedule.parse(name)
@@ -174,7 +175,7 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
         total = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws) + (p - 1) * max(hop) * 2
         busy = m * max(fb)
         return total, 1 - m * sum(fb) / len(fb) / total if total else 0.0, busy
-    schedule, programs = _lowered(plan.pp_schedule, p, m, v)
+    schedule, programs = lowered_schedule(plan.pp_schedule, p, m, v)
 
     def duration(a):
         if a.kind == "F":

@@ -320,11 +320,12 @@ def _overlap_loss(per_rank: list) -> float:
     """The fraction of the shorter of compute and collective that overlapping them did not hide,
     from each rank's ``_overlap_probe``: per round, with the slowest rank's time of each, 0 when
     the two took the longer one's time, 1 when they took the sum; the median over the rounds
-    (a round's collective alone varies 1.2-2.7 ms here, so one median of each varied 0.3-1.0). Measured with as many ranks as cores; where
-    ranks outnumber cores the link's collectives are priced by their latency among computing
-    ranks (``skew``), which already holds their share of the cores: the probe there also read
-    0.8-1.0, and charging it as well put ZeRO-3's hold-out steps on 4 processes at 1.39x their
-    measured time on average (BENCHMARKS.md, hold-out run 5), against 0.88-1.02 without."""
+    (a round's collective alone varies 1.2-2.7 ms here, so one median of each varied 0.3-1.0).
+    Measured with as many ranks as cores; where ranks outnumber cores the link's collectives
+    are priced by their latency among computing ranks (``skew``), which already holds their
+    share of the cores: the probe there also read 0.8-1.0, and charging it as well put ZeRO-3's
+    hold-out steps on 4 processes at 1.39x their measured time on average (BENCHMARKS.md,
+    hold-out run 5), against 0.88-1.02 without."""
     rounds = [[max(r[i][k] for r in per_rank) for i in range(3)] for k in range(len(per_rank[0][0]))]
     return statistics.median(min(1.0, max(0.0, (both - max(c, m)) / min(c, m))) for c, m, both in rounds)
 
