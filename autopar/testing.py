@@ -2,9 +2,10 @@
 world in this process, measure memory, and compare a compiled module against the
 single-device model.
 
-``run(fn, world_size, *args)`` spawns one process per rank, initialises the default process
-group (gloo, a free localhost port, ``timeout`` for every collective), calls ``fn(*args)`` on
-each rank and returns the per-rank results in rank order (``run_threads``: the ranks as
+``run(fn, world_size, *args)`` starts one process per rank (forked from a server that has
+imported torch and autopar once; spawned where the platform cannot fork), initialises the
+default process group (gloo, a free localhost port, ``timeout`` for every collective), calls
+``fn(*args)`` on each rank and returns the per-rank results in rank order (``run_threads``: the ranks as
 threads of this process, on torch's threaded process group). A rank that raises is reported
 with its traceback; ranks still running after ``timeout`` seconds are killed and reported,
 so a hang becomes an error. ``RankPool`` keeps such processes alive between calls (a test
@@ -44,6 +45,28 @@ __all__ = ["run", "run_threads", "RankPool", "fake_rank", "parity", "ParityRepor
 LOCAL_WORLD_LIMIT = 8
 
 
+# what every rank imports, done once in the server the ranks are forked from; the last one sets
+# what the others made aside from the garbage collector (see there)
+_PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo", "autopar", "autopar.testing",
+            "autopar._frozen"]
+
+
+def _context():
+    """The processes' start method: ``forkserver`` where the platform has it, with torch,
+    torch.export and autopar imported once in the server (a rank forked from it starts in a
+    fraction of a second; ``spawn`` imports them again in every process, seconds each), else
+    ``spawn``. Nothing runs on a tensor in the server before it forks (no thread pool to
+    break); what the imports made is frozen out of the garbage collector's generations there
+    (``autopar._frozen``: else every rank's full collection walks it, and the suite ran 1.3x
+    slower); and each rank gets the caller's environment as it is at the call (``_init``), as
+    a spawned one would."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,7 +83,10 @@ def harness_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init(rank: int, world: int, port: int, timeout: float) -> None:
+def _init(rank: int, world: int, port: int, timeout: float, env: dict) -> None:
+    if os.environ != env:      # the caller's environment now, not the fork server's when it started
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cuda = os.environ.get("AUTOPAR_TEST_DEVICE", "cpu") == "cuda" and torch.cuda.is_available()
@@ -80,9 +106,9 @@ def _call(rank, seq, fn, args, results) -> None:
         results.put((rank, seq, False, traceback.format_exc()))
 
 
-def _worker(rank, world, port, timeout, fn, args, results):
+def _worker(rank, world, port, timeout, env, fn, args, results):
     try:
-        _init(rank, world, port, timeout)
+        _init(rank, world, port, timeout, env)
         _call(rank, 0, fn, args, results)
     except BaseException:
         results.put((rank, 0, False, traceback.format_exc()))
@@ -91,9 +117,9 @@ def _worker(rank, world, port, timeout, fn, args, results):
             dist.destroy_process_group()
 
 
-def _pool_worker(rank, world, port, timeout, tasks, results):
+def _pool_worker(rank, world, port, timeout, env, tasks, results):
     try:
-        _init(rank, world, port, timeout)
+        _init(rank, world, port, timeout, env)
     except BaseException:
         results.put((rank, 0, False, traceback.format_exc()))
         return
@@ -160,10 +186,11 @@ def run(fn, world_size: int, *args, timeout: float = 180.0):
     """Run ``fn(*args)`` on ``world_size`` fresh local processes; return the results in rank
     order. ``fn`` must be importable (defined at module level)."""
     _check_world(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, fn, args, results), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, env, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -242,11 +269,12 @@ class RankPool:
     def __init__(self, world_size: int, timeout: float = 600.0):
         _check_world(world_size)
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._results = ctx.SimpleQueue()
         port = _free_port()
-        self._procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, timeout, self._tasks[r],
+        env = dict(os.environ)
+        self._procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, timeout, env, self._tasks[r],
                                                                self._results), daemon=True)
                        for r in range(world_size)]
         for p in self._procs:

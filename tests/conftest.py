@@ -17,7 +17,7 @@ import pytest
 from autopar.cost.calibration import calibrate_local
 from autopar.testing import RankPool
 
-sys.path.insert(0, os.path.dirname(__file__))   # spawned ranks import the jobs package
+sys.path.insert(0, os.path.dirname(__file__))   # the ranks import the jobs package
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
