@@ -21,3 +21,19 @@ def test_representative_plan_matches_one_device(reports, name):
                         f"grad {rep.grad_err:.3g} param {rep.param_err:.3g} noise {rep.noise_param_err:.3g} "
                         f"{rep.messages}")
         assert rep.ref_losses[-1] < rep.ref_losses[0]     # the run trained
+
+
+@pytest.mark.timeout(300)
+def test_full_views_gather_in_a_few_collectives(ranks):
+    """``full_state_dict`` / ``full_grads`` gather every tensor at once: under dp x tp one
+    all-gather over dp and one over tp (fp32, under ``FULL_BUCKET_BYTES``); under pp x dp one
+    over dp in each stage, then each of the 2 pipeline ranks broadcasts which of its tensors
+    are present and their values, flat: 1 + 2 x 2 (before: one to three collectives a tensor).
+    The tensors are the single-device model's."""
+    expected = {"dp2 x tp2 zero3": ["all_gather"] * 2,
+                "pp2 x dp2 zero3": ["all_gather"] + ["broadcast"] * 4}
+    for per_rank in ranks(quick.full_views, 4, timeout=240):
+        for name, r in per_rank.items():
+            assert r["state_calls"] == expected[name] and r["grad_calls"] == expected[name], (name, r)
+            assert r["state_keys"] and r["state_err"] == 0.0, (name, r)
+            assert r["grad_err"] < 1.0, (name, r)

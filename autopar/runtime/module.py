@@ -263,27 +263,51 @@ class DistributedModule(nn.Module):
             whole = gather_tp_param(tp, whole, self._tp, self.ctx.params[name].shape)
         return whole
 
+    def _full_all(self, pieces: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """``_full`` of many names at once, in a few collectives instead of one or two a tensor:
+        the ZeRO-sharded pieces are all-gathered over dp in flat buckets (one dtype each, at
+        most ``FULL_BUCKET_BYTES`` gathered), then the tp-split ones over tp the same way. Every
+        rank of the groups calls it with the same names (a None piece, a parameter without a
+        gradient, is None on all of them)."""
+        out: dict[str, torch.Tensor | None] = {}
+        sharded = []
+        for name, local in pieces.items():
+            spec: ShardSpec | None = self._sync.specs.get(name) if local is not None else None
+            if local is None:
+                out[name] = None
+            elif spec is None or spec.n == 1:
+                out[name] = local.detach().clone()
+            else:
+                sharded.append((name, spec.padded_local(local.detach()), spec.unpad))
+        out.update(_gather_flat(self._sync.comm, sharded, "full"))
+        split = []
+        for name, whole in out.items():
+            tp = self.ctx.tp_params.get(name)
+            if whole is not None and tp is not None and tp.sharded and self._tp is not None and self._tp.size > 1:
+                shape = self.ctx.params[name].shape
+                n, d = self._tp.size, tp.placement.dim
+                rows = [tp.local_shape(shape, n, r)[d] for r in range(n)]
+                piece = _pad_rows_at(whole, d, max(rows))
+
+                def assemble(flat, tp=tp, d=d, rows=rows, piece_shape=tuple(piece.shape)):
+                    blocks = flat.view((n,) + piece_shape)
+                    return tp.full_from([blocks[r].narrow(d, 0, rows[r]) for r in range(n)])
+                split.append((name, piece, assemble))
+        out.update(_gather_flat(self._tp, split, "full parameters"))
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original model's names (tied names each present)."""
-        out = {}
         with torch.no_grad():
-            for name, info in self.ctx.params.items():
-                local = self.module.get_parameter(name) if name in self._sync.specs else attr_path(self.module, name)
-                full = self._full(name, local)
-                for key in (name,) + info.aliases:
-                    out[key] = full
-        return out
+            full = self._full_all({name: (self.module.get_parameter(name) if name in self._sync.specs
+                                          else attr_path(self.module, name)) for name in self.ctx.params})
+        return {key: full[name] for name, info in self.ctx.params.items() for key in (name,) + info.aliases}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full, reduced gradients keyed by the original model's parameter names."""
-        out = {}
         with torch.no_grad():
-            for name in self._names:
-                p = self.module.get_parameter(name)
-                g = self._full(name, p.grad)
-                for key in (name,) + self.ctx.params[name].aliases:
-                    out[key] = g
-        return out
+            full = self._full_all({name: self.module.get_parameter(name).grad for name in self._names})
+        return {key: full[name] for name in self._names for key in (name,) + self.ctx.params[name].aliases}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Fill this rank's shards (and replicas) from full tensors; works on a meta-built model."""
@@ -501,3 +525,57 @@ def slice_batch(t: torch.Tensor, n: int, i: int, axis: str = "dp") -> torch.Tens
                          "compiled for")
     k = t.shape[0] // n
     return t[i * k:(i + 1) * k]
+
+
+FULL_BUCKET_BYTES = 64 << 20
+"""bytes one all-gather of ``full_state_dict`` / ``full_grads`` brings at most (its output): a
+few collectives for a model, not one a tensor, and a bounded buffer beside the full tensors"""
+
+
+def _pad_rows_at(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``rows`` (a collective's equal piece)."""
+    if x.shape[dim] < rows:
+        pad = list(x.shape)
+        pad[dim] = rows - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    return x.contiguous()
+
+
+def _gather_flat(comm, items: list, label: str) -> dict[str, torch.Tensor]:
+    """All-gather many tensors over ``comm`` in flat buckets: ``items`` = (name, this rank's
+    piece, assemble), every rank's piece of a name the same size; ``assemble(flat)`` makes the
+    whole tensor from the (N * piece numel) concatenation of the ranks' pieces in rank order.
+    Buckets hold one dtype (and device: a module's tensors share one) and at most
+    ``FULL_BUCKET_BYTES`` of output; each whole tensor is a copy of its own (the bucket's
+    buffer is freed after it)."""
+    out = {}
+    if not items:
+        return out
+    n = comm.size
+    for _, bucket in byte_buckets(items, lambda item: item[1].dtype, lambda item: n * item[1].numel()):
+        flat = torch.cat([p.reshape(-1) for _, p, _ in bucket])
+        gathered = flat.new_empty(n * flat.numel())
+        comm.all_gather_flat(gathered, flat, label=f"{label}: {len(bucket)} tensors", phase="state")
+        per_rank = gathered.view(n, flat.numel())
+        off = 0
+        for name, piece, assemble in bucket:
+            k = piece.numel()
+            out[name] = assemble(per_rank[:, off:off + k].reshape(-1)).clone()
+            off += k
+    return out
+
+
+def byte_buckets(items: list, dtype_of, numel_of) -> list:
+    """``items`` in order as (dtype, items) groups of one dtype and at most ``FULL_BUCKET_BYTES``
+    each (``numel_of(item)`` elements of ``dtype_of(item)``; a larger single item is a group
+    of its own)."""
+    groups: dict = {}
+    for item in items:
+        dtype = dtype_of(item)
+        nbytes = numel_of(item) * dtype.itemsize
+        cur = groups.setdefault(dtype, [[[], 0]])
+        if cur[-1][0] and cur[-1][1] + nbytes > FULL_BUCKET_BYTES:
+            cur.append([[], 0])
+        cur[-1][0].append(item)
+        cur[-1][1] += nbytes
+    return [(dtype, group) for dtype, cur in groups.items() for group, _ in cur]

@@ -30,8 +30,8 @@ from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import (DistributedModule, _describe, cast_inputs, has_loss, model_loss, refuse_per_tensor_offload,
-                     slice_batch)
+from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, has_loss, model_loss,
+                     refuse_per_tensor_offload, slice_batch)
 from .optim import check_optimizer
 from .rng import draw_masks
 
@@ -439,50 +439,56 @@ class PipelineModule(DistributedModule):
         """The device this rank's stages live on (what the executor allocates on)."""
         return next(iter(self.stages.values()))._device()
 
-    def _broadcast_full(self, name, per_stage):
-        """The full tensor of ``name`` on every rank: the first stage holding it gathers it over
-        dp and tp (``per_stage(stage module)``), then its pp rank broadcasts it."""
-        owner = self._holders[name][0]
-        info = self.ctx.params[name]
-        value = per_stage(self.stages[str(owner)]) if str(owner) in self.stages else None
+    def _full_all(self, grads: bool) -> dict[str, torch.Tensor | None]:
+        """Every parameter's (``grads``: gradient's) full tensor on every rank, in a few
+        collectives: each stage gathers the tensors it owns (the first stage holding them) over
+        dp and tp at once (``DistributedModule._full_all``), then each pp rank broadcasts which
+        of its tensors are present and, flat in buckets, their values."""
+        names = [n for n in self.ctx.params if n in self._holders and (not grads or self._trainable(n))]
+        owner = {n: self._holders[n][0] for n in names}
+        full: dict[str, torch.Tensor | None] = {}
+        for sid, st in self.stages.items():
+            mine = [n for n in names if str(owner[n]) == sid]
+            if grads:
+                pieces = {n: st.module.get_parameter(n).grad for n in mine}
+            else:
+                pieces = {n: st.module.get_parameter(n) if n in st._sync.specs else st._buffer(n) for n in mine}
+            full.update(st._full_all(pieces))
         if self.p == 1 or self._pp_group is None:
-            return value
-        src = self._rank_of_stage(owner)
-        flag = torch.tensor([int(value is not None)], device=self._device())   # a parameter may have no gradient
-        flight.launch(self._pp_group, "broadcast", f"{name}: present?", 8, dist.broadcast, flag, src, self._pp_group)
-        if not int(flag):
-            return None
-        buf = value if value is not None else torch.empty(info.shape, dtype=self.ctx.stored_dtype(name),
-                                                          device=self._device())
-        flight.launch(self._pp_group, "broadcast", name, buf.numel() * buf.element_size(),
-                      dist.broadcast, buf, src, self._pp_group)
-        return buf
+            return {n: full[n] for n in names}
+        device = self._device()
+        by_rank: dict[int, list[str]] = {}
+        for n in names:
+            by_rank.setdefault(self._rank_of_stage(owner[n]), []).append(n)
+        for src, held in sorted(by_rank.items()):
+            present = torch.tensor([int(full.get(n) is not None) for n in held], dtype=torch.int32, device=device)
+            flight.launch(self._pp_group, "broadcast", f"{len(held)} tensors: present?", present.numel() * 4,
+                          dist.broadcast, present, src, self._pp_group)
+            sent = [n for n, there in zip(held, present.tolist()) if there]
+            for n in held:
+                if n not in sent:
+                    full[n] = None
+            for dtype, group in byte_buckets(sent, self.ctx.stored_dtype, lambda n: math.prod(self.ctx.params[n].shape)):
+                sizes = [math.prod(self.ctx.params[n].shape) for n in group]
+                owned = group[0] in full
+                flat = (torch.cat([full[n].reshape(-1) for n in group]) if owned
+                        else torch.empty(sum(sizes), dtype=dtype, device=device))
+                flight.launch(self._pp_group, "broadcast", f"{len(group)} tensors", flat.numel() * flat.element_size(),
+                              dist.broadcast, flat, src, self._pp_group)
+                if not owned:
+                    for n, piece in zip(group, flat.split(sizes)):
+                        full[n] = piece.view(self.ctx.params[n].shape).clone()
+        return {n: full[n] for n in names}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
         with torch.no_grad():
-            for name, info in self.ctx.params.items():
-                if name not in self._holders:
-                    continue
-
-                def get(st, name=name):
-                    local = st.module.get_parameter(name) if name in st._sync.specs else st._buffer(name)
-                    return st._full(name, local)
-                full = self._broadcast_full(name, get)
-                for key in (name,) + info.aliases:
-                    out[key] = full
-        return out
+            full = self._full_all(grads=False)
+        return {key: full[name] for name in full for key in (name,) + self.ctx.params[name].aliases}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        out = {}
         with torch.no_grad():
-            for name, info in self.ctx.params.items():
-                if name not in self._holders or not self._trainable(name):
-                    continue
-                full = self._broadcast_full(name, lambda st, name=name: st._full(name, st.module.get_parameter(name).grad))
-                for key in (name,) + info.aliases:
-                    out[key] = full
-        return out
+            full = self._full_all(grads=True)
+        return {key: full[name] for name in full for key in (name,) + self.ctx.params[name].aliases}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Fill every stage this rank runs from full tensors (keys of the model's state_dict())."""
@@ -543,3 +549,4 @@ class _StepState:
         self.outputs: dict = {}
         self.input_grads: dict = {}
         self.losses: list = losses if losses is not None else []
+

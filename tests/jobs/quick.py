@@ -3,8 +3,13 @@ ranks, each against the single-device model (outputs, loss, gradients, parameter
 three AdamW steps)."""
 from __future__ import annotations
 
+import copy
+
+import torch
+
 import autopar
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch, lm_loss
+from autopar.runtime import flight
 from autopar.testing import parity
 
 from .common import mlp_batch, mse
@@ -30,4 +35,55 @@ def quick_parity():
         c = GPTConfig(layers=4) if model == "gpt4" else GPTConfig()
         tok, tgt = gpt_batch(c, 8)
         out[name] = parity(lambda: TinyGPT(c), mesh, plan, (tok,), tgt, lm_loss)
+    return out
+
+
+FULL_VIEWS = (   # (name, mesh axes, plan)
+    ("dp2 x tp2 zero3", {"dp": 2, "tp": 2}, autopar.Plan(dp="zero3", tp=True)),
+    ("pp2 x dp2 zero3", {"pp": 2, "dp": 2}, autopar.Plan(dp="zero3", pp_schedule="1f1b", microbatches=2)),
+)
+
+
+def full_views():
+    """``full_state_dict`` and ``full_grads`` of the small GPT (67 words: uneven pieces) under
+    each plan of ``FULL_VIEWS``, after one backward: the collectives each issued (by kind) and
+    the largest difference from the single-device model's parameters (exact) and gradients
+    (scaled by 1e-6 + 1e-4 |g|)."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, axes, plan in FULL_VIEWS:
+        torch.manual_seed(0)
+        c = GPTConfig()
+        ref = TinyGPT(c)
+        x, t = gpt_batch(c, 8)
+        dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+        lm_loss(ref(x), t).backward()
+        lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+        if plan.pp_schedule is not None:
+            dm.train_step(lx, lt, lm_loss)
+        else:
+            lm_loss(dm(*lx), lt).backward()
+        issued, launch = [], flight.launch
+
+        def counted(group, kind, *args, **kwargs):
+            issued.append(kind)
+            return launch(group, kind, *args, **kwargs)
+
+        flight.launch = counted
+        try:
+            state = dm.full_state_dict()
+            state_calls = list(issued)
+            issued.clear()
+            grads = dm.full_grads()
+            grad_calls = list(issued)
+        finally:
+            flight.launch = launch
+        want = dict(ref.named_parameters())
+        out[name] = {
+            "state_calls": state_calls, "grad_calls": grad_calls,
+            "state_keys": sorted(state) == sorted(ref.state_dict()),
+            "state_err": max(float((state[k] - v).abs().max()) for k, v in ref.state_dict().items()),
+            "grad_err": max(float(((grads[k] - p.grad).abs() / (1e-6 + 1e-4 * p.grad.abs())).max())
+                            for k, p in want.items()),
+        }
     return out
