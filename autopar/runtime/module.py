@@ -31,7 +31,7 @@ from .dpsync import DataParallelSync
 from .offload import HostLink, OptimizerOffload
 from .optim import PerTensorState, check_optimizer
 from .timeline import record
-from .tpcomm import gather_tp_param
+from .tpcomm import _pad_rows, gather_tp_param
 
 __all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
            "cast_inputs", "refuse_per_tensor_offload"]
@@ -287,11 +287,11 @@ class DistributedModule(nn.Module):
                 shape = self.ctx.params[name].shape
                 n, d = self._tp.size, tp.placement.dim
                 rows = [tp.local_shape(shape, n, r)[d] for r in range(n)]
-                piece = _pad_rows_at(whole, d, max(rows))
+                piece = _pad_rows(whole.movedim(d, 0), max(rows))    # the split dim first, as the tp gathers move it
 
                 def assemble(flat, tp=tp, d=d, rows=rows, piece_shape=tuple(piece.shape)):
                     blocks = flat.view((n,) + piece_shape)
-                    return tp.full_from([blocks[r].narrow(d, 0, rows[r]) for r in range(n)])
+                    return tp.full_from([blocks[r][:rows[r]].movedim(0, d) for r in range(n)])
                 split.append((name, piece, assemble))
         out.update(_gather_flat(self._tp, split, "full parameters"))
         return out
@@ -530,15 +530,6 @@ def slice_batch(t: torch.Tensor, n: int, i: int, axis: str = "dp") -> torch.Tens
 FULL_BUCKET_BYTES = 64 << 20
 """bytes one all-gather of ``full_state_dict`` / ``full_grads`` brings at most (its output): a
 few collectives for a model, not one a tensor, and a bounded buffer beside the full tensors"""
-
-
-def _pad_rows_at(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    """``x`` with zeros appended along ``dim`` up to ``rows`` (a collective's equal piece)."""
-    if x.shape[dim] < rows:
-        pad = list(x.shape)
-        pad[dim] = rows - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    return x.contiguous()
 
 
 def _gather_flat(comm, items: list, label: str) -> dict[str, torch.Tensor]:
