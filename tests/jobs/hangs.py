@@ -7,6 +7,7 @@ the survivor's error from ``autopar.testing.run``'s report instead.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -36,6 +37,17 @@ def _ddp(timeout: float, plan: str = "ddp"):
 
 def _failed(exc: CollectiveError, start: float) -> dict:
     return {"message": str(exc), "after": time.monotonic() - start, "path": exc.path}
+
+
+def _made_on_every_rank(out):
+    """``out`` once every rank has made its error: rank 0's process hosts the store that an
+    error reads the other ranks' reports from, so each rank notes in it that its message is
+    made and rank 0 returns (and its process may end) only after all have, within 30 s."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"hangs/made/{dist.get_rank()}", "1")
+    if dist.get_rank() == 0:
+        store.wait([f"hangs/made/{r}" for r in range(dist.get_world_size())], datetime.timedelta(seconds=30))
+    return out
 
 
 def killed_rank(timeout: float):
@@ -80,7 +92,7 @@ def mismatched_calls(timeout: float):
         else:
             dm.clip_grad_norm_(1.0)
     except CollectiveError as exc:
-        return _failed(exc, start)
+        return _made_on_every_rank(_failed(exc, start))
     return None
 
 
