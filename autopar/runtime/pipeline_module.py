@@ -549,4 +549,3 @@ class _StepState:
         self.outputs: dict = {}
         self.input_grads: dict = {}
         self.losses: list = losses if losses is not None else []
-
