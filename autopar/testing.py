@@ -58,8 +58,8 @@ def _context():
     ``spawn``. Nothing runs on a tensor in the server before it forks (no thread pool to
     break); what the imports made is frozen out of the garbage collector's generations there
     (``autopar._frozen``: else every rank's full collection walks it; two slow test files, with
-    the zoo's transformers classes preloaded too, ran 1.3x slower); and each rank gets the caller's environment as it is at the call (``_init``), as
-    a spawned one would."""
+    the zoo's transformers classes preloaded too, ran 1.3x slower); and each rank gets the
+    caller's environment as it is at the call (``_init``), as a spawned one would."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
