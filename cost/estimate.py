@@ -415,10 +415,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         if loss:     # collectives overlapped with compute that still delay it (measured, local preset)
             serial = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
                                    opt_time[0], mode, n, [], simulate, False, copies[0])[0]
-            lost = loss * max(0.0, serial - step)
-            step, exposed = step + lost, exposed + lost
+            hidden = max(0.0, serial - step)
             formulas.append(("overlap on shared cores", "step = overlapped + overlap_loss x (serial - overlapped)",
-                             f"{step - lost:.4g} s + {loss:.2f} x {serial - step + lost:.4g} s = {step:.4g} s"))
+                             f"{step:.4g} s + {loss:.2f} x {hidden:.4g} s = {step + loss * hidden:.4g} s"))
+            step, exposed = step + loss * hidden, exposed + loss * hidden
         if copies[0] is not None:     # what the copies down, then up, add: the step without them
             no_down = dataclasses.replace(copies[0], down=(0.0,) * len(copies[0].down))
             no_copies = dataclasses.replace(no_down, up=(0.0,) * len(no_down.up))

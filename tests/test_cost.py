@@ -11,6 +11,8 @@ Sources (each test names its own):
   per iteration that table counts, with activation recomputation), section 2.2 (bubbles).
 """
 
+import dataclasses
+
 import pytest
 import sympy as sp
 
@@ -242,7 +244,6 @@ def test_overlap_loss_moves_the_step_from_overlapped_to_serial():
     collectives' threads) keeps that fraction of what overlap hides: 0 is the overlapped step,
     1 the step of the same plan with every collective waited on when issued
     (``Plan(overlap=False)``), and in between the line between them."""
-    import dataclasses
     cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
     x, _ = gpt_batch(cfg, 8)
     prof = Profiles(TinyGPT(cfg), (x,))
