@@ -59,10 +59,11 @@ class Link:
     wake: float = 0.0    # measured links of ranks sharing cores: seconds a rank woken by its message
     #                      waits for a core when all are taken (fitted like hop, hop kept at the
     #                      uncrowded link's)
-    skew: tuple = ()     # measured links of ranks sharing cores: ((collective, group size, compute seconds
+    skew: tuple = ()     # measured links (the local preset's): ((collective, group size, compute seconds
     #                      before it, alpha seconds), ...): the latency of a small collective that
-    #                      follows that much compute on every rank (ranks drift apart in their time
-    #                      slices the longer they compute), which replaces the fit's alpha
+    #                      follows that much compute on every rank, round after round with no
+    #                      barrier to line them up (ranks drift apart, the more so when they share
+    #                      cores and the longer they compute), which replaces the fit's alpha
     overlap_loss: float = 0.0   # measured links: the fraction of an asynchronous collective's time that
     #                      still delays the compute it overlaps (on CPU cores the collective's own
     #                      threads take turns with the compute); 0: overlap hides it all (and on
@@ -111,6 +112,9 @@ class Device:
     #                            parameter tensor and step under each mode (bucket flattening, ZeRO's
     #                            chunks and replicas, ZeRO-3's gathers and hooks; measured on the local
     #                            CPU; GPU presets: none, the host runs ahead of the device)
+    collective_overhead: float = 0.0   # host seconds the runtime spends issuing and completing one
+    #                            tensor-parallel collective beyond the wire (its autograd function,
+    #                            staging copies, the flight recorder; local CPU; GPU presets: 0)
 
     @property
     def attention_rate(self) -> float:
@@ -289,6 +293,7 @@ def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tu
         ("device.message_overhead", _NO_HOST),
         ("device.split_pass_overhead", _NO_HOST),
         ("device.split_op_overhead", _NO_HOST),
+        ("device.collective_overhead", _NO_HOST),
         ("device.sync_overhead", "none on GPU presets: the data-parallel runtime's host work per tensor hides "
                                  "under kernels as the host runs ahead; measured only on the local preset"),
     )

@@ -90,7 +90,7 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     (anything with ``bandwidth`` in bytes/s and ``latency`` in s). ``algorithm="auto"``
     takes the fastest algorithm the formulas offer, as NCCL's tuner does. A link with measured
     ``fits`` for ``kind`` (the local preset) uses that fit: alpha + beta · bytes sent per rank;
-    one with a ``skew`` table (ranks sharing cores) takes alpha from it at ``after``, the
+    one with a ``skew`` table (latencies among computing ranks) takes alpha from it at ``after``, the
     seconds each rank computed since the previous collective (1 ms when not given), linear
     between the measured lengths and flat beyond them."""
     if p <= 1 or nbytes <= 0:

@@ -195,7 +195,7 @@ class Profiles:
 def tp_comm_time(items, t: int, link, after: float | None = None) -> float:
     """Seconds of a group's tensor-parallel collectives, ``GroupCost.tp_forward`` /
     ``tp_backward`` items (kind, bytes each rank sends, scales with the batch), over ``t``
-    ranks on ``link`` (``after``: the compute before each, for links of ranks sharing cores)."""
+    ranks on ``link`` (``after``: the compute before each, for links with a measured skew table)."""
     return sum(collective_time(kind, nbytes / ring_bytes(kind, 1.0, t) if t > 1 else nbytes, t, link, after=after)
                for kind, nbytes, _ in items)
 
@@ -203,15 +203,17 @@ def tp_comm_time(items, t: int, link, after: float | None = None) -> float:
 def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> tuple:
     """(F, B, W, forward compute alone, tp forward, tp backward) seconds of one group: its
     forward (the roofline, ``group_time``, times ``slow``, plus its tp collectives, which block
-    the next op), backward (twice the compute, the backward tp collectives, and what
+    the next op, each with the runtime's host work, ``Device.collective_overhead``), backward
+    (twice the compute, the backward tp collectives, and what
     recomputation redoes: a layer's whole forward under ``full``, its attention under
-    ``selective``), and W (the weight-gradient matmuls a zero-bubble schedule defers). On a link
-    of ranks sharing cores a collective's latency grows with the compute before it: the
-    group's compute spread over its collectives."""
+    ``selective``), and W (the weight-gradient matmuls a zero-bubble schedule defers). On a
+    measured link (``Link.skew``) a collective's latency grows with the compute before it:
+    the group's compute spread over its collectives."""
     f = group_time(g, c)
     fc = f * slow
-    tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward)))
-    tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward)))
+    host = c.device.collective_overhead * slow if t > 1 else 0.0    # the runtime's work per collective
+    tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward))) + host * len(g.tp_forward)
+    tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward))) + host * len(g.tp_backward)
     redo = 0.0
     if g.name not in ("pre", "post"):
         if recompute == "full":

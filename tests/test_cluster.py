@@ -154,6 +154,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     sync = dict(d.sync_overhead)
     assert set(sync) == {"ddp", "zero1", "zero2", "zero3"} and all(0 <= v < 1e-2 for v in sync.values())
     assert sync["zero3"] > sync["ddp"]
+    # the tp runtime's host work per collective, and every kind's latency among computing ranks
+    assert 0 <= d.collective_overhead < 1e-2 and "collective_overhead" in c.source
+    assert {(k, g) for k, g, _, _ in c.intra.skew} >= {("all_reduce", 2), ("p2p", 2)}
     assert not c.mixed_precision and c.gpus_per_node >= 1
     kinds = {(k, g) for k, g, _, _ in c.intra.fits}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("p2p", 2)} <= kinds

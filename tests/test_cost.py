@@ -262,3 +262,28 @@ def test_overlap_loss_moves_the_step_from_overlapped_to_serial():
     assert steps[0.25] == pytest.approx(steps[0.0] + 0.25 * (serial - steps[0.0]), rel=1e-9)
     with pytest.raises(ValueError, match="overlap_loss"):
         Link("gloo", 1e9, 1e-4, overlap_loss=1.5)
+
+
+@pytest.mark.parametrize("sp_on", [False, True])
+def test_collective_overhead_is_charged_once_per_runtime_tp_collective(sp_on):
+    """``Device.collective_overhead`` (the runtime's host work per tensor-parallel collective,
+    measured by the local calibration) adds that many seconds per collective the step issues.
+    The count is Megatron's, written here: per layer, tp issues an all-reduce after attention
+    and after the MLP and one for each of their inputs' gradients (4); tp + sp an all-gather
+    before and a reduce-scatter after each of the two, their mirror images in backward, the
+    two re-gathers of the inputs the weight gradients need, and one all-reduce of the
+    gradients of what sp leaves replicated (the norms, the row-parallel biases): 11. The
+    runtime issues those per layer (a 2-layer GPT's flight recorder under tp + sp: 26, the 22
+    and four around the embedding, the final norm and the head)."""
+    per_layer = 11 if sp_on else 4
+    steps = {}
+    for layers in (2, 3):
+        cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=layers, max_seq=16)
+        x, _ = gpt_batch(cfg, 8)
+        prof = Profiles(TinyGPT(cfg), (x,))
+        base = get_cluster("dgx-a100-80gb")
+        for host in (0.0, 1e-3):
+            c = base.with_(device=dataclasses.replace(base.device, collective_overhead=host))
+            steps[(layers, host)] = evaluate_plan(prof, {"tp": 2}, autopar.Plan(tp=True, sp=sp_on), c, 8).step_time_s
+    added = {n: steps[(n, 1e-3)] - steps[(n, 0.0)] for n in (2, 3)}
+    assert added[3] - added[2] == pytest.approx(per_layer * 1e-3, rel=1e-6)

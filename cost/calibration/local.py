@@ -260,8 +260,9 @@ def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
 
 def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     """Every kind's medians, for groups of 2 and of the whole world (all groups at once), and
-    when ranks outnumber cores each kind's latency after each compute length of _SKEW_COMPUTE;
-    in one spawn."""
+    each kind's latency after each compute length of _SKEW_COMPUTE, round after round with no
+    barrier between (``_exchange_probe``: what a training step's collectives see, about twice
+    the barrier-aligned call's latency on 2 processes of this machine); in one spawn."""
 
     # the tensor collectives' old names still run gloo's kernels; their deprecation notice is
     # no news to a user calibrating
@@ -270,11 +271,10 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     groups = sorted({2, world})
     out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in groups
            if not (kind == "p2p" and g != 2)}
-    if world > (os.cpu_count() or 1):
-        for kind in _KINDS:
-            for g in ([2] if kind == "p2p" else groups):
-                for t in _SKEW_COMPUTE:
-                    out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
+    for kind in _KINDS:     # every world: a training step's collectives follow compute, unaligned
+        for g in ([2] if kind == "p2p" else groups):
+            for t in _SKEW_COMPUTE:
+                out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
     out[("pipeline",)] = _pipeline_probe()
     if world <= (os.cpu_count() or 1):
         out[("overlap",)] = _overlap_probe()
@@ -400,7 +400,7 @@ def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: floa
 def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float], float]:
     """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
     ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
-    table of ``skew`` (ranks outnumbering cores; the slowest rank's); the all-reduce's
+    table of ``skew`` (the latency among computing ranks; the slowest rank's); the all-reduce's
     per-size times; the synthetic pipeline's step (``_pipeline_probe``, slowest rank); and
     the overlap loss (``_overlap_probe``)."""
     per_rank = ranks(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
@@ -681,6 +681,7 @@ def _sync_probe(modes: tuple, steps: int) -> dict:
         steps_of[("adam", blocks)] = torch.optim.AdamW(model.parameters(), lr=1e-3).step
         for mode in modes:
             steps_of[(mode, blocks)] = _compiled_step(_Stack(_SYNC_DIM, blocks), world, mode, x)
+        steps_of[("tp", blocks)] = _compiled_step(_Stack(_SYNC_DIM, blocks), world, "tp", x)
     # round-robin, one step of each per round: a disturbance of the machine falls on all alike
     for step in steps_of.values():
         for _ in range(3):
@@ -692,12 +693,22 @@ def _sync_probe(modes: tuple, steps: int) -> dict:
             step()
             times[key].append(time.thread_time() - c0)
     dist.barrier()
-    return {key: statistics.median(ts) for key, ts in times.items()}
+    out = {key: statistics.median(ts) for key, ts in times.items()}
+    for blocks in _SYNC_BLOCKS:     # the collectives a tp step issues, as the module counts them
+        stats = steps_of[("tp", blocks)].stats
+        stats.reset()
+        steps_of[("tp", blocks)]()
+        out[("tp collectives", blocks)] = sum(n for (axis, _, _), n in stats.calls.items() if axis == "tp")
+    return out
 
 
 def _compiled_step(model, world: int, mode: str, x):
-    """A training step of ``model`` compiled on the dp axis of ``world`` ranks under ``mode``."""
-    dm = autopar_compile(model, Mesh(dp=world), example_inputs=(x,), plan=Plan(dp=mode))
+    """A training step of ``model`` compiled on the dp axis of ``world`` ranks under ``mode``
+    (``"tp"``: on its tp axis, ``Plan(tp=True)``)."""
+    if mode == "tp":
+        dm = autopar_compile(model, Mesh(tp=world), example_inputs=(x,), plan=Plan(tp=True))
+    else:
+        dm = autopar_compile(model, Mesh(dp=world), example_inputs=(x,), plan=Plan(dp=mode))
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
     lx = dm.shard_batch((x,))
 
@@ -706,6 +717,7 @@ def _compiled_step(model, world: int, mode: str, x):
         dm(*lx).square().mean().backward()
         opt.step()
 
+    step.stats = dm.comm_stats      # calls and bytes per (axis, kind, phase)
     return step
 
 
@@ -728,8 +740,13 @@ def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
     def growth(r, key):
         return r[(key, hi)] - r[(key, lo)]
 
-    return tuple((mode, max(0.0, statistics.mean(growth(r, mode) - growth(r, "adam") for r in per_rank) - charged)
+    sync = tuple((mode, max(0.0, statistics.mean(growth(r, mode) - growth(r, "adam") for r in per_rank) - charged)
                   / added) for mode in _SYNC_MODES)
+    # tp: the same growth less what the model charges elsewhere (the ops, the AdamW step and the
+    # ddp-mode bookkeeping, which a tp-only mesh runs too), over the collectives added
+    collectives = statistics.mean(growth(r, "tp collectives") for r in per_rank)
+    tp = statistics.mean(growth(r, "tp") - growth(r, "adam") for r in per_rank) - charged - added * dict(sync)["ddp"]
+    return sync, max(0.0, tp) / max(1.0, collectives), collectives
 
 
 def _slowdowns(alone: float, crowded: dict) -> tuple:
@@ -777,7 +794,7 @@ def _measure_local() -> Cluster:
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
         overhead, pass_overhead, message_overhead, split_pass, split_op = _measure_op_overhead(ranks)
-        sync = _measure_sync_overhead(ranks, overhead)
+        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
@@ -831,6 +848,9 @@ def _measure_local() -> Cluster:
         f"timed round-robin; the growth with the blocks less the added ops at op_overhead and a plain "
         f"AdamW step's growth, per added tensor: "
         + ", ".join(f"{m} {v * 1e6:.1f} us" for m, v in sync),
+        f"collective_overhead: the same stacks on Mesh(tp={_GLOO_WORLD}) under Plan(tp=True), their growth "
+        f"less the added ops, AdamW's growth and the ddp bookkeeping, over the {tp_added:.0f} runtime "
+        f"collectives added (counted as issued): {collective_overhead * 1e6:.1f} us per collective",
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if shared else "",
@@ -852,7 +872,8 @@ def _measure_local() -> Cluster:
                     dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
                     attention_efficiency=attention, attention_overhead=attention_overhead,
                     pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync,
-                    split_pass_overhead=split_pass, split_op_overhead=split_op)
+                    split_pass_overhead=split_pass, split_op_overhead=split_op,
+                    collective_overhead=collective_overhead)
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                    mixed_precision=False, shared=shared, contention=contention)
