@@ -2,6 +2,7 @@
 against every plan it could have picked.
 
     python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py --compare LOG_A LOG_B
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
    sequence lengths 16/48, and the test suite's Llama (``autopar.models.Llama()``), under one
@@ -19,12 +20,17 @@ against every plan it could have picked.
    every plan of its report's candidates, all measured round-robin the same way: each plan's
    predicted and measured step time and rank, and the chosen plan's measured time over the
    fastest measured one.
+3. ``--compare LOG_A LOG_B``: two grids this script printed (its output saved), the same rows
+   measured twice: how far apart the two measurements are (the noise floor any prediction
+   is judged against), and each run's prediction error against its own measurement and
+   against the two measurements' geometric mean.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
@@ -182,20 +188,66 @@ def quality(steps: int, cluster, world: int = 4) -> list:
     return ratios
 
 
+_ROW = re.compile(r"(gpt h\d+ L\d+ s\d+|llama)\s+(\S+(?: \S+)?)\s+([\d,]+)\s+([\d,]+) \|\s+([\d.]+)\s+([\d.]+)"
+                  r"\s+([\d.]+) \|\s+([\d.]+)\s+([\d.]+)")
+
+
+def parse_grid(path: str) -> dict:
+    """(world, model, plan) -> (measured ms, predicted ms) from a grid this script printed."""
+    rows, world = {}, None
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"## hold-out grid: world (\d+)", line)
+            if m:
+                world = int(m.group(1))
+                continue
+            m = _ROW.match(line)
+            if m and world is not None:
+                rows[(world, m.group(1), m.group(2))] = (float(m.group(8)), float(m.group(9)))
+    return rows
+
+
+def compare(path_a: str, path_b: str) -> None:
+    """How far two printed grids' measurements of the same rows are apart (the measurement's
+    own repeatability: no prediction can be closer to one run than the runs are to each other),
+    and each run's prediction error against its own measurement and against the two runs'
+    geometric mean."""
+    a, b = parse_grid(path_a), parse_grid(path_b)
+    for world in sorted({k[0] for k in a} & {k[0] for k in b}):
+        keys = [k for k in a if k in b and k[0] == world]
+        again = [abs(b[k][0] / a[k][0] - 1) for k in keys]
+        print(f"world {world}: {len(keys)} rows measured in both; measured B / measured A: mean |ratio - 1| "
+              f"{statistics.mean(again):.1%}, worst {max(again):.1%}, {sum(x <= 0.10 for x in again)} within 10%, "
+              f"{sum(x <= 0.25 for x in again)} within 25%")
+        for name, run in (("A", a), ("B", b)):
+            own = [abs(run[k][1] / run[k][0] - 1) for k in keys]
+            both = [abs(run[k][1] / (a[k][0] * b[k][0]) ** 0.5 - 1) for k in keys]
+            print(f"  run {name}'s prediction against its own measurement: mean {statistics.mean(own):.1%}, worst "
+                  f"{max(own):.1%}; against the two runs' geometric mean: mean {statistics.mean(both):.1%}, "
+                  f"worst {max(both):.1%}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
     ap.add_argument("--steps", type=int, default=7, help="timed rounds per plan (the median is reported)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
+    ap.add_argument("--quality-steps", type=int, default=21,
+                    help="timed rounds per candidate of --quality (more than the grid's: the picks are a few %% apart)")
+    ap.add_argument("--compare", nargs=2, metavar=("LOG_A", "LOG_B"),
+                    help="two grids this script printed: how far their measurements of the same rows are apart")
     args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
     from autopar.cost.calibration import calibrate_local
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
         grid(args.worlds, args.steps, c)
     if args.quality:
-        quality(args.steps, c)
+        quality(args.quality_steps, c)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def test_peak_grows_per_layer_by_korthikanti_table_2(ranks):
     cancels. That holds while a layer keeps more than its gradients take (under full + sp
     s·b·h·4/t against 4·Ψ_layer: here 65,536 against 25,792 bytes); below that the peak is
     in the bottom layer's backward and grows per layer by the gradients instead
-    (ACTIVATION_HEAVY: 65,536 against 100,736). Each depth's peak is the smallest of 3 steps
+    (ACTIVATION_HEAVY: 65,536 against 100,736). Each depth's peak is the smallest of 2 steps
     on each of the 2 ranks (tp ranks hold the same bytes): with the collectives settled
     (``memory_peak.collectives_settled``) the steps agree to the byte, and a step where the
     profiler missed a free only reads higher.

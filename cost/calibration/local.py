@@ -832,7 +832,9 @@ def _measure_local() -> Cluster:
         "1/time-weighted least squares of "
         "time = alpha + bytes_moved/bandwidth, bytes_moved = 2(N-1)/N * size (each kind likewise; an alpha "
         "fitted below zero: the three smallest messages' median excess over bytes_moved/bandwidth); "
-        f"times {[float(f'{s:.3g}') for s in seconds]} s",
+        f"times {[float(f'{s:.3g}') for s in seconds]} s; its skew: each kind's latency after "
+        f"{[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round with no barrier "
+        "(excess over the same compute alone), which a step's collectives take as their alpha",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
         f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "

@@ -55,8 +55,8 @@ def compiled_body(model, batch, axes, kw, *, hold_reduced=False):
     return body, dm, opt
 
 
-def peak_of(body, opt, dm=None) -> dict:
-    """The step's peak: the steady census after zero_grad plus the median of ``STEPS`` profiled
+def peak_of(body, opt, dm=None, steps: int = STEPS) -> dict:
+    """The step's peak: the steady census after zero_grad plus the median of ``steps`` profiled
     steps. The profiler does not see frees of blocks allocated before it started, so what a
     step frees of the last one's (its dropout masks, dropped at the next draw) is dropped
     before the census."""
@@ -74,7 +74,7 @@ def peak_of(body, opt, dm=None) -> dict:
     base = steady_live_bytes(3)
     peaks = []
     with collectives_settled():    # frees of collectives' buffers seen (else some steps read higher)
-        for _ in range(STEPS):   # the step measured after another in the same window (see profiled_peak_bytes)
+        for _ in range(steps):   # the step measured after another in the same window (see profiled_peak_bytes)
             peaks.append(base + profiled_peak_bytes(body, before=lambda: (body(), between())))
             between()
     dist.barrier()
@@ -128,25 +128,28 @@ ACTIVATION_HEAVY = GPTConfig(vocab=64, seq=32, dim=64, heads=4, layers=2, max_se
 ACTIVATION_HEAVY_BATCH = 16
 
 
-def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> dict:
-    """The step's peak of each (name, mesh axes, plan kwargs), each compiled alone in turn."""
+def plan_peaks(cases, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH, steps: int = STEPS) -> dict:
+    """The step's peak of each (name, mesh axes, plan kwargs), each compiled alone in turn
+    (``steps`` profiled steps each, ``peak_of``)."""
     torch.set_num_threads(1)
     out = {}
     for name, axes, kw in cases:
         body, dm, opt = prepared(config, batch, axes, kw)
-        out[name] = peak_of(body, opt, dm)
+        out[name] = peak_of(body, opt, dm, steps)
         out[name]["recomputed"] = sorted((m.layer, m.kind) for m in dm.modules() if hasattr(m, "recomputes"))
         del body, dm, opt
         gc.collect()
     return out
 
 
-def depth_peaks(cases, depths, config, batch) -> dict:
+def depth_peaks(cases, depths, config, batch, steps: int = 2) -> dict:
     """``plan_peaks`` of the same GPT at each number of layers in ``depths`` (depth -> name ->
     peak), collectives settled (``collectives_settled``): the peaks of two depths differ by
-    what each layer holds, to the byte."""
+    what each layer holds, to the byte, and a plan's steps agree to the byte (``steps``
+    profiled steps each; 2: a step where the profiler missed a free reads higher, and the
+    smaller is kept)."""
     with collectives_settled():
-        return {n: plan_peaks(cases, dataclasses.replace(config, layers=n), batch) for n in depths}
+        return {n: plan_peaks(cases, dataclasses.replace(config, layers=n), batch, steps) for n in depths}
 
 
 @contextlib.contextmanager
