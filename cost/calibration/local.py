@@ -722,14 +722,16 @@ def _compiled_step(model, world: int, mode: str, x):
 
 
 def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
-    """((mode, seconds per parameter tensor), ...): the data-parallel runtime's host work per
-    parameter tensor and step under each dp mode (flattening gradients into buckets, ZeRO's
+    """(((mode, seconds per parameter tensor), ...), seconds per tp collective, tp collectives
+    added): the data-parallel runtime's host work per parameter tensor and step under each
+    dp mode (flattening gradients into buckets, ZeRO's
     padded chunks and shard views, ZeRO-3's gathers laid out into parameters and its saved-tensor
     hooks, ZeRO-1/2's copy into the replicas after the step), on 2 processes: the growth of a
     compiled step's thread CPU time from the 2- to the 8-block synthetic stack, less what the
     cost model charges for that growth elsewhere (the added ops' dispatch, forward and twice in
     backward, at ``op_overhead``; the plain AdamW step's measured growth), over the tensors
-    added; the ranks' mean."""
+    added; the ranks' mean. The tensor-parallel runtime's host work per collective likewise,
+    from the same stacks under ``Plan(tp=True)`` (``Device.collective_overhead``)."""
     per_rank = ranks(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
     lo, hi = _SYNC_BLOCKS
     ops = [sum(g.ops for g in Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),),
@@ -852,7 +854,7 @@ def _measure_local() -> Cluster:
         + ", ".join(f"{m} {v * 1e6:.1f} us" for m, v in sync),
         f"collective_overhead: the same stacks on Mesh(tp={_GLOO_WORLD}) under Plan(tp=True), their growth "
         f"less the added ops, AdamW's growth and the ddp bookkeeping, over the {tp_added:.0f} runtime "
-        f"collectives added (counted as issued): {collective_overhead * 1e6:.1f} us per collective",
+        f"collectives added (as the module counts them): {collective_overhead * 1e6:.1f} us per collective",
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if shared else "",
