@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from ..context import CompileContext
 from ..meta import REPLICAS, RNG
 from ..placement import ShardSpec
-from ..sizes import batch_split_error
+from ..sizes import batch_split_error, cut_buckets
 from . import flight
 from .checkpoint import Resumed, load_module, save_module
 from .comm import AxisComm, CommStats
@@ -557,16 +557,15 @@ def _gather_flat(comm, items: list, label: str) -> dict[str, torch.Tensor]:
 
 
 def byte_buckets(items: list, dtype_of, numel_of) -> list:
-    """``items`` in order as (dtype, items) groups of one dtype and at most ``FULL_BUCKET_BYTES``
-    each (``numel_of(item)`` elements of ``dtype_of(item)``; a larger single item is a group
-    of its own)."""
-    groups: dict = {}
+    """``items`` as (dtype, items) groups of one dtype and at most ``FULL_BUCKET_BYTES`` each
+    (``numel_of(item)`` elements of ``dtype_of(item)``), by ``sizes.cut_buckets``: each dtype's
+    items in order, the dtypes in order of first appearance; a larger single item is a group
+    of its own."""
+    by_dtype: dict = {}
     for item in items:
-        dtype = dtype_of(item)
-        nbytes = numel_of(item) * dtype.itemsize
-        cur = groups.setdefault(dtype, [[[], 0]])
-        if cur[-1][0] and cur[-1][1] + nbytes > FULL_BUCKET_BYTES:
-            cur.append([[], 0])
-        cur[-1][0].append(item)
-        cur[-1][1] += nbytes
-    return [(dtype, group) for dtype, cur in groups.items() for group, _ in cur]
+        by_dtype.setdefault(dtype_of(item), []).append(item)
+    ordered = [(dtype, item) for dtype, group in by_dtype.items() for item in group]
+    breaks = {i for i in range(1, len(ordered)) if ordered[i][0] != ordered[i - 1][0]}
+    cuts = cut_buckets([numel_of(item) * dtype.itemsize for dtype, item in ordered], FULL_BUCKET_BYTES,
+                       FULL_BUCKET_BYTES, breaks)
+    return [(ordered[c[0]][0], [ordered[i][1] for i in c]) for c in cuts]

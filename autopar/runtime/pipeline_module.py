@@ -468,8 +468,9 @@ class PipelineModule(DistributedModule):
             for n in held:
                 if n not in sent:
                     full[n] = None
-            for dtype, group in byte_buckets(sent, self.ctx.stored_dtype, lambda n: math.prod(self.ctx.params[n].shape)):
-                sizes = [math.prod(self.ctx.params[n].shape) for n in group]
+            numel = {n: math.prod(self.ctx.params[n].shape) for n in sent}
+            for dtype, group in byte_buckets(sent, self.ctx.stored_dtype, numel.get):
+                sizes = [numel[n] for n in group]
                 owned = group[0] in full
                 flat = (torch.cat([full[n].reshape(-1) for n in group]) if owned
                         else torch.empty(sum(sizes), dtype=dtype, device=device))
