@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
@@ -89,13 +89,13 @@ def _step(per_rank, k) -> float:
     return max(statistics.median(r[k]["times"]) for r in per_rank)
 
 
-def grid(worlds, steps: int, cluster) -> list:
+def grid(worlds, steps: int, cluster, only=None) -> list:
     from autopar.testing import run
     from jobs.holdout import measured_cases
     models = grid_models()
     rows = []
     for world in worlds:
-        plan_list = plans(world)
+        plan_list = [p for p in plans(world) if not only or any(o in p[0] for o in only)]
         pred = predictions(models, plan_list, cluster)
         t0 = time.perf_counter()
         per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps,
@@ -232,6 +232,8 @@ def main():
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
     ap.add_argument("--steps", type=int, default=7, help="timed rounds per plan (the median is reported)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
+    ap.add_argument("--plans", nargs="+", metavar="PART",
+                    help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
     ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
     ap.add_argument("--quality-steps", type=int, default=21,
                     help="timed rounds per candidate of --quality (more than the grid's: the picks are a few %% apart)")
@@ -245,7 +247,7 @@ def main():
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
-        grid(args.worlds, args.steps, c)
+        grid(args.worlds, args.steps, c, args.plans)
     if args.quality:
         quality(args.quality_steps, c)
 

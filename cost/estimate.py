@@ -322,8 +322,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     world = math.prod(axes.values())
     S = p * v
     # ranks sharing cores: a single stage's ranks all compute at once (each slowed by the
-    # measured slowdown); a pipeline's replay shares the cores as its ranks compute and idle
-    shared = pipeline_placement(p, world, c.gpus_per_node, slow) if (slow > 1 and S > 1) else None
+    # measured slowdown); a pipeline's replay shares the cores as its ranks compute and idle,
+    # each slowed by the ranks computing at that moment
+    shared = pipeline_placement(p, world, c.gpus_per_node, c.slowdown) if (slow > 1 and S > 1) else None
     cslow = 1.0 if shared else slow
     link_tp, link_dp, link_pp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
     # per group: forward / backward / W compute and the tp collectives on the compute stream

@@ -93,12 +93,14 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
             now = min(waits)
             continue
         if placement is None:
-            rates = dict.fromkeys(left, min(1.0, cores / len(left)) * speed)
+            pace = speed(len(left)) if callable(speed) else speed
+            rates = dict.fromkeys(left, min(1.0, cores / len(left)) * pace)
         else:
             busy: dict = {}
             for r in left:
                 busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
-            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * speed for r in left}
+            pace = speed(sum(busy.values())) if callable(speed) else speed
+            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * pace for r in left}
         step = min(w / rates[r] for r, (_, _, w) in left.items())
         pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
         step = min([step] + [t - now for t in pending])
@@ -116,17 +118,21 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
 
 
 
-def pipeline_placement(p: int, world: int, cores: int, slow: float) -> tuple:
+def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     """Where a pipeline's p ranks compute when ``world`` ranks share ``cores`` cores: (speed of a
-    process alone on a core, per rank (group, cores of the group, processes it stands for)). A
-    stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
+    busy process, as a function of the processes computing at that moment; per rank (group,
+    cores of the group, processes it stands for)). A stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
     dealt out by stage: with p >= cores, consecutive stages share a core (a stage's bubble frees
     its core for its neighbours, not for the other stages); with fewer stages, each has
     cores / p of them (the placement that reproduces BENCHMARKS.md's measured pipeline steps on
-    the local preset). The speed is the measured slowdown over the fair share (the switching
-    and shared caches)."""
+    the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
+    (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
+    the speed of a busy process is its part beyond the fair share, for the processes busy at
+    that moment: a stage computing alone in another's bubble runs as fast as it would alone."""
     replicas = world / p
-    speed = max(1.0, world / cores) / slow
+
+    def speed(k: float) -> float:
+        return max(1.0, k / cores) / slowdown(max(1, round(k)))
     if p >= cores:
         return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
     return speed, [(r, cores / p, replicas) for r in range(p)]

@@ -13,7 +13,7 @@ from autopar.schedule import (
     lower,
     simulate,
 )
-from autopar.cost.replay import execute_shared, simulate_shared
+from autopar.cost.replay import execute_shared, pipeline_placement, simulate_shared
 
 BUILT = [(name, p, m, v) for p in (1, 2, 4) for m in (4, 8)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3))
@@ -239,6 +239,27 @@ def test_shared_replay_with_placement():
     slower = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
                       speed=0.5)
     assert slower.makespan == pytest.approx(simulate(s, duration=lambda a: 4 * dur[a.kind], latency=lat).makespan)
+
+
+def test_shared_replay_slows_only_while_ranks_compute_together():
+    """Two stages on two cores that slow each other 1.5x while both compute (the measured
+    contention of two processes): GPipe with one micro-batch never computes on both at once
+    and replays as if each were alone; 1F1B with four overlaps its ranks in the steady state
+    only, so it lies strictly between the replay alone and the replay slowed throughout."""
+    contention = {1: 1.0, 2: 1.5}
+    speed, placement = pipeline_placement(2, 2, 2, lambda k: contention[k])
+    assert speed(1) == 1.0 and speed(2) == pytest.approx(1 / 1.5)
+    dur = {"F": 1.0, "B": 2.0}
+    lat = lambda a: 0.1      # noqa: E731
+    one = build_schedule("gpipe", 2, 1)
+    assert simulate_shared(one, duration=lambda a: dur[a.kind], latency=lat, placement=placement,
+                           speed=speed).makespan == pytest.approx(simulate(one, duration=lambda a: dur[a.kind],
+                                                                           latency=lat).makespan)
+    s = build_schedule("1f1b", 2, 4)
+    shared = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=placement, speed=speed).makespan
+    alone = simulate(s, duration=lambda a: dur[a.kind], latency=lat).makespan
+    throughout = simulate(s, duration=lambda a: 1.5 * dur[a.kind], latency=lat).makespan
+    assert alone < shared < throughout
 
 
 def test_shared_replay_reports_deadlock():

@@ -8,6 +8,7 @@ what was measured and how, and stores it in the cache (``autopar.cost.cache``) t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import datetime
 import logging
@@ -370,12 +371,13 @@ def _pipeline_probe(steps: int = 12) -> float:
     return statistics.median(times)
 
 
-def _fit_hop(measured: float, world: int, cores: int, slowdown: float, hop: float | None = None) -> float:
+def _fit_hop(measured: float, world: int, cores: int, contention: tuple, hop: float | None = None) -> float:
     """The message latency (or, given ``hop``, the wake-up wait) at which the cost model's
-    replay of the synthetic pipeline (its compute slowed as the model slows it for the ranks
-    there were) lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
+    replay of the synthetic pipeline (its compute slowed as the model slows it, by the
+    ``contention`` of the ranks computing at each moment) lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
     s = build_schedule("1f1b", 2, _PIPE_M)
-    speed, placement = pipeline_placement(2, world, cores, slowdown) if slowdown > 1 else (1.0, None)
+    crowd = functools.partial(slowdown, contention, cores)
+    speed, placement = pipeline_placement(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
 
     def replay(x):
         return simulate_shared(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B,
@@ -809,11 +811,10 @@ def _measure_local() -> Cluster:
         ranks.close()
         torch.set_num_threads(threads)
     contention = _slowdowns(alone, loops)
-    gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores,
-                                                  slowdown(contention, cores, _GLOO_WORLD)))
+    gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores, contention))
     if shared is not None:
-        shared = dataclasses.replace(shared, hop=gloo.hop, wake=_fit_hop(
-            pipe_shared, 2 * cores, cores, slowdown(contention, cores, 2 * cores), hop=gloo.hop))
+        shared = dataclasses.replace(shared, hop=gloo.hop, wake=_fit_hop(pipe_shared, 2 * cores, cores, contention,
+                                                                         hop=gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
         f"measured on {socket.gethostname()} at {when} by autopar.cost.calibration.calibrate_local "
