@@ -464,7 +464,9 @@ def slowdown(contention: tuple, cores: int, processes: int) -> float:
     if len(points) == 1:
         return max(1.0, processes / cores)
     for (k0, f0), (k1, f1) in zip(points, points[1:]):
-        if processes <= k1:
+        if processes == k1:          # a measured count: its measurement, not a rounding of it
+            return f1
+        if processes < k1:
             return f0 + (f1 - f0) * (max(processes, k0) - k0) / (k1 - k0)
     k, f = points[-1]
     return f * processes / k
