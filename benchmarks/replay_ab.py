@@ -1,0 +1,111 @@
+"""Three ways the pipeline replay can share this machine's cores, compared on one calibration and
+the same measured hold-out rows (``bench_holdout.py --plans pp`` logs):
+
+    AUTOPAR_CACHE=<dir> python benchmarks/bench_holdout.py --plans pp > run.log   # calibrates first
+    AUTOPAR_CACHE=<dir> python benchmarks/replay_ab.py run.log [more.log ...]
+
+* ``moment`` (the cost model's): a busy rank is slowed by the measured contention of the
+  processes computing at that moment; each stage keeps the cores it is dealt
+  (``pipeline_placement``);
+* ``mesh`` (before 2026-12-02, session 4): every busy rank slowed by the contention of the whole
+  mesh, whoever computes;
+* ``lent``: as ``moment``, but every idle core goes to whichever stage computes.
+
+The calibration's message latency (``hop``) and wake-up wait (``wake``) are fitted to its
+synthetic pipeline's measured step under each replay: the step the ``moment`` fits reproduce is
+replayed, and ``mesh`` and ``lent`` refit to it, as the calibration would have. Prints each
+variant's fits, and its mean and worst |predicted / measured - 1| over the logs' rows (against
+the geometric mean of the logs' measurements of a row), per world and schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from autopar.cost import estimate, replay  # noqa: E402
+from autopar.cost.calibration import local  # noqa: E402
+from autopar.cost.cluster import cached_local, slowdown  # noqa: E402
+from autopar.schedule import build_schedule  # noqa: E402
+
+moment = replay.pipeline_placement
+
+
+def mesh(p, world, cores, contention):
+    """Every busy rank at the whole mesh's contention, whoever computes."""
+    _, placement = moment(p, world, cores, contention)
+    return max(1.0, world / cores) / contention(world), placement
+
+
+def lent(p, world, cores, contention):
+    """Every core shared by every stage: an idle stage's cores go to the busy ones."""
+    speed, _ = moment(p, world, cores, contention)
+    return speed, [(0, float(cores), world / p) for _ in range(p)]
+
+
+VARIANTS = {"moment": moment, "mesh": mesh, "lent": lent}
+
+
+def probe_step(place, world, cores, table, hop, wake) -> float:
+    """The calibration's synthetic pipeline replayed under ``place``."""
+    s = build_schedule("1f1b", 2, local._PIPE_M)
+    crowd = lambda k: slowdown(table, cores, k)     # noqa: E731
+    speed, placement = place(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
+    return replay.simulate_shared(s, duration=lambda a: local._PIPE_F if a.kind == "F" else local._PIPE_B,
+                                  latency=lambda a: hop, speed=speed, wake=wake, placement=placement).makespan
+
+
+def refit(place, measured, world, cores, table, hop=None) -> float:
+    """``_fit_hop``'s bisection under ``place``: the hop (or, given ``hop``, the wake)."""
+    def step(x):
+        return probe_step(place, world, cores, table, x if hop is None else hop, 0.0 if hop is None else x)
+    lo, hi = 0.0, 0.05
+    if step(lo) >= measured or step(hi) < measured:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main():
+    import bench_holdout as B
+    c = cached_local()
+    if c is None:
+        raise SystemExit("no local calibration in the cache: run bench_holdout.py with the same AUTOPAR_CACHE first")
+    cores, table = c.gpus_per_node, c.contention
+    hop, wake = c.intra.hop, c.shared.wake if c.shared else 0.0
+    two = probe_step(moment, 2, cores, table, hop, 0.0)
+    crowded = probe_step(moment, 2 * cores, cores, table, hop, wake)
+    print(f"contention {table}; the synthetic pipeline's measured step: {two * 1e3:.2f} ms on 2 processes, "
+          f"{crowded * 1e3:.2f} ms on {2 * cores}")
+    runs = [B.parse_grid(path) for path in sys.argv[1:]]
+    models = B.grid_models()
+    for name, place in VARIANTS.items():
+        h = refit(place, two, 2, cores, table) if place is not moment else hop
+        w = refit(place, crowded, 2 * cores, cores, table, hop=h) if place is not moment else wake
+        estimate.pipeline_placement = place
+        cl = dataclasses.replace(c, intra=dataclasses.replace(c.intra, hop=h), inter=dataclasses.replace(c.inter, hop=h),
+                                 shared=dataclasses.replace(c.shared, hop=h, wake=w) if c.shared else None)
+        errs, by_plan = [], {}
+        for world in (2, 4):
+            plans = [p for p in B.plans(world) if any((world, k, p[0]) in r for r in runs for k, _, _ in models)]
+            for (key, plan), e in B.predictions(models, plans, cl).items():
+                measured = [r[(world, key, plan)][0] for r in runs if (world, key, plan) in r]
+                ratio = e.step_time_s * 1e3 / math.exp(statistics.mean(math.log(x) for x in measured))
+                errs.append(abs(ratio - 1))
+                by_plan.setdefault((world, plan), []).append(ratio)
+        print(f"{name}: hop {h * 1e3:.2f} ms, wake {w * 1e3:.2f} ms; {len(errs)} rows, mean |pred/meas - 1| "
+              f"{statistics.mean(errs):.1%}, worst {max(errs):.1%}, {sum(x <= 0.25 for x in errs)} within 25%")
+        for (world, plan), v in by_plan.items():
+            print(f"   world {world} {plan:15s} pred/meas mean {statistics.mean(v):.2f} ({min(v):.2f}..{max(v):.2f})")
+    estimate.pipeline_placement = moment
+
+
+if __name__ == "__main__":
+    main()
