@@ -146,3 +146,78 @@ def test_a_program_exported_beforehand_is_used_as_is():
     with pytest.raises(ValueError, match=r"exported=\.\.\.\) is for plans without a pipeline"):
         autopar.compile(model, autopar.Mesh(pp=2, virtual=True, rank=0), example_inputs=(tok,),
                         plan=autopar.Plan(pp_schedule="gpipe", microbatches=2), exported=ep)
+
+
+class _Scaled(nn.Module):
+    """Scales by a Python number it holds: export bakes the number into the graph."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def _exports_counted(monkeypatch):
+    from autopar import capture
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(capture, "_exports", type(capture._exports)())    # this test's own store
+    return calls
+
+
+def test_a_model_built_again_the_same_way_is_exported_once(monkeypatch):
+    """A fresh instance with the same classes, attributes, weights and inputs reuses the stored
+    program, bound to its own tensors (capture finds every one of them a parameter of the model,
+    none left behind as a constant of the first), and its capture is the one exporting gives."""
+    calls = _exports_counted(monkeypatch)
+    tok, _ = gpt_batch(GPTConfig(), 8)
+    torch.manual_seed(0)
+    first = _compile(TinyGPT(), (tok,))
+    torch.manual_seed(0)
+    model = TinyGPT()
+    again = _compile(model, (tok,))
+    assert len(calls) == 1
+    assert dict(first.ctx.snapshots)["capture"] == dict(again.ctx.snapshots)["capture"]
+    assert set(again.ctx.params) == {n for n, _ in model.named_parameters()} == set(first.ctx.params)
+    local = tok[:4]       # rank 0's slice of the batch
+    assert torch.allclose(again(local), model(local), atol=1e-6)
+
+
+def test_what_export_reads_decides_whether_a_program_is_reused(monkeypatch):
+    """Other weights, another number in an attribute, tied against equal but separate weights, another input shape, another train/eval mode: each is exported on its own, and each
+    compiled module computes its own model; a model that does not pickle is exported every time."""
+    calls = _exports_counted(monkeypatch)
+    x = torch.randn(4, 4)
+    torch.manual_seed(0)
+    a, b = _Scaled(2.0), _Scaled(3.0)
+    b.fc.load_state_dict(a.fc.state_dict())       # same weights, the number differs
+    for m in (a, b):
+        assert torch.allclose(_compile(m, (x,))(x[:2]), m(x[:2]))
+    assert len(calls) == 2
+    c = _Scaled(2.0)                               # other weights
+    _compile(c, (x,))
+    assert len(calls) == 3
+    _compile(c, (torch.randn(8, 4),))              # other shapes
+    assert len(calls) == 4
+    c.eval()
+    _compile(c, (x,))
+    assert len(calls) == 5
+    torch.manual_seed(0)
+    tied = TinyGPT()
+    torch.manual_seed(0)
+    untied = TinyGPT()
+    untied.head.weight = nn.Parameter(untied.wte.weight.detach().clone())   # equal values, two tensors
+    tok, _ = gpt_batch(GPTConfig(), 8)
+    n = len(calls)
+    _compile(tied, (tok,))
+    _compile(untied, (tok,))
+    assert len(calls) == n + 2
+    d = _Scaled(2.0)
+    d.hook = lambda: None                          # does not pickle: no digest, no reuse
+    _compile(d, (x,))
+    _compile(d, (x,))
+    assert len(calls) == n + 4
