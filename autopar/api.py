@@ -88,7 +88,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
     ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
     ctx.snapshots.append(("capture", graph_text(gm)))
-    ctx.profile = _profile(gm, ctx)
+    ctx.profile_source = _profile(gm, ctx)
     _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
     gm = _run_passes(gm, ctx)
     passes.check_collective_order([(gm, ctx)], ctx)   # before any communication: a mismatch is an error, not a hang
@@ -198,7 +198,7 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
     ctx.input_dtypes = _dtypes(_compute_inputs(mb_args, mb_kwargs, plan))
     ctx.snapshots.append(("capture", graph_text(gm)))
-    ctx.profile = _profile(gm, ctx)
+    ctx.profile_source = _profile(gm, ctx)
     _recompute_budget(ctx, cluster, rows[0])
     heads = tied_head_layouts(gm, ctx) if ctx.plan.tp else {}   # on the whole graph: both copies of a table alike
     top = passes.pipeline(gm, ctx)
@@ -309,14 +309,29 @@ def _recompute_budget(ctx: CompileContext, cluster, rows: int) -> None:
 
 
 def _profile(gm, ctx: CompileContext):
-    """The cost model's profile of the logical graph for this plan's tp / sp (numbers only:
-    ``dm.predict`` and ``dm.explain`` read it); None, with a logged reason, if it fails."""
-    try:
-        return profile(gm, ctx, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
-                       tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True)
-    except Exception as exc:     # the cost model must never stop a compile
-        log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
-        return None
+    """A callable that makes the cost model's profile of the logical graph for this plan's tp /
+    sp (numbers only: ``dm.predict``, ``dm.explain`` and a memory budget read it, through
+    ``ctx.profile``): the graph as it is now, its tensors on the meta device, and what the
+    profile reads of the context are copied here (the passes go on to rewrite both), the
+    profile is made when first read; None, with a logged reason, if it fails."""
+    # on the meta device: the profile reads shapes, and the model's full-size weights must not
+    # outlive the compile here (a sharded plan frees them once compiled)
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in gm.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in gm.buffers()})
+    graph = copy.deepcopy(gm, memo)
+    captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
+    for f in ("params", "in_spec", "out_spec", "constant_inputs", "head_policy"):
+        setattr(captured, f, copy.copy(getattr(ctx, f)))
+
+    def make():
+        try:
+            return profile(graph, captured, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
+                           tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True)
+        except Exception as exc:     # the cost model must never stop a compile
+            log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
+            return None
+    return make
 
 
 # ---- plan="auto" -------------------------------------------------------------------------------------

@@ -84,7 +84,18 @@ class CompileContext:
     # ---- for the user -------------------------------------------------------------------------
     snapshots: list = field(default_factory=list)     # (pass name, readable graph text), for dm.dump()
     notes: list = field(default_factory=list)         # lines for explain()
-    profile: Any = None             # the cost model's profile of the logical graph (cost.profile.Profile)
+    profile_source: Any = None      # () -> the cost model's profile of the logical graph, called when
+                                    # ``profile`` is first read (a compile needs it only under a memory budget)
+    _profile: Any = field(default=None, repr=False)
+
+    @property
+    def profile(self):
+        """The cost model's profile of the logical graph (``cost.profile.Profile``), or None if it
+        could not be made (logged): made from ``profile_source`` on first read."""
+        if self.profile_source is not None:
+            source, self.profile_source = self.profile_source, None
+            self._profile = source()
+        return self._profile
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype the compiled module keeps parameter or buffer ``name`` in: under mixed

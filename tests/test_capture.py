@@ -221,3 +221,30 @@ def test_what_export_reads_decides_whether_a_program_is_reused(monkeypatch):
     _compile(d, (x,))
     _compile(d, (x,))
     assert len(calls) == n + 4
+
+
+def test_the_profile_is_made_when_read_and_keeps_no_weight_alive():
+    """The cost model's profile of a compile (explain's and predict's numbers) is made on first
+    read of ``ctx.profile``, equal to the profile of the graph as captured; until then the
+    compile keeps a copy of that graph on the meta device, not the model's full-size weights:
+    under ZeRO-3 they are freed once the model is dropped, as they are without the profile."""
+    import gc
+    import weakref
+    from autopar.cost.profile import profile
+    tok, _ = gpt_batch(GPTConfig(), 8)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    gone = weakref.ref(model.blocks[0].fc.weight)
+    dm = autopar.compile(model, autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok,),
+                         plan=autopar.Plan(dp="zero3"))
+    assert dm.ctx.profile_source is not None          # not made yet
+    del model
+    gc.collect()
+    assert gone() is None
+    torch.manual_seed(0)
+    again = TinyGPT()
+    ctx = autopar.context.CompileContext(mesh=autopar.Mesh(dp=2, virtual=True, rank=0),
+                                         plan=autopar.Plan(dp="zero3"))
+    from autopar.capture import capture
+    expected = profile(capture(again, (tok,), {}, ctx), ctx, dropout_math=True)
+    assert repr(dm.ctx.profile) == repr(expected) and dm.ctx.profile_source is None
