@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from autopar.cost import estimate, replay  # noqa: E402
 from autopar.cost.calibration import local  # noqa: E402
-from autopar.cost.cluster import cached_local, slowdown  # noqa: E402
-from autopar.schedule import build_schedule  # noqa: E402
+from autopar.cost.cluster import cached_local  # noqa: E402
 
 moment = replay.pipeline_placement
 
@@ -51,28 +50,6 @@ def lent(p, world, cores, contention):
 VARIANTS = {"moment": moment, "mesh": mesh, "lent": lent}
 
 
-def probe_step(place, world, cores, table, hop, wake) -> float:
-    """The calibration's synthetic pipeline replayed under ``place``."""
-    s = build_schedule("1f1b", 2, local._PIPE_M)
-    crowd = lambda k: slowdown(table, cores, k)     # noqa: E731
-    speed, placement = place(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
-    return replay.simulate_shared(s, duration=lambda a: local._PIPE_F if a.kind == "F" else local._PIPE_B,
-                                  latency=lambda a: hop, speed=speed, wake=wake, placement=placement).makespan
-
-
-def refit(place, measured, world, cores, table, hop=None) -> float:
-    """``_fit_hop``'s bisection under ``place``: the hop (or, given ``hop``, the wake)."""
-    def step(x):
-        return probe_step(place, world, cores, table, x if hop is None else hop, 0.0 if hop is None else x)
-    lo, hi = 0.0, 0.05
-    if step(lo) >= measured or step(hi) < measured:
-        return 0.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step(mid) < measured else (lo, mid)
-    return (lo + hi) / 2
-
-
 def main():
     import bench_holdout as B
     c = cached_local()
@@ -80,15 +57,15 @@ def main():
         raise SystemExit("no local calibration in the cache: run bench_holdout.py with the same AUTOPAR_CACHE first")
     cores, table = c.gpus_per_node, c.contention
     hop, wake = c.intra.hop, c.shared.wake if c.shared else 0.0
-    two = probe_step(moment, 2, cores, table, hop, 0.0)
-    crowded = probe_step(moment, 2 * cores, cores, table, hop, wake)
+    two = local._pipeline_replay(2, cores, table, hop)
+    crowded = local._pipeline_replay(2 * cores, cores, table, hop, wake)
     print(f"contention {table}; the synthetic pipeline's measured step: {two * 1e3:.2f} ms on 2 processes, "
           f"{crowded * 1e3:.2f} ms on {2 * cores}")
     runs = [B.parse_grid(path) for path in sys.argv[1:]]
     models = B.grid_models()
     for name, place in VARIANTS.items():
-        h = refit(place, two, 2, cores, table) if place is not moment else hop
-        w = refit(place, crowded, 2 * cores, cores, table, hop=h) if place is not moment else wake
+        h = local._fit_hop(two, 2, cores, table, place=place) if place is not moment else hop
+        w = local._fit_hop(crowded, 2 * cores, cores, table, hop=h, place=place) if place is not moment else wake
         estimate.pipeline_placement = place
         cl = dataclasses.replace(c, intra=dataclasses.replace(c.intra, hop=h), inter=dataclasses.replace(c.inter, hop=h),
                                  shared=dataclasses.replace(c.shared, hop=h, wake=w) if c.shared else None)

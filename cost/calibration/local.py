@@ -371,18 +371,25 @@ def _pipeline_probe(steps: int = 12) -> float:
     return statistics.median(times)
 
 
-def _fit_hop(measured: float, world: int, cores: int, contention: tuple, hop: float | None = None) -> float:
-    """The message latency (or, given ``hop``, the wake-up wait) at which the cost model's
-    replay of the synthetic pipeline (its compute slowed as the model slows it, by the
-    ``contention`` of the ranks computing at each moment) lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
+def _pipeline_replay(world: int, cores: int, contention: tuple, hop: float, wake: float = 0.0,
+                     place=pipeline_placement) -> float:
+    """The cost model's replay of the synthetic pipeline (``_pipeline_probe``) on ``world``
+    processes sharing ``cores`` cores, its compute slowed by the ``contention`` of the ranks
+    computing at each moment, the ranks laid out by ``place`` (``pipeline_placement``)."""
     s = build_schedule("1f1b", 2, _PIPE_M)
     crowd = functools.partial(slowdown, contention, cores)
-    speed, placement = pipeline_placement(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
+    speed, placement = place(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
+    return simulate_shared(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B, latency=lambda a: hop,
+                           speed=speed, wake=wake, placement=placement).makespan
+
+
+def _fit_hop(measured: float, world: int, cores: int, contention: tuple, hop: float | None = None,
+             place=pipeline_placement) -> float:
+    """The message latency (or, given ``hop``, the wake-up wait) at which ``_pipeline_replay``
+    lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
 
     def replay(x):
-        return simulate_shared(s, duration=lambda a: _PIPE_F if a.kind == "F" else _PIPE_B,
-                        latency=lambda a: x if hop is None else hop, speed=speed,
-                        wake=0.0 if hop is None else x, placement=placement).makespan
+        return _pipeline_replay(world, cores, contention, x if hop is None else hop, 0.0 if hop is None else x, place)
 
     lo, hi = 0.0, 0.05
     if replay(lo) >= measured:
