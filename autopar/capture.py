@@ -6,15 +6,17 @@ export runs the model's Python on fake tensors: control flow on shapes resolves 
 example inputs, and a model built on the meta device captures without allocating memory.
 Tied weights (one tensor under two names) become one canonical ``get_attr``.
 
-Exporting is most of a compile's time, and a process often compiles the same model again
-(under another plan, or a fresh instance of it built the same way, as every rank of a test and
-every plan a planner compares does). ``_exports`` keeps the programs of small models by a digest
-of everything the export reads: the model pickled whole (its classes, every Python attribute,
-train/eval flags, hooks), each tensor's type, shape, dtype, device, ``requires_grad``, bytes and
-which other tensor it is (tied weights), the example inputs the same way, and the grad mode,
-autocast and default dtype. A model that does not pickle, or holds more than
-``EXPORT_CACHE_BYTES``, is exported every time. A program found again is the stored one with the
-new model's own tensors in its state (``_rebound``).
+Exporting is most of a compile's time, and a test suite compiles the same model again and again
+in one process (under another plan, or a fresh instance built the same way). With
+``AUTOPAR_EXPORT_CACHE=1`` in the environment (the test suite's conftest sets it), ``_exports``
+keeps the programs of small models by a digest of what the export reads: the model pickled whole
+(every Python attribute, train/eval flags, hooks), the identity of each module's class, each
+tensor's type, shape, dtype, device, ``requires_grad``, bytes and which other tensor it is (tied
+weights), the example inputs the same way, and the grad mode, autocast and default dtype. A
+model that does not pickle, or holds more than ``EXPORT_CACHE_BYTES``, is exported every time. A
+program found again is the stored one with the new model's own tensors in its state
+(``_rebound``). It is off by default: the digest cannot see a module-level function the forward
+calls, which a notebook may redefine between two compiles of identically built models.
 """
 from __future__ import annotations
 
@@ -132,9 +134,12 @@ class _Digest(pickle.Pickler):
 
 def _export_key(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
     """The digest ``_exports`` is keyed by (see the module docstring); None when the model or
-    inputs do not pickle, or hold more than ``EXPORT_CACHE_BYTES``."""
+    inputs do not pickle, or hold more than ``EXPORT_CACHE_BYTES``. A class redefined under the
+    same name (a notebook's cell run again) is another class: its identity is in the digest, and
+    the stored program holds the class, so that the identity is not reused meanwhile."""
     p = _Digest()
     try:
+        p.dump(tuple(id(type(m)) for m in model.modules()))
         p.dump((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
                 str(torch.get_default_dtype())))
         p.dump((model, args, kwargs))
@@ -154,12 +159,13 @@ def _model_tensor(model: nn.Module, name: str):
 
 def _stored(ep, model: nn.Module) -> tuple:
     """What ``_exports`` keeps of a program: no tensor of the model (its weights would outlive
-    it there, and a census of live tensors would count them), nor the example inputs."""
+    it there, and a census of live tensors would count them), nor the example inputs; the
+    module classes whose identities its digest holds."""
     stored = copy.copy(ep)
     stored._state_dict = {}
     stored._constants = {k: None if _model_tensor(model, k) is not None else v for k, v in ep.constants.items()}
     stored._example_inputs = None
-    return stored, tuple(ep.state_dict)
+    return stored, tuple(ep.state_dict), tuple({type(m) for m in model.modules()})
 
 
 def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
@@ -167,7 +173,7 @@ def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
     buffers and tensor attributes, which export keeps as constants) in place of the ones it was
     exported with, on these inputs: ``module()`` then registers this model's tensors. A
     constant the forward made itself is the one the same code made before."""
-    ep, keys = stored
+    ep, keys, _ = stored
     own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     ep = copy.copy(ep)
     ep._state_dict = {k: own[k] for k in keys}
@@ -177,7 +183,10 @@ def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
 
 
 def _export_once(model: nn.Module, args: tuple, kwargs: dict):
-    """``_export``, or the program a model with the same digest exported before (``_exports``)."""
+    """``_export``, or, with ``AUTOPAR_EXPORT_CACHE=1``, the program a model with the same
+    digest exported before (``_exports``)."""
+    if os.environ.get("AUTOPAR_EXPORT_CACHE", "0") in ("", "0"):
+        return _export(model, args, kwargs)
     key = _export_key(model, args, kwargs)
     if key is not None and key in _exports:
         _exports.move_to_end(key)

@@ -162,6 +162,7 @@ class _Scaled(nn.Module):
 
 def _exports_counted(monkeypatch):
     from autopar import capture
+    monkeypatch.setenv("AUTOPAR_EXPORT_CACHE", "1")
     calls = []
     real = torch.export.export
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -248,3 +249,33 @@ def test_the_profile_is_made_when_read_and_keeps_no_weight_alive():
     from autopar.capture import capture
     expected = profile(capture(again, (tok,), {}, ctx), ctx, dropout_math=True)
     assert repr(dm.ctx.profile) == repr(expected) and dm.ctx.profile_source is None
+
+
+def _redefined(sign: float):
+    """A module class named ``_Redefined`` in this module, as a notebook cell run again defines it."""
+    def forward(self, x):
+        return self.fc(x) * sign
+    return type("_Redefined", (nn.Module,), {"__module__": __name__, "forward": forward,
+                                              "__init__": lambda self: (nn.Module.__init__(self),
+                                                                        setattr(self, "fc", nn.Linear(4, 4)))[-1]})
+
+
+def test_a_class_redefined_under_its_name_is_exported_again_and_the_store_is_off_by_default(monkeypatch):
+    """Two classes of one qualified name pickle alike: the class's identity is in the digest, so
+    the second one's model, built with the same weights, is exported with its own forward.
+    Without AUTOPAR_EXPORT_CACHE a process exports every compile."""
+    import sys
+    calls = _exports_counted(monkeypatch)
+    x = torch.randn(4, 4)
+    for sign in (1.0, -1.0):
+        monkeypatch.setattr(sys.modules[__name__], "_Redefined", _redefined(sign), raising=False)
+        torch.manual_seed(0)
+        m = sys.modules[__name__]._Redefined()
+        assert torch.allclose(_compile(m, (x,))(x[:2]), m(x[:2]))
+    assert len(calls) == 2
+    _compile(m, (x,))
+    assert len(calls) == 2
+    monkeypatch.delenv("AUTOPAR_EXPORT_CACHE")
+    _compile(m, (x,))
+    _compile(m, (x,))
+    assert len(calls) == 4
