@@ -28,7 +28,7 @@ from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
 from .cost.lm_head import head_policy
 from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
-from .cost.profile import profile
+from .cost.profile import CONTEXT_READ, profile
 from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
@@ -321,7 +321,7 @@ def _profile(gm, ctx: CompileContext):
     memo.update({id(b): torch.empty_like(b, device="meta") for b in gm.buffers()})
     graph = copy.deepcopy(gm, memo)
     captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
-    for f in ("params", "in_spec", "out_spec", "constant_inputs", "head_policy"):
+    for f in CONTEXT_READ:
         setattr(captured, f, copy.copy(getattr(ctx, f)))
 
     def make():

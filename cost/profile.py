@@ -301,6 +301,10 @@ def _signature(nodes: list[fx.Node]) -> tuple:
     return tuple(sig)
 
 
+CONTEXT_READ = ("params", "in_spec", "out_spec", "constant_inputs", "head_policy")
+"""the fields of the compile's context ``profile`` reads (what capture filled in)"""
+
+
 def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
             tp_layout: tuple = (), vocab_parallel: Optional[bool] = None, dropout_math: bool = False) -> Profile:
     """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
@@ -315,7 +319,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     ctx = CompileContext(mesh=mesh, plan=plan)
     # the passes below rewrite the graph, never a tensor: the copy shares the model's tensors
     gm = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
-    for f in ("params", "in_spec", "out_spec", "constant_inputs", "head_policy"):
+    for f in CONTEXT_READ:
         setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads

@@ -121,10 +121,10 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
 def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     """Where a pipeline's p ranks compute when ``world`` ranks share ``cores`` cores: (speed of a
     busy process, as a function of the processes computing at that moment; per rank (group,
-    cores of the group, processes it stands for)). A stage's replicas along the other axes (world / p of them) run in lockstep, and the cores are
-    dealt out by stage: with p >= cores, consecutive stages share a core (a stage's bubble frees
-    its core for its neighbours, not for the other stages); with fewer stages, each has
-    cores / p of them (the placement that reproduces BENCHMARKS.md's measured pipeline steps on
+    cores of the group, processes it stands for)). A stage's replicas along the other axes
+    (world / p of them) run in lockstep, and the cores are dealt out by stage: with p >= cores,
+    consecutive stages share a core (a stage's bubble frees its core for its neighbours, not for
+    the other stages); with fewer stages, each has cores / p of them (the placement that reproduces BENCHMARKS.md's measured pipeline steps on
     the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
     (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
     the speed of a busy process is its part beyond the fair share, for the processes busy at
