@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import meta, passes
-from .capture import capture
+from .capture import capture, spec_copies_quiet
 from .context import CompileContext
 from .cost.cluster import get_cluster
 from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
@@ -319,10 +319,11 @@ def _profile(gm, ctx: CompileContext):
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in gm.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in gm.buffers()})
-    graph = copy.deepcopy(gm, memo)
-    captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
-    for f in CONTEXT_READ:
-        setattr(captured, f, copy.copy(getattr(ctx, f)))
+    with spec_copies_quiet():
+        graph = copy.deepcopy(gm, memo)
+        captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
+        for f in CONTEXT_READ:
+            setattr(captured, f, copy.copy(getattr(ctx, f)))
 
     def make():
         try:

@@ -16,6 +16,8 @@ import threading
 import copy
 import logging
 import traceback
+import warnings
+import contextlib
 
 import torch
 from torch import fx, nn
@@ -71,6 +73,16 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
             f"  reason: {type(exc).__name__}: {reason}\n"
             f"  at {where}\n"
             f"  fix: {_fix_for(exc)}") from exc
+
+
+@contextlib.contextmanager
+def spec_copies_quiet():
+    """Copying a captured graph (``copy.deepcopy``) or a context's input/output tree specs
+    reconstructs torch's deprecated ``LeafSpec`` class, and torch warns (FutureWarning) about
+    its own code: silenced within, nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+        yield
 
 
 def _check_exported(ep, model: nn.Module, args: tuple, kwargs: dict):

@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from autopar import meta, passes
+from autopar.capture import spec_copies_quiet
 from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
 from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OPERANDS, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
@@ -318,9 +319,10 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
     # the passes below rewrite the graph, never a tensor: the copy shares the model's tensors
-    gm = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
-    for f in CONTEXT_READ:
-        setattr(ctx, f, copy.copy(getattr(ctx0, f)))
+    with spec_copies_quiet():
+        gm = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
+        for f in CONTEXT_READ:
+            setattr(ctx, f, copy.copy(getattr(ctx0, f)))
     rows = _rows(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
     logical = _logical_groups(gm)

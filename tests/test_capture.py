@@ -174,3 +174,21 @@ def test_the_profile_is_made_when_read_and_keeps_no_weight_alive():
     expected = profile(capture(again, (tok,), {}, ctx), ctx, dropout_math=True)
     assert repr(dm.ctx.profile) == repr(expected) and dm.ctx.profile_source is None
 
+
+
+def test_compiling_planning_and_explaining_warn_nothing_about_torch_code():
+    """Copying the captured graph (the cost model's profile) reconstructs torch's deprecated
+    LeafSpec class, and torch warned (FutureWarning) on every compile about its own code: a
+    user must not see that. Every warning category is recorded here, not only that one."""
+    import warnings
+    c = GPTConfig()
+    x, _ = gpt_batch(c, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for axes, kw in [({"dp": 2}, {"dp": "zero3"}), ({"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2}),
+                         ({"dp": 2, "tp": 2}, {"dp": "zero2", "tp": True, "sp": True})]:
+            dm = autopar.compile(TinyGPT(c), autopar.Mesh(virtual=True, **axes), example_inputs=(x,),
+                                 plan=autopar.Plan(**kw))
+            dm.predict()
+            dm.explain()
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
