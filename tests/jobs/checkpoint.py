@@ -2,6 +2,8 @@
 device trained without interruption."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -137,6 +139,26 @@ def resume_job(name: str, paths: dict):
     return out
 
 
+def save_twice_job(path: str) -> dict:
+    """Save after one step and again, at the same path, after a second; load into a new module:
+    the warnings the second save raised, and whether the load gave the second one."""
+    import warnings
+    dm = compiled("ddp w2")
+    opt = dm.optimizer(torch.optim.AdamW, lr=LR)
+    train(dm, opt, range(1))
+    dm.save(path)
+    train(dm, opt, range(1, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.save(path)
+    other = compiled("ddp w2")
+    other.optimizer(torch.optim.AdamW, lr=LR)
+    resumed = other.load(path)
+    mine, theirs = dm.full_state_dict(), other.full_state_dict()
+    return {"warnings": [str(w.message) for w in caught], "step": resumed.step,
+            "same": all(torch.equal(mine[k], theirs[k]) for k in mine)}
+
+
 # ---- bad checkpoints -----------------------------------------------------------------------------
 
 def _snapshot(dm, opt):
@@ -243,6 +265,28 @@ class Layers(torch.nn.Module):
         return x
 
 
+@contextlib.contextmanager
+def _works_kept():
+    """Every collective handle waited on within is kept alive until the end (and freed here, on
+    this thread). Under tracemalloc, a handle freed on gloo's worker thread crashes the process
+    (SIGSEGV, Python 3.11): freeing its tensors takes the GIL on that thread, which makes a new
+    Python thread state there, and tracemalloc, tracing that allocation, reads a thread state
+    that is not there yet (``traceback_new``). One run in four of this job crashed so, in a
+    loop, before the handles were kept."""
+    work = torch._C._distributed_c10d.Work
+    wait, kept = work.wait, []
+
+    def keep(self, *args, **kwargs):
+        kept.append(self)
+        return wait(self, *args, **kwargs)
+    work.wait = keep
+    try:
+        yield
+    finally:
+        work.wait = wait
+        kept.clear()
+
+
 def memory_job(path: str, load_plan: str):
     """Peak memory above this rank's own pieces while it saves (ZeRO-3 over the world) and while it
     loads under ``load_plan``: tensor storage (the profiler's allocator records) plus Python
@@ -261,10 +305,15 @@ def memory_job(path: str, load_plan: str):
         return opt
 
     def peak(fn):
-        tracemalloc.start()
+        """Each measured in a run of its own (their sum bounds the peak of the sum): tensors by
+        the profiler, then Python objects by tracemalloc with the collectives' handles kept
+        (``_works_kept``)."""
         tensors = profiled_peak_bytes(fn)
-        python = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        with _works_kept():
+            tracemalloc.start()
+            fn()
+            python = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
         return tensors, python
 
     torch.manual_seed(0)
