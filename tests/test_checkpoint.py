@@ -255,3 +255,12 @@ def test_offload_and_per_tensor_optimizers_resume(ranks, saved, tmp_path):
            "zero2 offload w2")
     _check(ranks(J.resume_job, 4, "zero3 tp2 per_tensor", {"zero2 offload w2": offload, "zero3 w4": saved("zero3 w4")}),
            "zero3 tp2 per_tensor")
+
+
+@pytest.mark.timeout(300)
+def test_saving_over_a_checkpoint_replaces_it_without_a_warning(ranks, tmp_path):
+    """A checkpoint written again at the same path (a run that keeps its latest one there) is
+    replaced, and DCP's warning that it overwrites (which the caller cannot act on) is not
+    shown: the second one, saved after another step, is what loads."""
+    for r in ranks(J.save_twice_job, 2, str(tmp_path / "latest")):
+        assert r["warnings"] == [] and r["step"] == 2 and r["same"], r

@@ -393,9 +393,12 @@ def _rng_state(dm) -> dict:
 
 
 def save_state(sd: dict, path: str, no_dist: bool = False) -> Metadata:
-    """Write a flat dict (values: ``Pieces``, tensors, picklable objects) with DCP."""
+    """Write a flat dict (values: ``Pieces``, tensors, picklable objects) with DCP. A checkpoint
+    already at ``path`` is replaced (as ``torch.save`` replaces a file; its ``.metadata`` names
+    only the new files), without DCP's warning that it does so."""
     os.makedirs(path, exist_ok=True)
     with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint", category=UserWarning)
         if no_dist:         # DCP's note that it saves in one process: that is the intent
             warnings.simplefilter("ignore", UserWarning)
         return dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)

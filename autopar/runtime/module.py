@@ -340,7 +340,7 @@ class DistributedModule(nn.Module):
         the model's names) and of ``optimizer``'s state (default: the one ``dm.optimizer``
         built; None: the model alone), with the step (default: the optimizer's), the RNG state
         and ``extra`` (picklable values, returned by ``load``). It loads under any plan and
-        world size (``autopar.runtime.checkpoint``)."""
+        world size (``autopar.runtime.checkpoint``). A checkpoint already at ``path`` is replaced."""
         save_module(self, path, self._optimizer_for(optimizer), step=step, extra=extra)
 
     def load(self, path: str, optimizer=_DEFAULT) -> Resumed:
