@@ -5,17 +5,31 @@ The exported program is unlifted to a GraphModule whose parameters and buffers a
 export runs the model's Python on fake tensors: control flow on shapes resolves from the
 example inputs, and a model built on the meta device captures without allocating memory.
 Tied weights (one tensor under two names) become one canonical ``get_attr``.
+
+Exporting is most of a compile's time, and a test suite compiles the same model again and again
+in one process (under another plan, or a fresh instance built the same way). With
+``AUTOPAR_EXPORT_CACHE=1`` in the environment (the test suite's conftest sets it), ``_exports``
+keeps the programs of small models by a digest of what the export reads: the model pickled whole
+(every Python attribute, train/eval flags, hooks), the identity of each module's class, each
+tensor's type, shape, dtype, device, ``requires_grad``, bytes and which other tensor it is (tied
+weights), the example inputs the same way, and the grad mode, autocast and default dtype. A
+model that does not pickle, or holds more than ``EXPORT_CACHE_BYTES``, is exported every time. A
+program found again is the stored one with the new model's own tensors in its state
+(``_rebound``). It is off by default: the digest cannot see a module-level function the forward
+calls, which a notebook may redefine between two compiles of identically built models.
 """
 from __future__ import annotations
 
-import types
-
+import collections
+import hashlib
 import operator
 import os
+import pickle
 import threading
 import copy
 import logging
 import traceback
+import types
 import warnings
 import contextlib
 
@@ -75,14 +89,142 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
             f"  fix: {_fix_for(exc)}") from exc
 
 
+_QUIET_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def spec_copies_quiet():
     """Copying a captured graph (``copy.deepcopy``) or a context's input/output tree specs
     reconstructs torch's deprecated ``LeafSpec`` class, and torch warns (FutureWarning) about
-    its own code: silenced within, nothing else."""
-    with warnings.catch_warnings():
+    its own code: silenced within, nothing else. The warning filters are the process's: threads
+    (ranks simulated in one process) take turns here, so that none restores the filters while
+    another copies."""
+    with _QUIET_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
         yield
+
+
+EXPORT_CACHE_BYTES = 64 << 20
+"""models (and example inputs) with more tensor bytes than this are exported on every compile"""
+EXPORT_CACHE_ENTRIES = 16
+_exports: collections.OrderedDict = collections.OrderedDict()   # digest -> (program, state keys), newest last
+
+
+class _Digest(pickle.Pickler):
+    """Pickles into a running hash; a tensor is its description and a digest of its bytes (a
+    tensor met before, by its first ordinal: one tensor under two names is not two equal ones)."""
+
+    class _Sink:
+        def __init__(self):
+            self.hash = hashlib.blake2b(digest_size=20)
+            self.left = EXPORT_CACHE_BYTES
+
+        def write(self, b):
+            self.left -= len(b)
+            if self.left < 0:      # the model holds a large Python object (a dataset?): not worth a digest
+                raise OverflowError("more pickled bytes than EXPORT_CACHE_BYTES")
+            self.hash.update(b)
+
+    def __init__(self):
+        self.sink = self._Sink()
+        super().__init__(self.sink, protocol=pickle.HIGHEST_PROTOCOL)
+        self.seen: dict[int, int] = {}
+        self.budget = EXPORT_CACHE_BYTES
+
+    def persistent_id(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if id(obj) in self.seen:
+            return ("tensor again", self.seen[id(obj)])
+        self.seen[id(obj)] = len(self.seen)
+        t = obj.detach()
+        head = (type(obj).__qualname__, tuple(t.shape), str(t.dtype), t.device.type, bool(obj.requires_grad),
+                t.layout is torch.strided)
+        if t.device.type == "meta" or t.numel() == 0:
+            return head
+        self.budget -= t.numel() * t.element_size()
+        if self.budget < 0:
+            raise OverflowError("more tensor bytes than EXPORT_CACHE_BYTES")
+        flat = t.cpu().contiguous().reshape(-1)
+        return head + (hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=20).hexdigest(),)
+
+
+def _export_key(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """The digest ``_exports`` is keyed by (see the module docstring); None when the model or
+    inputs do not pickle, or hold more than ``EXPORT_CACHE_BYTES``. A class redefined under the
+    same name (a notebook's cell run again) is another class: its identity is in the digest, and
+    the stored program holds the class, so that the identity is not reused meanwhile."""
+    p = _Digest()
+    try:
+        p.dump(tuple(id(type(m)) for m in model.modules()))
+        p.dump((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+                str(torch.get_default_dtype())))
+        p.dump((model, args, kwargs))
+    except Exception:     # a lambda, a lock, a tensor subclass without bytes, too large: no reuse
+        return None
+    return p.sink.hash.hexdigest()
+
+
+def _model_tensor(model: nn.Module, name: str):
+    """The tensor the model holds under the qualified ``name``, or None."""
+    try:
+        t = operator.attrgetter(name)(model)
+    except AttributeError:
+        return None
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _stored(ep, model: nn.Module) -> tuple:
+    """What ``_exports`` keeps of a program: no tensor of the model (its weights would outlive
+    it there, and a census of live tensors would count them), nor the example inputs; the
+    module classes whose identities its digest holds."""
+    stored = copy.copy(ep)
+    stored._graph_module = _own_graph(ep.graph_module)
+    stored._state_dict = {}
+    stored._constants = {k: None if _model_tensor(model, k) is not None else v for k, v in ep.constants.items()}
+    stored._example_inputs = None
+    return stored, tuple(ep.state_dict), tuple({type(m) for m in model.modules()})
+
+
+def _own_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a program's graph module (its graphs and submodules, the tensors shared): the
+    stored program and each compile's get their own, since ``ep.module()`` keeps the
+    submodules (a higher-order op's subgraphs) of the program's module, not copies, and the
+    passes go on to rewrite what they are given."""
+    with spec_copies_quiet():
+        return copy.deepcopy(gm, {id(t): t for t in gm.state_dict(keep_vars=True).values()})
+
+
+def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
+    """The stored program with ``model``'s own parameters and buffers (and its non-persistent
+    buffers and tensor attributes, which export keeps as constants) in place of the ones it was
+    exported with, on these inputs: ``module()`` then registers this model's tensors. A
+    constant the forward made itself is the one the same code made before."""
+    ep, keys, _ = stored
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    ep = copy.copy(ep)
+    ep._graph_module = _own_graph(ep.graph_module)
+    ep._state_dict = {k: own[k] for k in keys}
+    ep._constants = {k: v if v is not None else _model_tensor(model, k) for k, v in ep.constants.items()}
+    ep._example_inputs = (args, kwargs)
+    return ep
+
+
+def _export_once(model: nn.Module, args: tuple, kwargs: dict):
+    """``_export``, or, with ``AUTOPAR_EXPORT_CACHE=1``, the program a model with the same
+    digest exported before (``_exports``)."""
+    if os.environ.get("AUTOPAR_EXPORT_CACHE", "0") in ("", "0"):
+        return _export(model, args, kwargs)
+    key = _export_key(model, args, kwargs)
+    if key is not None and key in _exports:
+        _exports.move_to_end(key)
+        return _rebound(_exports[key], model, args, kwargs)
+    ep = _export(model, args, kwargs)
+    if key is not None:
+        _exports[key] = _stored(ep, model)
+        while len(_exports) > EXPORT_CACHE_ENTRIES:
+            _exports.popitem(last=False)
+    return ep
 
 
 def _check_exported(ep, model: nn.Module, args: tuple, kwargs: dict):
@@ -299,10 +441,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
     with _EXPORT_LOCK:
         if exported is None:
-            ep = _export(model, tuple(args), dict(kwargs))
+            ep = _export_once(model, tuple(args), dict(kwargs))
         else:
             ep = _check_exported(exported, model, tuple(args), dict(kwargs))
-        gm = ep.module()
+        with spec_copies_quiet():     # it copies the program's graph, tree specs with it
+            gm = ep.module()
     _drop_cycles(gm)
     _drop_guards(gm)
     _check_buffer_updates(gm, model)

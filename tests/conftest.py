@@ -19,6 +19,7 @@ from autopar.testing import RankPool
 
 sys.path.insert(0, os.path.dirname(__file__))   # the ranks import the jobs package
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("AUTOPAR_EXPORT_CACHE", "1")   # a process exports a model built alike once (autopar.capture)
 
 
 def pytest_collection_finish(session):

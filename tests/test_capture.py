@@ -148,6 +148,82 @@ def test_a_program_exported_beforehand_is_used_as_is():
                         plan=autopar.Plan(pp_schedule="gpipe", microbatches=2), exported=ep)
 
 
+class _Scaled(nn.Module):
+    """Scales by a Python number it holds: export bakes the number into the graph."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def _exports_counted(monkeypatch):
+    from autopar import capture
+    monkeypatch.setenv("AUTOPAR_EXPORT_CACHE", "1")
+    calls = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(capture, "_exports", type(capture._exports)())    # this test's own store
+    return calls
+
+
+def test_a_model_built_again_the_same_way_is_exported_once(monkeypatch):
+    """A fresh instance with the same classes, attributes, weights and inputs reuses the stored
+    program, bound to its own tensors (capture finds every one of them a parameter of the model,
+    none left behind as a constant of the first), and its capture is the one exporting gives."""
+    calls = _exports_counted(monkeypatch)
+    tok, _ = gpt_batch(GPTConfig(), 8)
+    torch.manual_seed(0)
+    first = _compile(TinyGPT(), (tok,))
+    torch.manual_seed(0)
+    model = TinyGPT()
+    again = _compile(model, (tok,))
+    assert len(calls) == 1
+    assert dict(first.ctx.snapshots)["capture"] == dict(again.ctx.snapshots)["capture"]
+    assert set(again.ctx.params) == {n for n, _ in model.named_parameters()} == set(first.ctx.params)
+    local = tok[:4]       # rank 0's slice of the batch
+    assert torch.allclose(again(local), model(local), atol=1e-6)
+
+
+def test_what_export_reads_decides_whether_a_program_is_reused(monkeypatch):
+    """Other weights, another number in an attribute, tied against equal but separate weights, another input shape, another train/eval mode: each is exported on its own, and each
+    compiled module computes its own model; a model that does not pickle is exported every time."""
+    calls = _exports_counted(monkeypatch)
+    x = torch.randn(4, 4)
+    torch.manual_seed(0)
+    a, b = _Scaled(2.0), _Scaled(3.0)
+    b.fc.load_state_dict(a.fc.state_dict())       # same weights, the number differs
+    for m in (a, b):
+        assert torch.allclose(_compile(m, (x,))(x[:2]), m(x[:2]))
+    assert len(calls) == 2
+    c = _Scaled(2.0)                               # other weights
+    _compile(c, (x,))
+    assert len(calls) == 3
+    _compile(c, (torch.randn(8, 4),))              # other shapes
+    assert len(calls) == 4
+    c.eval()
+    _compile(c, (x,))
+    assert len(calls) == 5
+    torch.manual_seed(0)
+    tied = TinyGPT()
+    torch.manual_seed(0)
+    untied = TinyGPT()
+    untied.head.weight = nn.Parameter(untied.wte.weight.detach().clone())   # equal values, two tensors
+    tok, _ = gpt_batch(GPTConfig(), 8)
+    n = len(calls)
+    _compile(tied, (tok,))
+    _compile(untied, (tok,))
+    assert len(calls) == n + 2
+    d = _Scaled(2.0)
+    d.hook = lambda: None                          # does not pickle: no digest, no reuse
+    _compile(d, (x,))
+    _compile(d, (x,))
+    assert len(calls) == n + 4
+
+
 def test_the_profile_is_made_when_read_and_keeps_no_weight_alive():
     """The cost model's profile of a compile (explain's and predict's numbers) is made on first
     read of ``ctx.profile``, equal to the profile of the graph as captured; until then the
@@ -175,20 +251,53 @@ def test_the_profile_is_made_when_read_and_keeps_no_weight_alive():
     assert repr(dm.ctx.profile) == repr(expected) and dm.ctx.profile_source is None
 
 
-
-def test_compiling_planning_and_explaining_warn_nothing_about_torch_code():
-    """Copying the captured graph (the cost model's profile) reconstructs torch's deprecated
-    LeafSpec class, and torch warned (FutureWarning) on every compile about its own code: a
-    user must not see that. Every warning category is recorded here, not only that one."""
+@pytest.mark.parametrize("reuse", ["0", "1"])
+def test_compiling_planning_and_explaining_warn_nothing_about_torch_code(monkeypatch, reuse):
+    """Copying the captured graph (the cost model's profile, a reused export) reconstructs
+    torch's deprecated LeafSpec class, and torch warned (FutureWarning) on every compile about
+    its own code: a user must not see that. Every warning category is recorded here, not only
+    that one; with the export store on, the second and third compiles reuse the first's export."""
     import warnings
+    monkeypatch.setenv("AUTOPAR_EXPORT_CACHE", reuse)
     c = GPTConfig()
     x, _ = gpt_batch(c, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for axes, kw in [({"dp": 2}, {"dp": "zero3"}), ({"pp": 2}, {"pp_schedule": "1f1b", "microbatches": 2}),
                          ({"dp": 2, "tp": 2}, {"dp": "zero2", "tp": True, "sp": True})]:
+            torch.manual_seed(0)
             dm = autopar.compile(TinyGPT(c), autopar.Mesh(virtual=True, **axes), example_inputs=(x,),
                                  plan=autopar.Plan(**kw))
             dm.predict(cluster="dgx-a100-80gb")   # a preset: "local" needs this machine's calibration
             dm.explain()
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+
+
+def _redefined(sign: float):
+    """A module class named ``_Redefined`` in this module, as a notebook cell run again defines it."""
+    def forward(self, x):
+        return self.fc(x) * sign
+    return type("_Redefined", (nn.Module,), {"__module__": __name__, "forward": forward,
+                                              "__init__": lambda self: (nn.Module.__init__(self),
+                                                                        setattr(self, "fc", nn.Linear(4, 4)))[-1]})
+
+
+def test_a_class_redefined_under_its_name_is_exported_again_and_the_store_is_off_by_default(monkeypatch):
+    """Two classes of one qualified name pickle alike: the class's identity is in the digest, so
+    the second one's model, built with the same weights, is exported with its own forward.
+    Without AUTOPAR_EXPORT_CACHE a process exports every compile."""
+    import sys
+    calls = _exports_counted(monkeypatch)
+    x = torch.randn(4, 4)
+    for sign in (1.0, -1.0):
+        monkeypatch.setattr(sys.modules[__name__], "_Redefined", _redefined(sign), raising=False)
+        torch.manual_seed(0)
+        m = sys.modules[__name__]._Redefined()
+        assert torch.allclose(_compile(m, (x,))(x[:2]), m(x[:2]))
+    assert len(calls) == 2
+    _compile(m, (x,))
+    assert len(calls) == 2
+    monkeypatch.delenv("AUTOPAR_EXPORT_CACHE")
+    _compile(m, (x,))
+    _compile(m, (x,))
+    assert len(calls) == 4
