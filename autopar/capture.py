@@ -21,17 +21,17 @@ calls, which a notebook may redefine between two compiles of identically built m
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import hashlib
+import logging
 import operator
 import os
 import pickle
 import threading
-import copy
-import logging
 import traceback
 import types
 import warnings
-import contextlib
 
 import torch
 from torch import fx, nn
