@@ -21,14 +21,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import meta, passes
-from .capture import capture, spec_copies_quiet
+from .capture import capture
 from .context import CompileContext
 from .cost.cluster import get_cluster
 from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
 from .cost.lm_head import head_policy
 from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
-from .cost.profile import CONTEXT_READ, profile
+from .cost.profile import copy_captured, profile
 from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
@@ -319,11 +319,8 @@ def _profile(gm, ctx: CompileContext):
     memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             for p in gm.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in gm.buffers()})
-    with spec_copies_quiet():
-        graph = copy.deepcopy(gm, memo)
-        captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
-        for f in CONTEXT_READ:
-            setattr(captured, f, copy.copy(getattr(ctx, f)))
+    captured = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
+    graph = copy_captured(gm, ctx, captured, memo)
 
     def make():
         try:

@@ -306,6 +306,17 @@ CONTEXT_READ = ("params", "in_spec", "out_spec", "constant_inputs", "head_policy
 """the fields of the compile's context ``profile`` reads (what capture filled in)"""
 
 
+def copy_captured(gm: fx.GraphModule, ctx0: CompileContext, ctx: CompileContext, memo: dict) -> fx.GraphModule:
+    """A copy of the captured graph ``gm`` (``memo``: what its tensors become), with the fields of
+    ``ctx0`` that ``profile`` reads (``CONTEXT_READ``) copied into ``ctx``: the graph and the
+    context as capture left them, which the passes then rewrite."""
+    with spec_copies_quiet():
+        copied = copy.deepcopy(gm, memo)
+        for f in CONTEXT_READ:
+            setattr(ctx, f, copy.copy(getattr(ctx0, f)))
+    return copied
+
+
 def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
             tp_layout: tuple = (), vocab_parallel: Optional[bool] = None, dropout_math: bool = False) -> Profile:
     """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
@@ -319,10 +330,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
     ctx = CompileContext(mesh=mesh, plan=plan)
     # the passes below rewrite the graph, never a tensor: the copy shares the model's tensors
-    with spec_copies_quiet():
-        gm = copy.deepcopy(gm, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
-        for f in CONTEXT_READ:
-            setattr(ctx, f, copy.copy(getattr(ctx0, f)))
+    gm = copy_captured(gm, ctx0, ctx, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
     rows = _rows(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
     logical = _logical_groups(gm)

@@ -124,8 +124,8 @@ def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     cores of the group, processes it stands for)). A stage's replicas along the other axes
     (world / p of them) run in lockstep, and the cores are dealt out by stage: with p >= cores,
     consecutive stages share a core (a stage's bubble frees its core for its neighbours, not for
-    the other stages); with fewer stages, each has cores / p of them (the placement that reproduces BENCHMARKS.md's measured pipeline steps on
-    the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
+    the other stages); with fewer stages, each has cores / p of them (the placement that
+    reproduces BENCHMARKS.md's measured pipeline steps on the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
     (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
     the speed of a busy process is its part beyond the fair share, for the processes busy at
     that moment: a stage computing alone in another's bubble runs as fast as it would alone."""
