@@ -1,0 +1,98 @@
+"""Where the cost model's predicted step and the measured one part: each phase of a training
+step predicted (the estimate's timeline on the local preset) and measured (timed on every rank),
+side by side.
+
+    python benchmarks/step_phases.py [--model KEY] [--world 4] [--steps 21] [--plans NAME ...]
+
+The model is one of ``bench_holdout.py``'s planner-quality models (default: the wide and shallow
+GPT, the one whose pick misses there). Plans: ddp on dp = world, and GPipe, 1F1B and
+zero-bubble on pp = 2 x dp = world / 2 with 2 micro-batches, timed round-robin (one step each
+per round after a barrier); the slowest rank's median of each phase is shown.
+
+Phases. A pipeline: its schedule (the train_step's own timer: every action and the wait for the
+last sends; predicted, the replay's makespan), the deferred dp reduction, the exchange of tied
+gradients, the loss broadcast, and the optimizer step (ZeRO's gathers after it included). A
+single-stage plan: forward (with the loss), backward with the reductions it waits for, the
+optimizer step. Predicted phases sum to the predicted step (a single stage's backward phase is
+the rest), and the slowest rank's phases need not sum to its step: ranks wait for each other in
+different phases.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+PLANS = {
+    "ddp": (None, dict(dp="ddp")),
+    "gpipe": ("pp", dict(dp="ddp", pp_schedule="gpipe", microbatches=2)),
+    "1f1b": ("pp", dict(dp="ddp", pp_schedule="1f1b", microbatches=2)),
+    "zero_bubble": ("pp", dict(dp="ddp", pp_schedule="zero_bubble", microbatches=2)),
+}
+AFTER_SCHEDULE = {"dp reduction (deferred)": "dp reduction", "tied gradients": "tied gradients",
+                  "loss broadcast": "loss broadcast", "optimizer": "optimizer"}
+
+
+def predicted_phases(e, pipeline: bool) -> dict:
+    """{phase: seconds} of an Estimate's timeline, summing to its step time."""
+    tl = e.timeline
+    if pipeline:
+        after = [x for x in tl if x[2] in AFTER_SCHEDULE or x[2].startswith(("all_gather params", "params up"))]
+        out = {"schedule": min(x[3] for x in after)}
+        for label, phase in AFTER_SCHEDULE.items():
+            out[phase] = max((x[4] - x[3] for x in tl if x[2] == label), default=0.0)
+        out["optimizer"] = e.step_time_s - sum(out.values()) + out["optimizer"]   # the gathers after it
+        return out
+    fwd = min(x[3] for x in tl if x[2].startswith("B "))
+    opt = min(x[3] for x in tl if x[2] == "optimizer")
+    tail = max(x[4] for x in tl) - opt
+    return {"forward": fwd, "backward + reductions": e.step_time_s - fwd - tail, "optimizer": tail}
+
+
+def main():
+    import bench_holdout as B
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    keys = [k for k, _, _ in B.QUALITY_MODELS]
+    ap.add_argument("--model", default=keys[0], choices=keys, help="one of bench_holdout's quality models")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=21, help="timed rounds (the median is reported)")
+    ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    args = ap.parse_args()
+
+    import autopar
+    from autopar.cost.calibration import calibrate_local
+    from autopar.models import gpt_batch
+    from autopar.testing import run
+    from jobs.holdout import build
+    from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, medians, phase_times
+    c = calibrate_local()
+    key, spec, batch = next(m for m in B.QUALITY_MODELS if m[0] == args.model)
+    model, cfg = build(spec)
+    x, _ = gpt_batch(cfg, batch)
+    cases, pred = [], {}
+    for name in args.plans:
+        pp, kw = PLANS[name]
+        axes = dict(pp=2, dp=args.world // 2) if pp else dict(dp=args.world)
+        cases.append((name, axes, kw))
+        e = autopar.estimate(model, autopar.Mesh(**axes, virtual=True), autopar.Plan(**kw), example_inputs=(x,),
+                             cluster=c)
+        pred[name] = (e.step_time_s, predicted_phases(e, bool(pp)))
+    per_rank = run(phase_times, args.world, spec, batch, cases, args.steps, timeout=1800)
+    print(f"## step phases: {key} ({cfg}), global batch {batch}, world {args.world}, {args.steps} rounds; "
+          "ms, the slowest rank's median; predicted on the local preset")
+    print(f"{'plan':12s} {'phase':24s} {'pred':>7s} {'meas':>7s} {'ratio':>6s}")
+    for name, axes, kw in cases:
+        meas = medians(per_rank, name)
+        step, phases = pred[name]
+        for phase in (PIPELINE_PHASES if kw.get("pp_schedule") else STAGE_PHASES) + ("step",):
+            p = step if phase == "step" else phases.get(phase, 0.0)
+            m = meas.get(phase, 0.0)
+            ratio = f"{p / m:6.2f}" if m else f"{'-':>6s}"
+            print(f"{name:12s} {phase:24s} {p * 1e3:7.2f} {m * 1e3:7.2f} {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A training step's phases timed on each rank (benchmarks/step_phases.py): where the cost
+model's predicted step and the measured one part.
+
+A pipeline's ``train_step`` is its schedule (the module's own ``step_time``: the actions and
+the wait for the last sends), then the deferred data-parallel reduction, the exchange of tied
+gradients and the loss broadcast; a single-stage plan's step is its forward (with the loss),
+its backward (with the gradient reductions it waits for); both end with the optimizer step."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.models import gpt_batch, lm_loss
+
+from .holdout import build
+
+PIPELINE_PHASES = ("schedule", "dp reduction", "tied gradients", "loss broadcast", "optimizer")
+STAGE_PHASES = ("forward", "backward + reductions", "optimizer")
+
+
+def _timed(times: dict, label: str, fn):
+    def wrapped(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[label] = times.get(label, 0.0) + time.perf_counter() - t0
+    return wrapped
+
+
+def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
+    """{plan name: {"step": [s, ...], phase: [s, ...]}} on this rank: each of ``cases``
+    ((name, mesh axes, plan kwargs), ...) compiled for the model of ``spec`` on a global batch
+    of ``batch`` rows, warmed up 3 steps, then the plans timed round-robin, one step each per
+    round after a barrier, ``steps`` rounds."""
+    import autopar
+    torch.set_num_threads(1)
+    runners = {}
+    for name, axes, kw in cases:
+        model, c = build(spec)
+        x, t = gpt_batch(c, batch)
+        plan = autopar.Plan(**kw)
+        dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+        del model
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
+        times: dict = {}
+        opt.step = _timed(times, "optimizer", opt.step)
+        if plan.pp_schedule:
+            for st in dm.stages.values():
+                st._sync.flush_deferred = _timed(times, "dp reduction", st._sync.flush_deferred)
+            dm._sum_tied_grads = _timed(times, "tied gradients", dm._sum_tied_grads)
+            dm._step_loss = _timed(times, "loss broadcast", dm._step_loss)
+
+            def step(dm=dm, opt=opt, lx=lx, lt=lt, times=times):
+                opt.zero_grad(set_to_none=True)
+                dm.train_step(lx, lt, lm_loss)
+                opt.step()
+                times["schedule"] = dm.step_time
+        else:
+            fwd = _timed(times, "forward", lambda dm=dm, lx=lx, lt=lt: lm_loss(dm(*lx), lt))
+            bwd = _timed(times, "backward + reductions", lambda loss: loss.backward())
+
+            def step(opt=opt, times=times, fwd=fwd, bwd=bwd):
+                opt.zero_grad(set_to_none=True)
+                bwd(fwd())
+                opt.step()
+        runners[name] = (step, times)
+    for step, _ in runners.values():
+        for _ in range(3):
+            step()
+    out = {name: {} for name in runners}
+    for _ in range(steps):
+        for name, (step, times) in runners.items():
+            dist.barrier()
+            times.clear()
+            t0 = time.perf_counter()
+            step()
+            times["step"] = time.perf_counter() - t0
+            for k, v in times.items():
+                out[name].setdefault(k, []).append(v)
+    return out
+
+
+def medians(per_rank: list, name: str) -> dict:
+    """{phase: the slowest rank's median seconds} of plan ``name`` over ``phase_times``' results."""
+    return {k: max(statistics.median(r[name][k]) for r in per_rank) for k in per_rank[0][name]}
