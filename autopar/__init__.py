@@ -14,8 +14,9 @@ from .mesh import Mesh
 from .placement import Layout, Partial, Replicate, Shard
 from .planspec import Plan
 from .runtime import DistributedModule
+from .tuning import TuneReport, tune
 from .verification import Divergence, VerifyReport, verify
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
-           "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence"]
+           "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence", "tune", "TuneReport"]

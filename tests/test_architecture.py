@@ -17,7 +17,7 @@ PACKAGES = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes", "aut
 IR = {"autopar.meta", "autopar.placement", "autopar.sizes", "autopar.ops", "autopar.trace", "autopar.mesh",
       "autopar.planspec", "autopar.schedule", "autopar.context", "autopar.capture"}
 FRONT = {"autopar", "autopar.api", "autopar.checkpoint", "autopar.explain", "autopar.testing", "autopar.models", "autopar.demo",
-         "autopar.__main__", "autopar.verification", "autopar.zoo", "autopar._frozen"}
+         "autopar.__main__", "autopar.verification", "autopar.zoo", "autopar._frozen", "autopar.tuning"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

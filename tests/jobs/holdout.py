@@ -9,7 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch
+import autopar
+from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import steady_live_bytes
 
 from . import memory_peak
@@ -84,3 +85,14 @@ def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
         gc.collect()
         dist.barrier()
     return out
+
+
+def tune_pick(spec, batch: int, pairs, steps: int) -> int:
+    """The index in ``pairs`` ((mesh axes, plan kwargs), ...) of the plan ``autopar.tune``
+    measures fastest for the model of ``spec`` on a global batch of ``batch`` rows."""
+    torch.set_num_threads(1)
+    model, c = build(spec)
+    x, y = gpt_batch(c, batch)
+    report = autopar.tune(model, [(axes, autopar.Plan(**kw)) for axes, kw in pairs], example_inputs=(x,),
+                          targets=y, loss_fn=lm_loss, steps=steps)
+    return report.rows.index(report.chosen)
