@@ -22,6 +22,7 @@ candidates must fit in memory together; ``top`` bounds how many of a report's ar
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -107,9 +108,7 @@ def _check(cands: list, world: int) -> None:
         raise ValueError("tune: no candidate to measure (a PlanReport with no candidate that fits, or an empty "
                          "list): pass at least one (mesh axes, Plan)")
     for axes, plan, _ in cands:
-        size = 1
-        for v in axes.values():
-            size *= v
+        size = math.prod(axes.values())
         if size != world:
             mesh = ", ".join(f"{k}={v}" for k, v in axes.items())
             raise ValueError(f"tune: candidate Mesh({mesh}) with {plan} has {size} ranks, but this process group has "
@@ -157,14 +156,19 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     runners = []
     for axes, plan, predicted in cands:
-        copy_ = copy.deepcopy(model)
+        error = None
         try:
-            dm = compile_(copy_, Mesh(**axes), example_inputs=args, example_kwargs=kwargs or None, plan=plan)
-        except Exception as e:
+            dm = compile_(copy.deepcopy(model), Mesh(**axes), example_inputs=args, example_kwargs=kwargs or None,
+                          plan=plan)
+        except Exception as e:     # every rank learns of it, or the others would wait for this one
+            error = e
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
             mesh = ", ".join(f"{k}={v}" for k, v in axes.items())
-            raise RuntimeError(f"tune: candidate Mesh({mesh}) with {plan} did not compile ({type(e).__name__}: "
-                               f"{e}); leave it out of the candidates") from e
-        del copy_
+            why = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
+            raise RuntimeError(f"tune: candidate Mesh({mesh}) with {plan} did not compile ({why}); leave it out of "
+                               "the candidates") from error
         opt = dm.optimizer(optimizer, **(optimizer_kwargs or {}))
         local_args, local_kwargs = dm.shard_batch(args), dm.shard_batch(kwargs)
         local_targets = dm.shard_batch(targets) if targets is not None else None

@@ -24,6 +24,8 @@ def test_tune_refuses_what_it_cannot_measure_with_the_fix():
     assert "Mesh(dp=4)" in msgs[0] and "has 4 ranks, but this process group has 2" in msgs[0], msgs[0]
     assert "no candidate to measure" in msgs[1], msgs[1]
     assert msgs[2].startswith("TypeError") and "expected a pair (mesh axes, Plan)" in msgs[2], msgs[2]
+    assert msgs[3].startswith("RuntimeError: tune: candidate Mesh(pp=2)") and "did not compile" in msgs[3], msgs[3]
+    assert "leave it out of the candidates" in msgs[3], msgs[3]
 
 
 @pytest.mark.slow

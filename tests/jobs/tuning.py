@@ -47,14 +47,17 @@ def tune_report():
 
 
 def tune_refusals():
-    """The errors of a candidate of another world size and of an empty list, on every rank."""
+    """The errors of a candidate of another world size, of an empty list, of a list of plans without
+    their meshes, and of a candidate that does not compile (3 micro-batches of 8 rows), on every rank."""
     model = _model()
     x, y = gpt_batch(CONFIG, BATCH)
     out = []
-    for cands in ([({"dp": 4}, autopar.Plan(dp="ddp"))], [], [autopar.Plan(dp="ddp")]):
+    cases = ([({"dp": 4}, autopar.Plan(dp="ddp"))], [], [autopar.Plan(dp="ddp")],
+             [({"dp": 2}, autopar.Plan(dp="ddp")), ({"pp": 2}, autopar.Plan(pp_schedule="gpipe", microbatches=3))])
+    for cands in cases:
         try:
             autopar.tune(model, cands, example_inputs=(x,), targets=y, loss_fn=lm_loss)
             out.append(None)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RuntimeError) as e:
             out.append(f"{type(e).__name__}: {e}")
     return out
