@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import autopar
 from autopar.models import gpt_batch, lm_loss
 
 from .holdout import build
@@ -36,7 +37,6 @@ def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
     ((name, mesh axes, plan kwargs), ...) compiled for the model of ``spec`` on a global batch
     of ``batch`` rows, warmed up 3 steps, then the plans timed round-robin, one step each per
     round after a barrier, ``steps`` rounds."""
-    import autopar
     torch.set_num_threads(1)
     runners = {}
     for name, axes, kw in cases:
