@@ -41,6 +41,10 @@ from .runtime.module import model_loss
 __all__ = ["tune", "TuneReport", "TuneRow"]
 
 
+def _mesh_text(axes: dict) -> str:
+    return "Mesh(" + ", ".join(f"{k}={v}" for k, v in axes.items()) + ")"
+
+
 @dataclass
 class TuneRow:
     """One measured candidate: its mesh axes and plan, the cost model's prediction (None when
@@ -54,7 +58,7 @@ class TuneRow:
 
     @property
     def mesh_text(self) -> str:
-        return "Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axes.items()) + ")"
+        return _mesh_text(self.axes)
 
 
 @dataclass
@@ -110,8 +114,7 @@ def _check(cands: list, world: int) -> None:
     for axes, plan, _ in cands:
         size = math.prod(axes.values())
         if size != world:
-            mesh = ", ".join(f"{k}={v}" for k, v in axes.items())
-            raise ValueError(f"tune: candidate Mesh({mesh}) with {plan} has {size} ranks, but this process group has "
+            raise ValueError(f"tune: candidate {_mesh_text(axes)} with {plan} has {size} ranks, but this process group has "
                              f"{world}: measure plans of the world they run on (autopar.plan(model, {world}, ...))")
 
 
@@ -165,9 +168,8 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
         failed = torch.tensor([error is not None], dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
-            mesh = ", ".join(f"{k}={v}" for k, v in axes.items())
             why = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
-            raise RuntimeError(f"tune: candidate Mesh({mesh}) with {plan} did not compile ({why}); leave it out of "
+            raise RuntimeError(f"tune: candidate {_mesh_text(axes)} with {plan} did not compile ({why}); leave it out of "
                                "the candidates") from error
         opt = dm.optimizer(optimizer, **(optimizer_kwargs or {}))
         local_args, local_kwargs = dm.shard_batch(args), dm.shard_batch(kwargs)
@@ -187,6 +189,4 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
     dist.all_reduce(times, op=dist.ReduceOp.MAX)      # each round's slowest rank, the same on every rank
     rows = [TuneRow(axes, plan, predicted, statistics.median(times[:, j].tolist()), times[:, j].tolist())
             for j, (axes, plan, predicted, _) in enumerate(runners)]
-    chosen = min(rows, key=lambda r: r.measured_s)
-    del runners
-    return TuneReport(rows=rows, chosen=chosen, steps=steps, warmup=warmup)
+    return TuneReport(rows=rows, chosen=min(rows, key=lambda r: r.measured_s), steps=steps, warmup=warmup)

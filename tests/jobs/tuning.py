@@ -39,9 +39,9 @@ def tune_report():
     torch.set_num_threads(1)
     model = _model()
     x, y = gpt_batch(CONFIG, BATCH)
-    plan = autopar.plan(model, 2, example_inputs=(x,), cluster="dgx-a100-80gb", recompute=("none",))
-    report = autopar.tune(model, plan, example_inputs=(x,), targets=y, loss_fn=lm_loss, steps=2, warmup=1, top=2)
-    expected = [(dict(c.axes), str(c.plan), c.step_time_s) for c in plan.candidates if c.fits][:2]
+    planned = autopar.plan(model, 2, example_inputs=(x,), cluster="dgx-a100-80gb", recompute=("none",))
+    report = autopar.tune(model, planned, example_inputs=(x,), targets=y, loss_fn=lm_loss, steps=2, warmup=1, top=2)
+    expected = [(dict(c.axes), str(c.plan), c.step_time_s) for c in planned.candidates if c.fits][:2]
     got = [(r.axes, str(r.plan), r.predicted_s) for r in report.rows]
     return expected, got, str(report.chosen.plan)
 
