@@ -28,7 +28,7 @@ from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
 from .cost.lm_head import head_policy
 from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
-from .cost.profile import copy_captured, profile
+from .cost.profile import copy_captured, is_layer, profile
 from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
@@ -303,7 +303,7 @@ def _recompute_budget(ctx: CompileContext, cluster, rows: int) -> None:
     c = get_cluster(cluster if cluster is not None else "local")
     est = evaluate_plan(ctx.profile, dict(ctx.mesh.axes), ctx.plan, c, rows)
     ctx.recompute_layers = {g.name: est.recompute_layers.get(g.name, "none") for g in ctx.profile.groups
-                            if g.name not in ("pre", "post")}
+                            if is_layer(g.name)}
     ctx.notes.append(f"recompute within {budget:,} B per rank: predicted peak {est.memory_bytes:,.0f} B with "
                      + (", ".join(f"{k} {v}" for k, v in est.recompute_layers.items()) or "nothing recomputed"))
 
@@ -323,9 +323,12 @@ def _profile(gm, ctx: CompileContext):
     graph = copy_captured(gm, ctx, captured, memo)
 
     def make():
+        # a pipeline cut by now: its stages as the pass cut them (a stage may end inside a layer)
+        starts = tuple(spec.nodes[0] for spec in ctx.stages[1:])
         try:
             return profile(graph, captured, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
-                           tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True)
+                           tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True,
+                           stage_starts=starts)
         except Exception as exc:     # the cost model must never stop a compile
             log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
             return None

@@ -43,6 +43,7 @@ from typing import Optional, Union
 from autopar.capture import capture
 from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
+from autopar.passes import stage_bounds
 from autopar.planspec import Plan
 from autopar.schedule import bubble_formula
 from autopar.sizes import batch_split_error, cut_buckets, inflight_microbatches, padded_numel, ring_bytes, state_bytes
@@ -56,7 +57,7 @@ from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
-from .profile import GroupCost, Profile, expand, profile, repeated_stack, truncated
+from .profile import GroupCost, Profile, expand, is_layer, profile, repeated_stack, truncated
 from .replay import lowered_schedule, pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
@@ -154,6 +155,7 @@ class Profiles:
         self.flash, self.dropout_math = flash, dropout_math
         self._cache: dict = {}
         self._args = (tuple(example_inputs), dict(example_kwargs or {}), cluster)
+        self._model, self._whole_capture = model, None     # the whole model, captured if a pipeline cut needs it
         self.stack = repeated_stack(model) if blocks_once else None     # (path, blocks) or None
         if self.stack is not None:
             try:
@@ -185,6 +187,39 @@ class Profiles:
             self._cache[key] = expand(p, *self.stack) if self.stack is not None else p
         return self._cache[key]
 
+    def cut(self, tp: int, sp: bool, vocab_parallel: Optional[bool], plan: Plan, axes: dict,
+            global_batch: int) -> Profile:
+        """The profile of ``get(tp, sp, vocab_parallel)`` with its groups cut where the pipeline
+        pass cuts the model into the plan's ``pp x virtual_stages`` stages (``passes.stage_bounds``
+        on the whole captured graph, scaled to a micro-batch of ``global_batch``): a stage that
+        ends inside a layer ends inside it here too (``Profile.stage_starts``)."""
+        gm, ctx = self._whole()
+        rows = self.base.rows
+        m = plan.microbatches
+        key = ("cut", tp, sp and tp > 1, vocab_parallel if tp > 1 else None, axes.get("pp", 1), axes.get("dp", 1),
+               plan.virtual_stages, m, plan.pp_schedule, plan.dp, plan.stage_memory_bytes, global_batch)
+        if key not in self._cache:
+            cctx = CompileContext(mesh=Mesh(**{a: s for a, s in axes.items() if s > 1} or {"dp": 1}, virtual=True),
+                                  plan=plan)
+            cctx.params, cctx.microbatch_rows = ctx.params, rows
+            order, bounds = stage_bounds(gm.graph, cctx, scale=global_batch / m / rows)
+            starts = tuple(order[b].name for b in bounds[1:-1])
+            self._cache[key] = profile(gm, ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math,
+                                       vocab_parallel=key[2], stage_starts=starts)
+        return self._cache[key]
+
+    def _whole(self):
+        """The whole model's captured graph and its context (captured on first use when the
+        profiles were made from a truncated stack)."""
+        if self.stack is None:
+            return self._gm, self._ctx
+        if self._whole_capture is None:
+            inputs, kwargs, cluster = self._args
+            ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
+            ctx.head_policy = head_policy(cluster)
+            self._whole_capture = (capture(self._model, inputs, kwargs, ctx), ctx)
+        return self._whole_capture
+
     @property
     def base(self) -> Profile:
         return self.get(1, False)
@@ -215,7 +250,7 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
     tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward))) + host * len(g.tp_forward)
     tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward))) + host * len(g.tp_backward)
     redo = 0.0
-    if g.name not in ("pre", "post"):
+    if is_layer(g.name):
         if recompute == "full":
             redo = fc + tpf
         elif recompute == "selective":
@@ -227,7 +262,7 @@ def saved_bytes(g: GroupCost, recompute: str) -> float:
     """Activation bytes a group keeps for backward: everything autograd saves; under full
     recomputation a layer keeps only its input (the previous layer's output), under selective
     recomputation all but its attention scores."""
-    if g.name in ("pre", "post"):
+    if not is_layer(g.name):
         return g.saved
     if recompute == "full":
         return g.out_bytes
@@ -304,13 +339,19 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     if isinstance(rc, int) and not isinstance(rc, bool):
         return choose_recompute(profiles, axes, plan, c, global_batch, rc, simulate=simulate)
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
+    m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
     prof = profiles.get(t, plan.sp, plan.vocab_parallel) if isinstance(profiles, Profiles) else profiles
-    kinds = dict(rc) if isinstance(rc, dict) else {g.name: rc for g in prof.groups if g.name not in ("pre", "post")}
+    if isinstance(profiles, Profiles) and p * v > max(1, len(prof.layers)):
+        # more stages than layers: cut where the pipeline pass cuts, inside layers
+        prof = profiles.cut(t, plan.sp, plan.vocab_parallel, plan, axes, global_batch)
+    kinds = dict(rc) if isinstance(rc, dict) else {g.name: rc for g in prof.groups if is_layer(g.name)}
     for kind in kinds.values():
         if kind not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={kind!r}: expected one of {RECOMPUTE_MODES}, a dict of layer -> one "
                              "of them, or a budget in bytes")
-    m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
+    for g in prof.groups:      # the later part of a layer a stage cut splits is recomputed as the layer is
+        if "/" in g.name and g.name.split("/")[0] in kinds:
+            kinds.setdefault(g.name, kinds[g.name.split("/")[0]])
     error = batch_split_error(global_batch, n, m)
     if error:
         raise ValueError(error)
@@ -330,7 +371,13 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     # per group: forward / backward / W compute and the tp collectives on the compute stream
     passes = [group_passes(g, c, t, link_tp, kinds.get(g.name, "none"), cslow) for g in groups]
     F, B, W, f_raw, tpf, tpb = (list(x) for x in zip(*passes))
-    starts = partition([f + b for f, b in zip(F, B)], S) if S > 1 else [0]
+    as_cut = S > 1 and len(prof.stage_starts) == S     # the pipeline pass's own stages (Profile.stage_starts)
+    if S == 1:
+        starts = [0]
+    elif as_cut:
+        starts = list(prof.stage_starts)
+    else:
+        starts = partition([f + b for f, b in zip(F, B)], S)
     bounds = list(zip(starts, starts[1:] + [len(groups)]))
     stage_groups = [groups[a:b] for a, b in bounds]
 
@@ -380,7 +427,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dp_bwd_reduce.append(red)
         dp_time_tail.append(pad * pbytes if mode in ("zero1", "zero2") else 0.0)    # bytes, timed below
     # ---- point-to-point between stages ----------------------------------------------------------
-    p2p_bytes = [stage_groups[s][-1].out_bytes if s < S - 1 else 0.0 for s in range(S)]
+    p2p_bytes = [stage_groups[s][-1].cross_bytes if s < S - 1 else 0.0 for s in range(S)]
     tied_bytes = 0.0
     if S > 1:
         for name in prof.tied:
@@ -556,7 +603,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem,
                     host_bytes=host_bytes, host_memory_bytes=host_memory,
                     recompute_layers={k: v for k, v in kinds.items() if v != "none"},
-                    caveats=_stage_caveats(groups, S))
+                    caveats=[] if as_cut else _stage_caveats(groups, S))
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -571,7 +618,7 @@ def choose_recompute(profiles, axes: dict, plan: Plan, c, global_batch: int, bud
     layer by layer. The peak falls along this order, so the first prefix that fits is found by
     bisection. A ValueError says how far the budget is from what full recomputation needs."""
     prof = profiles.get(axes.get("tp", 1), plan.sp, plan.vocab_parallel) if isinstance(profiles, Profiles) else profiles
-    layers = [g for g in prof.groups if g.name not in ("pre", "post")]
+    layers = [g for g in prof.groups if is_layer(g.name)]
     steps = [(g.name, "selective") for g in layers if g.saved_quadratic > 0] + [(g.name, "full") for g in layers]
 
     def at(k: int) -> Estimate:
@@ -708,9 +755,9 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     # ZeRO-3's gather units: a layer's parameters, cut where they pass the bucket size (as the
     # collectives pass cuts them: passes.collectives._gather_units)
     units = [pb * sum(padded_numel(shapes[g_x], n) for g_x in cut)
-             for g in gs if g.name not in ("pre", "post")
+             for g in gs if is_layer(g.name)
              for cut in _cut_names([x for x in g.params if x in shapes], shapes, n, pb, bucket_bytes)]
-    root = pb * sum(padded_sum(g.params, n) for g in gs if g.name in ("pre", "post"))
+    root = pb * sum(padded_sum(g.params, n) for g in gs if not is_layer(g.name))
     top = max(units, default=0.0)
     gathered = (root + (2 + 1 / n) * top) if mode == "zero3" else 0.0
     peak = base + act + gathered
@@ -826,10 +873,12 @@ def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes) -> tuple
 
 
 def _stage_caveats(groups, S: int) -> list:
-    """The estimate cuts a pipeline between layers; the pipeline pass cuts between ops, where
-    forward FLOPs balance and the fewest bytes cross. With more stages than layers the two
-    differ: the runtime's stages end inside layers, and its sends and stage times with them."""
-    layers = sum(1 for g in groups if g.name not in ("pre", "post"))
+    """Given a bare profile (no captured graph to cut, no ``Profile.stage_starts``), the estimate
+    cuts a pipeline between layers; the pipeline pass cuts between ops, where forward FLOPs
+    balance and the fewest bytes cross. With more stages than layers the two differ: the
+    runtime's stages end inside layers, and its sends and stage times with them. (``Profiles``
+    and a compiled module's profile cut as the pass does.)"""
+    layers = sum(1 for g in groups if is_layer(g.name))
     if S > 1 and S > layers:
         return [f"{S} pipeline stages over {layers} layers: the runtime cuts inside layers (passes.pipeline "
                 "balances forward FLOPs op by op); this estimate cuts between layers, so its pipeline bytes and "
@@ -838,7 +887,7 @@ def _stage_caveats(groups, S: int) -> list:
 
 
 def _first_layer(groups):
-    return next((g for g in groups if g.name not in ("pre", "post")), groups[0])
+    return next((g for g in groups if is_layer(g.name)), groups[0])
 
 
 def _holds_tied(prof: Profile, gs) -> bool:

@@ -46,7 +46,13 @@ from autopar.passes.analysis import batch_dependent
 from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
 
-__all__ = ["GroupCost", "Profile", "profile", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
+__all__ = ["GroupCost", "Profile", "profile", "is_layer", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
+
+def is_layer(group: str) -> bool:
+    """Whether a group is (part of) a numbered layer rather than what runs before or after them
+    (``pre``, ``post``, or a part of either cut off by a pipeline stage: ``pre/1``)."""
+    return group.split("/")[0] not in ("pre", "post")
+
 
 def _op(node: fx.Node) -> str:
     return op_name(node.target)
@@ -74,6 +80,8 @@ class GroupCost:
     read_by_backward: set = field(default_factory=set)   # parameters this group's backward reads
     reads: set = field(default_factory=set)               # parameters this group reads
     out_bytes: float = 0.0             # bytes of what leaves the group (a pipeline cut after it)
+    cross_bytes: float = 0.0           # bytes of everything made up to the group's end and read after it
+                                       # (what a pipeline stage ending with the group sends)
     max_value: float = 0.0             # bytes of the group's largest activation (backward's working set)
     final_bytes: float = 0.0           # bytes of the model outputs this group produces
     w_stash: float = 0.0               # bytes a split backward keeps from B to W: each weight matmul's
@@ -86,6 +94,7 @@ class GroupCost:
         g = copy.copy(self)
         g.flops, g.bytes_moved, g.saved = self.flops * k, self.bytes_moved * k, self.saved * k
         g.saved_quadratic, g.matmul_flops, g.out_bytes = self.saved_quadratic * k, self.matmul_flops * k, self.out_bytes * k
+        g.cross_bytes = self.cross_bytes * k
         g.saved_after_core = self.saved_after_core * k
         g.attention_flops, g.dense_flops = self.attention_flops * k, self.dense_flops * k
         g.pointwise_bytes, g.attention_heads = self.pointwise_bytes * k, self.attention_heads * k
@@ -106,10 +115,12 @@ class Profile:
     tied: list = field(default_factory=list)   # parameters read by more than one group
     shapes: dict = field(default_factory=dict)  # parameter -> local shape (after tp)
     heads: int = 0                              # attention heads (the planner's tp must divide them)
+    stage_starts: tuple = ()                    # the group each pipeline stage starts with, when the
+                                                # profile was cut as the pipeline pass cuts (``profile``)
 
     @property
     def layers(self) -> list[GroupCost]:
-        return [g for g in self.groups if g.name not in ("pre", "post")]
+        return [g for g in self.groups if is_layer(g.name)]
 
     def signatures(self) -> dict:
         """signature -> number of layers that have it (repeated blocks solved once)."""
@@ -318,13 +329,16 @@ def copy_captured(gm: fx.GraphModule, ctx0: CompileContext, ctx: CompileContext,
 
 
 def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool = False, flash: bool = True,
-            tp_layout: tuple = (), vocab_parallel: Optional[bool] = None, dropout_math: bool = False) -> Profile:
+            tp_layout: tuple = (), vocab_parallel: Optional[bool] = None, dropout_math: bool = False,
+            stage_starts: tuple = ()) -> Profile:
     """The per-group costs of the captured logical graph ``gm`` (with the context capture filled,
     ``ctx0``; neither is changed: the passes run on a copy) on one rank of a tp group of size
     ``tp`` (see the module docstring). ``flash``: attention runs as a fused kernel (no a·s²
     probabilities kept; ``dropout_math``: but attention with dropout keeps them, as autopar's
     runtime does, see ``_mark_flash``). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
-    as the compile lays them out."""
+    as the compile lays them out. ``stage_starts``: the names of the nodes where pipeline stages
+    1, 2, ... start (``passes.stage_bounds``); a group a cut falls in is split there (its later
+    part named ``<group>/<stage>``) and ``Profile.stage_starts`` says where each stage starts."""
     plan = Plan(tp=tp > 1, sp=sp and tp > 1, tp_layout=tp_layout if tp > 1 else (),
                 vocab_parallel=vocab_parallel if tp > 1 else None)
     mesh = Mesh(tp=tp, virtual=True) if tp > 1 else Mesh(dp=1, virtual=True)
@@ -334,6 +348,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     rows = _rows(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
     logical = _logical_groups(gm)
+    first_groups = _split_at(logical, stage_starts)
     readers, read_back = {}, {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.meta.get(meta.PARAM) in ctx.params:
@@ -346,6 +361,9 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     order0 = list(dict.fromkeys(logical.values()))
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
                 for name in ctx.params}
+    if first_groups:     # a layer cut by a stage: each parameter is the first part's that reads it
+        owner_of = {name: g if g in readers.get(name, (g,)) else min(readers[name], key=order0.index)
+                    for name, g in owner_of.items()}
     batch_before = batch_dependent(gm.graph)
     _mark_flash(gm, flash, dropout_math)
     gm = passes.shard(gm, ctx)
@@ -453,13 +471,43 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                 out += _nbytes(node, mesh)
         groups[gname].out_bytes = out
         groups[gname].signature = _signature(members[gname])
+    last_reader: dict = {}
+    for node in gm.graph.nodes:
+        if node in logical and node in batch and node.op == "call_function":   # as the pass counts: logical ops
+            last_reader[node] = max((pos.get(where.get(u), len(order)) if u.op != "output" else len(order)
+                                     for u in node.users), default=-1)
+    for node, last in last_reader.items():
+        for i in range(pos[where[node]], last):
+            if i < len(order):
+                groups[order[i]].cross_bytes += _nbytes(node, mesh)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for a in out_node.all_input_nodes:
         if a in where and a in batch:
             groups[where[a]].final_bytes += _nbytes(a, mesh)
     tied = [n for n, r in readers.items() if len(r) > 1 and n in ctx.params and not ctx.params[n].is_buffer]
     return Profile(tp=tp, sp=plan.sp, rows=rows, groups=[groups[g] for g in order], shapes=shapes, tied=tied,
-                   heads=_heads(gm))
+                   heads=_heads(gm), stage_starts=tuple(pos[g] for g in first_groups))
+
+
+def _split_at(logical: dict, starts: tuple) -> list:
+    """Split the groups of ``logical`` (node -> group, in graph order; changed in place) at the
+    nodes named in ``starts``: from each such node on, a group that began in an earlier stage
+    continues as ``<group>/<stage>``. Returns the group each of stages 0, 1, ... starts with."""
+    if not starts:
+        return []
+    firsts, stage, begun = [], 0, {}
+    for node in logical:
+        if stage < len(starts) and node.name == starts[stage]:
+            stage += 1
+        base = logical[node]
+        begun.setdefault(base, stage)
+        logical[node] = base if begun[base] == stage else f"{base}/{stage}"
+        if len(firsts) == stage:
+            firsts.append(logical[node])
+    if stage != len(starts):
+        missing = starts[stage]
+        raise ValueError(f"stage start {missing!r} is not a node of the profiled graph (or is out of order)")
+    return firsts
 
 
 def _mark_flash(gm: fx.GraphModule, flash: bool, dropout_math: bool = False) -> None:

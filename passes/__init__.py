@@ -23,14 +23,14 @@ from .collectives import collectives
 from .localize import localize
 from .rng import rng, find_sites
 from .sequence_parallel import sequence_parallel
-from .pipeline import pipeline
+from .pipeline import pipeline, stage_bounds
 from .overlap import overlap
 from .weight_split import weight_split
 from .recompute import recompute
 from .order_check import check_collective_order
 
-__all__ = ["for_plan", "autocast", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "overlap",
-           "weight_split", "recompute", "check_collective_order"]
+__all__ = ["for_plan", "autocast", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "stage_bounds",
+           "overlap", "weight_split", "recompute", "check_collective_order"]
 
 
 def for_plan(plan) -> list:

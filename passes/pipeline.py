@@ -63,17 +63,9 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
-    batch = batch_dependent(graph)
-    order = [n for n in graph.nodes if n in batch and n.op == "call_function"]
+    order, bounds = stage_bounds(graph, ctx)
     pos = {n: i for i, n in enumerate(order)}
-    if len(order) < n_stages:
-        raise ValueError(f"the graph has {len(order)} batch-dependent nodes, too few for {n_stages} "
-                         "pipeline stages; use fewer stages (pp x virtual_stages)")
-    cost = np.array([node_flops(n) for n in order], dtype=np.float64) + 1.0  # every op costs something
-    cross, legal = _crossing(order, pos, output, ctx.microbatch_rows)
-    mem = _memory_model(order, ctx)
-    cuts = _choose_cuts(cost, cross, legal, mem, n_stages, ctx.plan.stage_memory_bytes)
-    bounds = [0] + cuts + [len(order)]
+    cost = _costs(order)
     ctx.stages = []
     stage_graphs = []
     for k in range(n_stages):
@@ -83,6 +75,32 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         ctx.stages.append(spec)
         stage_graphs.append(sg)
     return _top_module(stage_graphs, ctx.stages, placeholders)
+
+
+def stage_bounds(graph: fx.Graph, ctx: CompileContext, scale: float = 1.0) -> tuple[list, list[int]]:
+    """(order, bounds): the graph's batch-dependent ops in graph order, and where each of the
+    ``pp x virtual_stages`` stages starts in it (then ``len(order)``), as this pass cuts them
+    (the module docstring). ``scale``: the micro-batch's rows over the graph's (``cost.estimate``
+    cuts a graph captured at another batch the way the compile's own capture is cut: FLOPs and
+    bytes grow with the rows, the cost of an op does not)."""
+    n_stages = ctx.mesh.axis_size("pp") * ctx.plan.virtual_stages
+    output = next(n for n in graph.nodes if n.op == "output")
+    batch = batch_dependent(graph)
+    order = [n for n in graph.nodes if n in batch and n.op == "call_function"]
+    pos = {n: i for i, n in enumerate(order)}
+    if len(order) < n_stages:
+        raise ValueError(f"the graph has {len(order)} batch-dependent nodes, too few for {n_stages} "
+                         "pipeline stages; use fewer stages (pp x virtual_stages)")
+    cost = _costs(order, scale)
+    cross, legal = _crossing(order, pos, output, ctx.microbatch_rows)
+    state, act = _memory_model(order, ctx)
+    cuts = _choose_cuts(cost, cross * scale, legal, (state, act * scale), n_stages, ctx.plan.stage_memory_bytes)
+    return order, [0] + cuts + [len(order)]
+
+
+def _costs(order, scale: float = 1.0) -> np.ndarray:
+    """A stage's cost per op: its forward FLOPs, and 1 (every op costs something)."""
+    return np.array([node_flops(n) for n in order], dtype=np.float64) * scale + 1.0
 
 
 # ---- analysis ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import autopar
 from autopar.cost import dp_comm_elements, evaluate
 from autopar.cost.cluster import get_cluster
 from autopar.cost.estimate import Profiles, evaluate_plan
-from autopar.models import Llama, gpt_batch, lm_loss
+from autopar.models import GPTConfig, Llama, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import fake_rank
 
 from jobs import data_parallel, pipeline, tensor_parallel
@@ -109,6 +109,35 @@ def test_pipeline_point_to_point_bytes():
     assert r[0]["bytes"] == {("pp", "send", "forward"): residual, ("pp", "send", "tied"): tied}
     assert r[1]["bytes"] == {("pp", "send", "backward"): residual, ("pp", "send", "tied"): tied}
     assert r[0]["calls"][("pp", "send", "forward")] == 4
+
+
+@pytest.mark.parametrize("axes,kw", [
+    pytest.param({"pp": 4}, {"pp_schedule": "1f1b", "microbatches": 4}, id="pp4-1f1b"),
+    pytest.param({"pp": 2}, {"pp_schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}, id="pp2x2-interleaved"),
+])
+def test_pipeline_with_more_stages_than_layers_is_estimated_as_the_pass_cuts(axes, kw):
+    """A 2-layer GPT on 4 stages: the pipeline pass ends stages inside layers, and the estimate
+    (``evaluate_plan`` on the model's ``Profiles``) cuts where the pass cuts, so each rank's
+    point-to-point bytes by the counters (activations and the tied embedding's gradient) equal
+    the prediction's busiest rank, and the estimate carries no caveat about the cut."""
+    c = GPTConfig(layers=2)
+    x, t = gpt_batch(c, 8)
+    plan = autopar.Plan(**kw)
+    pred = evaluate_plan(Profiles(TinyGPT(c), (x,)), axes, plan, get_cluster("local"), 8)
+    world = axes["pp"]
+    got, starts = [], None
+    for rank in range(world):
+        with fake_rank(world, rank):
+            torch.manual_seed(0)
+            dm = autopar.compile(TinyGPT(c), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+            dm.train_step((x,), t, lm_loss)
+            dm.comm_stats.reset()
+            dm.train_step((x,), t, lm_loss)
+            got.append(dm.comm_stats.total(axis="pp"))
+            starts = [s.nodes[0] for s in dm.ctx.stages]
+    assert len(starts) == 4 and "layer_norm_1" in starts      # a stage starts inside blocks.0
+    assert max(got) == pred.comm_bytes_by_axis["pp"], (got, pred.comm_bytes_by_axis)
+    assert pred.caveats == []
 
 
 def test_zero3_on_a_world_of_256():
