@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from . import cache
+from . import cache, drift
 
 __all__ = ["Link", "Device", "Cluster", "PRESETS", "get_cluster", "cached_local", "cited_fields"]
 
@@ -153,6 +155,8 @@ class Cluster:
     #                                of them to be scheduled); used when a mesh has more ranks than cores
     contention: tuple = ()         # local preset: ((processes, slowdown), ...): how much slower each
     #                                process computes when that many compute at once than alone
+    fingerprint: tuple = ()        # local preset: ((part, seconds), ...) of a reference workload timed at
+    #                                calibration (``cost.drift``): reading the preset checks it again
     citations: tuple = ()          # presets: ((field, source), ...), every number's source ("device.peak_flops",
     #                                "intra.bandwidth", ...; ``cited_fields`` lists the fields); ``source``
     #                                defaults to them, one line each
@@ -225,6 +229,7 @@ class Cluster:
                 d[level] = Link(**link)
         d["contention"] = tuple(tuple(x) for x in d.get("contention", ()))
         d["citations"] = tuple(tuple(x) for x in d.get("citations", ()))
+        d["fingerprint"] = tuple(tuple(x) for x in d.get("fingerprint", ()))
         return cls(**d)
 
     def with_(self, **changes: Any) -> "Cluster":
@@ -421,12 +426,25 @@ def cited_fields(cluster: Cluster) -> list[str]:
 
 
 def cached_local(path: str | None = None) -> Optional[Cluster]:
-    """The local preset if this machine was calibrated before (nothing is measured), else None."""
+    """The local preset if this machine was calibrated before, else None. The first read in a
+    process on an otherwise idle machine times the preset's reference workload again
+    (``cost.drift``, about 15 ms) and warns if the machine's speed has moved too far from the
+    calibration's."""
     entry = cache.load_local(path)
     try:
-        return Cluster.from_dict(entry) if entry is not None else None
+        cluster = Cluster.from_dict(entry) if entry is not None else None
     except (TypeError, KeyError, ValueError):
         return None
+    if cluster is not None and cluster.fingerprint and cluster.fingerprint not in _CHECKED and drift.machine_idle():
+        _CHECKED.add(cluster.fingerprint)
+        when = re.search(r" at (\S+) by ", cluster.source)
+        message = drift.stale_warning(cluster.fingerprint, when.group(1) if when else "")
+        if message:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return cluster
+
+
+_CHECKED: set = set()     # the fingerprints this process has checked (each once)
 
 
 def get_cluster(spec: "Cluster | str") -> Cluster:

@@ -22,8 +22,10 @@ collectives and parameters):
   up a bucket at a time after the step, pipelined with ZeRO-1/2's replica all-gathers; the
   optimizer state leaves the device's memory;
 - pipeline: the plan's schedule replayed in event time (``cost.replay``) with each stage's F,
-  B (and W) times and the point-to-point transfer of the activation that crosses each cut;
-  the deferred data-parallel reduction and the optimizer step follow;
+  B (and W) times and the point-to-point transfer of the activations that cross each cut;
+  the deferred data-parallel reduction and the optimizer step follow. Stages are cut between
+  layers, balanced (``partition``); with more stages than layers, where the pipeline pass
+  cuts, inside layers (``Profiles.cut``; a compiled module's profile has its own stages);
 - memory: a walk over the step as the runtime allocates it (``_memory``): what persists
   between steps, the activations the schedule keeps in flight, ZeRO-3's gathered units, the
   gradients and bucket buffers of backward, the optimizer's temporaries.

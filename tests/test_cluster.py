@@ -3,11 +3,12 @@ calibration and its cache."""
 import dataclasses
 import math
 import time
+import warnings
 
 import pytest
 
 from autopar.cost.calibration import calibrate_local
-from autopar.cost import cache
+from autopar.cost import cache, drift
 from autopar.cost.cluster import PRESETS, Cluster, Device, Link, cached_local, cited_fields, get_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -174,6 +175,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert 1e7 <= c.intra.bandwidth <= 1e11
     assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)
     assert "calibrate_local" in c.source
+    # the reference workload the cache's reader times again (cost.drift)
+    assert [part for part, _ in c.fingerprint] == ["dispatch", "matmul"]
+    assert all(0 < s < 1e-1 for _, s in c.fingerprint) and "fingerprint" in c.source
 
 
 @pytest.mark.slow
@@ -197,3 +201,25 @@ def test_local_preset_is_read_from_the_cache_never_measured(tmp_path, monkeypatc
     cache.store_local(dataclasses.asdict(mine))
     assert (tmp_path / "local_cluster.json").exists()
     assert get_cluster("local") == mine == cached_local(str(tmp_path / "local_cluster.json"))
+
+
+def test_a_preset_read_on_a_machine_that_has_changed_speed_warns_once(tmp_path, monkeypatch):
+    """The cached preset records a reference workload's time; the first read in a process times
+    it again (on an idle machine) and warns, naming what moved and how to measure again, when the machine runs it
+    more than STALE_FACTOR slower (here: recorded 20x faster than this machine can run it). A
+    second read of the same preset does not warn again; a fingerprint that matches is silent."""
+    now = drift.fingerprint()
+    assert drift.stale_warning(now, now=now) is None
+    fast = tuple((part, s / 20) for part, s in now)
+    message = drift.stale_warning(fast, "2026-01-01T00:00")
+    assert "dispatch" in message and "matmul" in message and "slower" in message
+    assert "2026-01-01T00:00" in message and "python -m autopar calibrate" in message
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(drift, "machine_idle", lambda: True)     # the test suite keeps the machine busy
+    mine = PRESETS["dgx-h100"].with_(name="local", fingerprint=fast, source="measured on here at 2026-01-01T00:00 by x")
+    cache.store_local(dataclasses.asdict(mine))
+    with pytest.warns(RuntimeWarning, match="no longer matches this machine"):
+        assert get_cluster("local") == mine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get_cluster("local") == mine

@@ -32,6 +32,7 @@ from autopar.testing import RankPool
 from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank
+from ..drift import fingerprint
 from ..estimate import Profiles, partition
 from ..replay import pipeline_placement, simulate_shared
 
@@ -796,6 +797,7 @@ def _measure_local() -> Cluster:
     shared = pipe_shared = None
     try:
         # this process alone first, no other rank alive
+        first_print = fingerprint()
         flops = _measure_matmul_flops()
         mem_bw = _measure_memory_bandwidth()
         step_overhead = _measure_step_overhead()
@@ -886,9 +888,15 @@ def _measure_local() -> Cluster:
                     pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync,
                     split_pass_overhead=split_pass, split_op_overhead=split_op,
                     collective_overhead=collective_overhead)
+    # the reference workload timed at the start and at the end, each part's mean (cost.drift)
+    last_print = dict(fingerprint())
+    prints = tuple((part, (s + last_print[part]) / 2) for part, s in first_print)
+    source += ("\nfingerprint (cost.drift, checked when the preset is read): per tiny add "
+               f"{prints[0][1] * 1e6:.2f} us, per 256x256 matmul {prints[1][1] * 1e3:.3f} ms, "
+               "the mean of its timings before and after the probes")
     return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                    inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
-                   mixed_precision=False, shared=shared, contention=contention)
+                   mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
 
 
 
