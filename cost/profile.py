@@ -48,6 +48,7 @@ from autopar.planspec import Plan
 
 __all__ = ["GroupCost", "Profile", "profile", "is_layer", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
 
+
 def is_layer(group: str) -> bool:
     """Whether a group is (part of) a numbered layer rather than what runs before or after them
     (``pre``, ``post``, or a part of either cut off by a pipeline stage: ``pre/1``)."""
@@ -115,8 +116,8 @@ class Profile:
     tied: list = field(default_factory=list)   # parameters read by more than one group
     shapes: dict = field(default_factory=dict)  # parameter -> local shape (after tp)
     heads: int = 0                              # attention heads (the planner's tp must divide them)
-    stage_starts: tuple = ()                    # the group each pipeline stage starts with, when the
-                                                # profile was cut as the pipeline pass cuts (``profile``)
+    stage_starts: tuple = ()                    # the index in ``groups`` where each pipeline stage starts,
+                                                # when the profile was cut as the pipeline pass cuts
 
     @property
     def layers(self) -> list[GroupCost]:
