@@ -477,10 +477,9 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         if node in logical and node in batch and node.op == "call_function":   # as the pass counts: logical ops
             last_reader[node] = max((pos.get(where.get(u), len(order)) if u.op != "output" else len(order)
                                      for u in node.users), default=-1)
-    for node, last in last_reader.items():
+    for node, last in last_reader.items():     # it crosses every cut from its group's end to its last reader
         for i in range(pos[where[node]], last):
-            if i < len(order):
-                groups[order[i]].cross_bytes += _nbytes(node, mesh)
+            groups[order[i]].cross_bytes += _nbytes(node, mesh)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for a in out_node.all_input_nodes:
         if a in where and a in batch:
