@@ -59,7 +59,7 @@ from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
 from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
-from .profile import GroupCost, Profile, expand, is_layer, profile, repeated_stack, truncated
+from .profile import GroupCost, Profile, expand, is_layer, layer_of, profile, repeated_stack, truncated
 from .replay import lowered_schedule, pipeline_placement, pipeline_time
 
 __all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
@@ -171,12 +171,16 @@ class Profiles:
             self._capture(model)
 
     def _capture(self, model) -> None:
+        self._gm, self._ctx = self._captured(model)
+
+    def _captured(self, model) -> tuple:
+        """(graph, context) of ``model`` captured at the example inputs."""
         inputs, kwargs, cluster = self._args
-        self._ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
+        ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
         # LM heads laid out as a compile for ``cluster`` would (None: a compile's default, this
         # machine's calibrated preset if there is one, else cost.lm_head.DEFAULT_CLUSTER)
-        self._ctx.head_policy = head_policy(cluster)
-        self._gm = capture(model, inputs, kwargs, self._ctx)
+        ctx.head_policy = head_policy(cluster)
+        return capture(model, inputs, kwargs, ctx), ctx
 
     def get(self, tp: int, sp: bool, vocab_parallel: Optional[bool] = None) -> Profile:
         """The profile at tp size ``tp``, with or without sequence parallelism; LM heads split
@@ -216,10 +220,7 @@ class Profiles:
         if self.stack is None:
             return self._gm, self._ctx
         if self._whole_capture is None:
-            inputs, kwargs, cluster = self._args
-            ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
-            ctx.head_policy = head_policy(cluster)
-            self._whole_capture = (capture(self._model, inputs, kwargs, ctx), ctx)
+            self._whole_capture = self._captured(self._model)
         return self._whole_capture
 
     @property
@@ -352,8 +353,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             raise ValueError(f"recompute={kind!r}: expected one of {RECOMPUTE_MODES}, a dict of layer -> one "
                              "of them, or a budget in bytes")
     for g in prof.groups:      # the later part of a layer a stage cut splits is recomputed as the layer is
-        if "/" in g.name and g.name.split("/")[0] in kinds:
-            kinds.setdefault(g.name, kinds[g.name.split("/")[0]])
+        if layer_of(g.name) in kinds:
+            kinds.setdefault(g.name, kinds[layer_of(g.name)])
     error = batch_split_error(global_batch, n, m)
     if error:
         raise ValueError(error)

@@ -46,13 +46,18 @@ from autopar.passes.analysis import batch_dependent
 from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
 
-__all__ = ["GroupCost", "Profile", "profile", "is_layer", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
+__all__ = ["GroupCost", "Profile", "profile", "is_layer", "layer_of", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
+
+
+def layer_of(group: str) -> str:
+    """The group a part cut off by a pipeline stage belongs to (``blocks.0/1`` -> ``blocks.0``)."""
+    return group.split("/")[0]
 
 
 def is_layer(group: str) -> bool:
     """Whether a group is (part of) a numbered layer rather than what runs before or after them
     (``pre``, ``post``, or a part of either cut off by a pipeline stage: ``pre/1``)."""
-    return group.split("/")[0] not in ("pre", "post")
+    return layer_of(group) not in ("pre", "post")
 
 
 def _op(node: fx.Node) -> str:
