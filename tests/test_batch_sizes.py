@@ -49,12 +49,13 @@ def test_one_sequence_per_rank_zero3_dp2(ranks):
 @pytest.mark.timeout(500)
 def test_one_sequence_per_microbatch_or_rank_world2(ranks):
     """Interleaved and zero-bubble pipelines at one sequence per micro-batch; one sequence per
-    rank under ddp (dropout); tp=2 with sp (dropout) on one sequence. (1F1B at 8 micro-batches
+    rank under ddp (dropout); tp=2 with sp (dropout) on one sequence, in float64 (in fp32 its
+    rounding, through three Adam steps, reaches the tolerance on some CPUs). (1F1B at 8 micro-batches
     of one sequence: the world-4 test's pp=4.)"""
     configs = [({"pp": 2}, dict(pp_schedule="interleaved", microbatches=4, virtual_stages=2), 4, dict(dropout=0.1)),
                ({"pp": 2}, dict(pp_schedule="zero_bubble", microbatches=4), 4, {}),
                ({"dp": 2}, dict(dp="ddp"), 2, dict(dropout=0.1)),
-               ({"tp": 2}, dict(tp=True, sp=True), 1, dict(dropout=0.1))]
+               ({"tp": 2}, dict(tp=True, sp=True), 1, dict(dropout=0.1, dtype=torch.float64))]
     _check(ranks(batches.parity_batches, 2, configs, timeout=450))
 
 
