@@ -552,10 +552,14 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         mine = [s for s in range(S) if s % p == r]
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
-        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1]) if S > 1 else \
-            (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
+        # a stage's received inputs: held from its forward to its backward (the runtime keeps them to
+        # take their gradients), beside the sender's own copy
+        received = [p2p_bytes[s - 1] if s > 0 and i == 0 else 0.0 for s in mine for i in range(len(stage_groups[s]))]
+        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1], p2p_bytes) \
+            if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
-                                staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra))
+                                staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra,
+                                received=received))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
@@ -726,7 +730,7 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
 
 
 def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False,
-            extra=0.0):
+            extra=0.0, received=None):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -744,7 +748,9 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     send buffer: (2 + 1/N) units of its largest.
     ``offload``: the step runs on the host, after the device's gradients were dropped, and
     ZeRO-1/2's replica gathers are pipelined with the copies up (two buckets in flight).
-    ``extra``: what a split backward's W adds beyond the activations' peak (``_schedule_flight``)."""
+    ``extra``: what a split backward's W adds beyond the activations' peak (``_schedule_flight``).
+    ``received``: per group of ``gs``, the bytes of a micro-batch's inputs its stage receives
+    (on the stage's first group): the receiving stage keeps them to its backward."""
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
@@ -752,7 +758,8 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     zero = mode != "ddp"
     base = persistent_bytes(mode, psi, n, dt, pad)
     states = state_bytes(mode, psi, n, dt, padded_psi=pad)
-    saved = [saved_bytes(g, recompute.get(g.name, "none")) * flight for g in gs]
+    received = received or [0.0] * len(gs)
+    saved = [(saved_bytes(g, recompute.get(g.name, "none")) + received[i]) * flight for i, g in enumerate(gs)]
     final = sum(g.final_bytes for g in gs) * flight
     act = sum(saved) + final * 2                       # outputs, and the loss's copy of them
     # ZeRO-3's gather units: a layer's parameters, cut where they pass the bucket size (as the
@@ -843,7 +850,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     return peak, states, act, peak - base - act if peak > base + act else 0.0
 
 
-def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes) -> tuple:
+def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, p2p_bytes=None) -> tuple:
     """(rank ``r``'s peak of activation bytes over its actions in the schedule, in micro-batches
     through all of its stages' layers; what a W action adds beyond that peak). F of a stage
     adds one micro-batch's activations; B frees them, but under a split backward keeps what W
@@ -855,7 +862,10 @@ def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes) -> tuple
     if m * p * v > 20000:
         return inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0
     schedule, _ = lowered_schedule(plan.pp_schedule, p, m, v)
-    act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs) for gs in stage_groups]
+    # a stage's activations of one micro-batch, with the inputs it received (``p2p_bytes``: what each
+    # stage sends the next), kept from its F to its B
+    act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs)
+           + (p2p_bytes[s - 1] if p2p_bytes and s > 0 else 0.0) for s, gs in enumerate(stage_groups)]
     split = schedule.split_backward
     stash = [sum(g.w_stash for g in gs) if split else 0.0 for gs in stage_groups]
     wgrads = [grad_bytes * sum(math.prod(shp) for g in gs for shp in g.params.values()) for gs in stage_groups]

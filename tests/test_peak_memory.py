@@ -87,6 +87,23 @@ def test_pipeline_peak_within_ten_percent(pipeline_peaks, local_cluster, name, a
     assert est.memory_bytes == pytest.approx(measured, rel=0.10), (name, [r[name]["peaks"] for r in pipeline_peaks])
 
 
+def test_a_one_f_one_b_rank_holds_as_many_micro_batches_at_four_as_at_eight(ranks):
+    """1F1B keeps min(m, p - r) micro-batches in flight on rank r, whatever the number m of
+    micro-batches beyond p: with each micro-batch the same size, what a rank's step allocates
+    beyond what lives between steps is the same at m = 8 as at m = 4 (p = 2), within a quarter
+    of what one micro-batch sends. (A send's handle holds its tensor until waited, and gloo
+    does not report a send complete before it is waited: the runtime waits for the sends whose
+    receive the peer has posted as it goes, ``PipelineModule._release_sends``. Waiting for all
+    of them at the end of the step held every micro-batch's stage outputs and input gradients
+    to then: 65,536 B more at m = 8 here, four micro-batches' sends.)"""
+    config = dataclasses.replace(jobs.ACTIVATION_HEAVY, dropout=0.0)   # no masks: they are drawn for every micro-batch
+    rows = 2
+    sent = rows * config.seq * config.dim * 4        # one micro-batch's hidden state, fp32
+    for r in ranks(jobs.microbatch_peaks, WORLD, {"pp_schedule": "1f1b"}, (4, 8), rows, config, timeout=300):
+        grew = (r[8]["peak"] - r[8]["base"]) - (r[4]["peak"] - r[4]["base"])
+        assert abs(grew) <= sent / 4, (grew, sent, r[4], r[8])
+
+
 def test_recomputation_lowers_the_measured_peak(recompute_peaks):
     for r in recompute_peaks:
         for tp in ("tp", "tp+sp"):

@@ -51,7 +51,9 @@ class PipelineModule(DistributedModule):
         self._pp_group = self.mesh.group("pp") if "pp" in self.mesh.axes else None
         names = list(self.mesh.axes)
         self._pp_stride = math.prod(list(self.mesh.axes.values())[names.index("pp") + 1:]) if "pp" in names else 1
-        self._actions = lower(schedule)[self.pp_index]
+        lowered = lower(schedule)
+        self._actions = lowered[self.pp_index]
+        self._position = [{a: i for i, a in enumerate(acts)} for acts in lowered]   # per pp rank: action -> index
         self._holders = {}   # parameter -> stages holding it
         for spec in ctx.stages:
             for name in spec.params:
@@ -143,8 +145,12 @@ class PipelineModule(DistributedModule):
                 elif a.kind.startswith("RECV") and (a.kind, a.stage, a.mb) in state.posted:
                     continue
                 self._run(a, state, flat_in, flat_t, t_spec, loss_fn)
-            for w in state.sends:
-                w.wait()
+                if a.kind in ("F", "B", "W"):
+                    self._release_sends(state)
+            for _, _, works in state.sends:
+                for w in works:
+                    w.wait()
+            state.sends = []
         finally:
             for st in self.stages.values():
                 st._sync.defer = False
@@ -259,10 +265,12 @@ class PipelineModule(DistributedModule):
                                                         [o.dtype for o in float_outs], a.stage + 1)
         elif a.kind == "SEND_F":
             outs = s.outputs[(a.stage, a.mb)]
-            s.sends += self._isend(0, Action(a.stage + 1, "F", a.mb), [o.detach() for o in outs], a.stage + 1)
+            works = self._isend(0, Action(a.stage + 1, "F", a.mb), [o.detach() for o in outs], a.stage + 1)
+            s.sends.append(self._matching(Action(a.stage + 1, "RECV_F", a.mb), works))
         elif a.kind == "SEND_B":
             grads = s.input_grads.pop((a.stage, a.mb))
-            s.sends += self._isend(1, Action(a.stage - 1, "B", a.mb), grads, a.stage - 1)
+            works = self._isend(1, Action(a.stage - 1, "B", a.mb), grads, a.stage - 1)
+            s.sends.append(self._matching(Action(a.stage - 1, "RECV_B", a.mb), works))
         else:
             key = (a.kind, a.stage, a.mb)     # waiting for a message is idle time, not compute
             got = self._take(s, key) if key in s.recv else None
@@ -311,7 +319,37 @@ class PipelineModule(DistributedModule):
         bufs, works = s.recv.pop(key)
         for w in works:
             w.wait()
+        kind, stage, mb = key     # what the peer did before it sent this: see _release_sends
+        sent_by = Action(stage - 1, "SEND_F", mb) if kind == "F" else Action(stage + 1, "SEND_B", mb)
+        peer = self.schedule.rank_of(sent_by.stage)
+        s.heard[peer] = max(s.heard.get(peer, -1), self._position[peer][sent_by])
         return bufs
+
+    def _matching(self, recv: Action, works) -> tuple:
+        """A send's entry in ``_StepState.sends``: (peer pp rank, index of the receive that
+        matches it in the peer's action list, the send's handles)."""
+        peer = self.schedule.rank_of(recv.stage)
+        return peer, self._position[peer][recv], works
+
+    def _release_sends(self, s) -> None:
+        """Wait for the sends the peer has certainly posted the receive of, and drop them: a
+        send's handle holds its tensor (a stage's output, or an input's gradient) until waited,
+        and on gloo a send is not seen completed before it is waited, so without this every
+        micro-batch's would live to the end of the step. A rank runs its lowered actions in
+        order and posts a receive no later than its place in the list, so once this rank has
+        received a message the peer sent at index j, every receive the peer lists before j is
+        posted, and a send matching one of them completes without waiting on the peer's
+        compute (the transfer alone). Sends not yet known to be matched are kept."""
+        if not s.sends:
+            return
+        kept = []
+        for peer, index, works in s.sends:
+            if index < s.heard.get(peer, -1):
+                for w in works:
+                    w.wait()
+            else:
+                kept.append((peer, index, works))
+        s.sends = kept
 
     def _mask_holders(self) -> list:
         return [getattr(st.module, RNG) for st in self.stages.values() if hasattr(st.module, RNG)]
@@ -545,7 +583,8 @@ class _StepState:
     def __init__(self, losses=None):
         self.recv: dict = {}
         self.posted: set = set()
-        self.sends: list = []
+        self.sends: list = []      # (peer pp rank, index of its matching receive, handles): _release_sends
+        self.heard: dict = {}      # peer pp rank -> index of the latest send of its that was received here
         self.inputs: dict = {}
         self.outputs: dict = {}
         self.input_grads: dict = {}

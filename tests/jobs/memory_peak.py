@@ -202,3 +202,17 @@ def auto_plan_peak(cluster, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATC
     out["plan"] = str(dm.plan)
     out["recomputed"] = sorted((m.layer, m.kind) for m in dm.modules() if hasattr(m, "recomputes"))
     return out
+
+
+def microbatch_peaks(kw, counts, rows: int, config) -> dict:
+    """The step's peak (``peak_of``) of ``TinyGPT(config)`` on pp = world under plan ``kw`` at
+    each number of micro-batches in ``counts``, every micro-batch ``rows`` rows (the global
+    batch grows with the count)."""
+    torch.set_num_threads(1)
+    out = {}
+    for m in counts:
+        body, dm, opt = prepared(config, m * rows, {"pp": dist.get_world_size()}, {**kw, "microbatches": m})
+        out[m] = peak_of(body, opt, dm)
+        del body, dm, opt
+        gc.collect()
+    return out
