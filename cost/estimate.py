@@ -559,7 +559,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra,
-                                received=received))
+                                received=received, parts=[stage_groups[s] for s in mine] if S > 1 else None))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
@@ -730,7 +730,7 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
 
 
 def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False,
-            extra=0.0, received=None):
+            extra=0.0, received=None, parts=None):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -750,7 +750,9 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     ZeRO-1/2's replica gathers are pipelined with the copies up (two buckets in flight).
     ``extra``: what a split backward's W adds beyond the activations' peak (``_schedule_flight``).
     ``received``: per group of ``gs``, the bytes of a micro-batch's inputs its stage receives
-    (on the stage's first group): the receiving stage keeps them to its backward."""
+    (on the stage's first group): the receiving stage keeps them to its backward.
+    ``parts``: the groups of each pipeline stage this rank runs; each stage has a reducer, and
+    buckets, of its own."""
     pb, gb, ob = dt
     shapes = {x: prof.shapes[x] for x in names}
     psi = sum(math.prod(sh) for sh in shapes.values())
@@ -829,13 +831,22 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                 else:
                     flats = flat if staging else 0.0
                     outs += flat / n
-    if pipelined:     # the flush: every bucket's flat buffer at once over the accumulated gradients
+    # each stage's own buckets (a rank of an interleaved pipeline runs several stages)
+    stage_sets = [(part, {x: shapes[x] for x in set().union(*(g.params.keys() | g.reads for g in part)) if x in shapes})
+                  for part in parts] if parts else [(gs, shapes)]
+    if pipelined:     # the flush: bucket by bucket, each made from the accumulated gradients of its
+        # members, which then go (``DataParallelSync.flush_deferred``)
         flat_all = gb * (pad if zero else psi)
-        if mode in ("zero2", "zero3"):   # bucket by bucket, each freed as reduced
-            top_flat = max((gb * padded_sum({x: shapes[x] for x in b}, n) for b in buckets), default=0.0)
+        top_flat = max((gb * padded_sum({x: sh[x] for x in b}, n if zero else 1)
+                        for part, sh in stage_sets
+                        for b in (_unit_buckets if mode == "zero3" else _grad_buckets)(
+                            part, sh, n if zero else 1, gb, bucket_bytes)), default=0.0)
+        if mode in ("zero2", "zero3"):   # each freed as reduced, its shard kept
             peak = max(peak, base + accumulated + 2 * top_flat + flat_all / n)
-        else:
-            peak = max(peak, base + accumulated + flat_all)
+        else:   # ddp: the flat buffers become the gradients as the accumulated go; ZeRO-1: each is
+            # summed into the persistent buffer (in the base) and goes before its reduce-scatter
+            # (and the backend's staging copy) is issued
+            peak = max(peak, base + accumulated + top_flat)
         grads = gb * (pad / n if zero else psi) if mode != "zero1" else 0.0
     else:
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
@@ -843,8 +854,9 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     if mode in ("zero1", "zero2"):   # the replicas' all-gather, a bucket at a time: its shard and result
         # (and the backend's staging copy of the result: gloo's all_gather_into_tensor gathers into
         # a buffer of its own, then copies it out)
-        gathers = sorted((pb * padded_sum({x: shapes[x] for x in b}, n) * (1 + 1 / n + (1.0 if staging else 0.0))
-                          for b in _grad_buckets(gs, shapes, n, pb, bucket_bytes)), reverse=True)
+        gathers = sorted((pb * padded_sum({x: sh[x] for x in b}, n) * (1 + 1 / n + (1.0 if staging else 0.0))
+                          for part, sh in stage_sets for b in _grad_buckets(part, sh, n, pb, bucket_bytes)),
+                         reverse=True)
         opt_tmp += sum(gathers[:2 if offload else 1])
     peak = max(peak, base + (0.0 if offload else grads) + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
