@@ -554,7 +554,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         # a stage's received inputs: held from its forward to its backward (the runtime keeps them to
         # take their gradients), beside the sender's own copy
-        received = [p2p_bytes[s - 1] if s > 0 and i == 0 else 0.0 for s in mine for i in range(len(stage_groups[s]))]
+        received = [p2p_bytes[s - 1] if s > 0 and i == 0 and p > 1 else 0.0
+                    for s in mine for i in range(len(stage_groups[s]))]
         flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1], p2p_bytes) \
             if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
@@ -877,7 +878,7 @@ def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, p2p_byte
     # a stage's activations of one micro-batch, with the inputs it received (``p2p_bytes``: what each
     # stage sends the next), kept from its F to its B
     act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs)
-           + (p2p_bytes[s - 1] if p2p_bytes and s > 0 else 0.0) for s, gs in enumerate(stage_groups)]
+           + (p2p_bytes[s - 1] if p2p_bytes and s > 0 and p > 1 else 0.0) for s, gs in enumerate(stage_groups)]
     split = schedule.split_backward
     stash = [sum(g.w_stash for g in gs) if split else 0.0 for gs in stage_groups]
     wgrads = [grad_bytes * sum(math.prod(shp) for g in gs for shp in g.params.values()) for gs in stage_groups]
