@@ -548,15 +548,15 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     by_axis = per_rank[worst]
     # ---- memory ---------------------------------------------------------------------------------
     mem_rank = []
+    # a stage's received inputs, per micro-batch: held from its forward to its backward (the runtime
+    # keeps them to take their gradients), beside the sender's own copy
+    received_by = [p2p_bytes[s - 1] if s > 0 and p > 1 else 0.0 for s in range(S)]
     for r in range(p):
         mine = [s for s in range(S) if s % p == r]
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
-        # a stage's received inputs: held from its forward to its backward (the runtime keeps them to
-        # take their gradients), beside the sender's own copy
-        received = [p2p_bytes[s - 1] if s > 0 and i == 0 and p > 1 else 0.0
-                    for s in mine for i in range(len(stage_groups[s]))]
-        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1], p2p_bytes) \
+        received = [received_by[s] if i == 0 else 0.0 for s in mine for i in range(len(stage_groups[s]))]
+        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1], received_by) \
             if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra,
@@ -863,7 +863,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     return peak, states, act, peak - base - act if peak > base + act else 0.0
 
 
-def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, p2p_bytes=None) -> tuple:
+def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, received=None) -> tuple:
     """(rank ``r``'s peak of activation bytes over its actions in the schedule, in micro-batches
     through all of its stages' layers; what a W action adds beyond that peak). F of a stage
     adds one micro-batch's activations; B frees them, but under a split backward keeps what W
@@ -875,10 +875,10 @@ def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, p2p_byte
     if m * p * v > 20000:
         return inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0
     schedule, _ = lowered_schedule(plan.pp_schedule, p, m, v)
-    # a stage's activations of one micro-batch, with the inputs it received (``p2p_bytes``: what each
-    # stage sends the next), kept from its F to its B
+    # a stage's activations of one micro-batch, with the inputs it received (``received``, per
+    # stage), kept from its F to its B
     act = [sum(saved_bytes(g, kinds.get(g.name, "none")) + 2 * g.final_bytes for g in gs)
-           + (p2p_bytes[s - 1] if p2p_bytes and s > 0 and p > 1 else 0.0) for s, gs in enumerate(stage_groups)]
+           + (received[s] if received else 0.0) for s, gs in enumerate(stage_groups)]
     split = schedule.split_backward
     stash = [sum(g.w_stash for g in gs) if split else 0.0 for gs in stage_groups]
     wgrads = [grad_bytes * sum(math.prod(shp) for g in gs for shp in g.params.values()) for gs in stage_groups]
