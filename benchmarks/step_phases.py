@@ -55,8 +55,10 @@ def predicted_phases(e, pipeline: bool) -> dict:
 def main():
     import bench_holdout as B
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    keys = [k for k, _, _ in B.QUALITY_MODELS]
-    ap.add_argument("--model", default=keys[0], choices=keys, help="one of bench_holdout's quality models")
+    models = list(B.QUALITY_MODELS) + B.grid_models()
+    keys = [k for k, _, _ in models]
+    ap.add_argument("--model", default=keys[0], choices=keys,
+                    help="one of bench_holdout's quality models, or of its hold-out grid ('gpt h32 L2 s16')")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=21, help="timed rounds (the median is reported)")
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
@@ -69,7 +71,7 @@ def main():
     from jobs.holdout import build
     from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, medians, phase_times
     c = calibrate_local()
-    key, spec, batch = next(m for m in B.QUALITY_MODELS if m[0] == args.model)
+    key, spec, batch = next(m for m in models if m[0] == args.model)
     model, cfg = build(spec)
     x, _ = gpt_batch(cfg, batch)
     cases, pred = [], {}

@@ -560,7 +560,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
         mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra,
-                                received=received, parts=[stage_groups[s] for s in mine] if S > 1 else None))
+                                received=received, parts=[stage_groups[s] for s in mine] if S > 1 else None,
+                                microbatches=m))
     worst_m = max(range(p), key=lambda r: mem_rank[r][0])
     total, st, act, transient = mem_rank[worst_m]
     psi_total = sum(psi_stage[s] for s in range(S) if s % p == worst_m)
@@ -731,7 +732,7 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
 
 
 def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False,
-            extra=0.0, received=None, parts=None):
+            extra=0.0, received=None, parts=None, microbatches=1):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -753,9 +754,10 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     ``received``: per group of ``gs``, the bytes of a micro-batch's inputs its stage receives
     (on the stage's first group): the receiving stage keeps them to its backward.
     ``parts``: the groups of each pipeline stage this rank runs; each stage has a reducer, and
-    buckets, of its own."""
+    buckets, of its own. ``microbatches``: a pipeline's; from the second on, a micro-batch's
+    gradients are summed into those accumulated (``_accumulation_peak``)."""
     pb, gb, ob = dt
-    shapes = {x: prof.shapes[x] for x in names}
+    shapes = {x: sh for x, sh in prof.shapes.items() if x in names}     # in the profile's order (names is a set)
     psi = sum(math.prod(sh) for sh in shapes.values())
     pad = padded_sum(shapes, n)
     zero = mode != "ddp"
@@ -778,6 +780,22 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         peak = max(peak, base + gb * psi + act + extra)
     buckets = (_unit_buckets(gs, shapes, n, gb, bucket_bytes) if mode == "zero3"
                else _grad_buckets(gs, shapes, n if zero else 1, gb, bucket_bytes))
+    # each stage's own buckets (a rank of an interleaved pipeline runs several stages)
+    stage_sets = [(part, {x: sh for x, sh in shapes.items() if any(x in g.params or x in g.reads for g in part)})
+                  for part in parts] if parts else [(gs, shapes)]
+    # a pipeline's micro-batch gradients wait in their stage's buckets, then join the accumulated
+    # (``DataParallelSync._accumulate``); a stage with nothing to reduce leaves them to autograd
+    part_queues = ([[[(k, x) for x in b] for b in _grad_buckets(part, sh, n if zero else 1, gb, bucket_bytes)]
+                    for k, (part, sh) in enumerate(stage_sets)]
+                   if pipelined and mode != "zero3" and not (mode == "ddp" and n == 1) else None)
+    # (stage, parameter) pairs by the group whose backward completes the parameter's gradient:
+    # the stage's first group to read it (a tied weight's copy on the last stage included)
+    arrivals: dict = {}
+    for k, (part, sh) in enumerate(stage_sets):
+        for x in sh:
+            first = next((g for g in part if x in g.params or x in g.reads), None)
+            if first is not None:
+                arrivals.setdefault(id(first), []).append((k, x))
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
     accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
@@ -794,9 +812,14 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
             max(0.0, g.saved_quadratic - g.saved_after_core) if kind == "selective" else 0.0)
         work = 2 * g.max_value + redo + (sum(unit_bwd) if unit_bwd else 0.0)
         peak = max(peak, base + rem + pending + flats + outs + grads + accumulated + work)
-        rem -= saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
-        if pipelined:
+        freed = saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
+        if pipelined:   # one micro-batch's backward: the others in flight keep theirs
+            rem = max(0.0, rem - freed / max(flight, 1.0))
+            if microbatches > 1:
+                top, pending = _accumulation_peak(arrivals.get(id(g), []), shapes, mode, gb, part_queues, done, pending)
+                peak = max(peak, base + rem + accumulated + top)
             continue
+        rem -= freed
         # the layer's gradients arrive one at a time (the reverse of forward's order); each
         # bucket goes out as soon as its last member's has
         for x in reversed([x for x in g.params if x in shapes]):
@@ -832,9 +855,6 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                 else:
                     flats = flat if staging else 0.0
                     outs += flat / n
-    # each stage's own buckets (a rank of an interleaved pipeline runs several stages)
-    stage_sets = [(part, {x: shapes[x] for x in set().union(*(g.params.keys() | g.reads for g in part)) if x in shapes})
-                  for part in parts] if parts else [(gs, shapes)]
     if pipelined:     # the flush: bucket by bucket, each made from the accumulated gradients of its
         # members, which then go (``DataParallelSync.flush_deferred``)
         flat_all = gb * (pad if zero else psi)
@@ -861,6 +881,35 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         opt_tmp += sum(gathers[:2 if offload else 1])
     peak = max(peak, base + (0.0 if offload else grads) + opt_tmp)
     return peak, states, act, peak - base - act if peak > base + act else 0.0
+
+
+def _accumulation_peak(arriving, shapes, mode, gb, part_queues, done, pending: float) -> tuple:
+    """(the peak, the bytes still waiting in buckets after): what the gradients of a pipelined
+    micro-batch that one group's backward completes (``arriving``: (stage, parameter) pairs)
+    hold beyond the activations and the gradients accumulated over the step's earlier
+    micro-batches, at its worst (the second
+    micro-batch: ``DataParallelSync._accumulate`` keeps the first as autograd made it and makes
+    the sum as a new tensor beside both, later ones add in place). With buckets
+    (``part_queues``, each stage's in the order they complete; consumed here) a micro-batch's
+    gradients wait in theirs until its last member's arrives, and are summed in one at a time
+    while all of them are held: the bucket's members and one sum. ZeRO-3 sums each as autograd
+    makes it: the gradient and its sum. Without a reducer autograd adds into ``.grad`` in place:
+    the gradient. ``done``: the parameters whose gradients have arrived (updated); ``pending``:
+    the bytes of arrived gradients whose buckets are not complete."""
+    worst = 0.0
+    for k, x in reversed(arriving):
+        size = gb * math.prod(shapes[x])
+        if part_queues is None:
+            worst = max(worst, pending + (2 if mode == "zero3" else 1) * size)
+            continue
+        done.add((k, x))
+        pending += size
+        q = part_queues[k]
+        while q and all(y in done for y in q[0]):
+            b = [shapes[y] for _, y in q.pop(0)]
+            worst = max(worst, pending + max(gb * math.prod(sh) for sh in b))
+            pending -= sum(gb * math.prod(sh) for sh in b)
+    return worst, pending
 
 
 def _schedule_flight(plan, p, m, v, stage_groups, kinds, r, grad_bytes, received=None) -> tuple:
