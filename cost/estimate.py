@@ -887,9 +887,9 @@ def _accumulation_peak(arriving, shapes, mode, gb, part_queues, done, pending: f
     """(the peak, the bytes still waiting in buckets after): what the gradients of a pipelined
     micro-batch that one group's backward completes (``arriving``: (stage, parameter) pairs)
     hold beyond the activations and the gradients accumulated over the step's earlier
-    micro-batches, at its worst (the second
-    micro-batch: ``DataParallelSync._accumulate`` keeps the first as autograd made it and makes
-    the sum as a new tensor beside both, later ones add in place). With buckets
+    micro-batches, at its worst (the second micro-batch: ``DataParallelSync._accumulate`` keeps
+    the first as autograd made it and makes the sum as a new tensor beside both, later ones add
+    in place). With buckets
     (``part_queues``, each stage's in the order they complete; consumed here) a micro-batch's
     gradients wait in theirs until its last member's arrives, and are summed in one at a time
     while all of them are held: the bucket's members and one sum. ZeRO-3 sums each as autograd
