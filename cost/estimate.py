@@ -445,7 +445,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]
         copies = [host_copies(off_buckets[s], mode, dt, c, slow) for s in range(S)]
         dt_device = device_dtypes(mode, dt, c.mixed_precision)
-    sync = [sync_time(mode, n_tensors[s], c) * slow for s in range(S)]
+    # a pipeline stage with nothing to reduce (ddp at dp = 1) has no reducer: autograd accumulates
+    # its micro-batches' gradients (``passes.collectives``)
+    reducer = not (mode == "ddp" and n == 1 and plan.pp_schedule is not None)
+    sync = [sync_time(mode, n_tensors[s], c) * slow if reducer else 0.0 for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
                     for s, b in enumerate(dp_time_tail)]
