@@ -788,13 +788,14 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                   for part in parts] if parts else [(gs, shapes)]
     # a pipeline's micro-batch gradients wait in their stage's buckets, then join the accumulated
     # (``DataParallelSync._accumulate``); a stage with nothing to reduce leaves them to autograd
+    accumulating = pipelined and microbatches > 1
     part_queues = ([[[(k, x) for x in b] for b in _grad_buckets(part, sh, n if zero else 1, gb, bucket_bytes)]
                     for k, (part, sh) in enumerate(stage_sets)]
-                   if pipelined and mode != "zero3" and not (mode == "ddp" and n == 1) else None)
+                   if accumulating and mode != "zero3" and not (mode == "ddp" and n == 1) else None)
     # (stage, parameter) pairs by the group whose backward completes the parameter's gradient:
     # the stage's first group to read it (a tied weight's copy on the last stage included)
     arrivals: dict = {}
-    for k, (part, sh) in enumerate(stage_sets):
+    for k, (part, sh) in enumerate(stage_sets if accumulating else ()):
         for x in sh:
             first = next((g for g in part if x in g.params or x in g.reads), None)
             if first is not None:
@@ -818,7 +819,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
         freed = saved[i] + (2 * g.final_bytes * flight if g.final_bytes else 0.0)
         if pipelined:   # one micro-batch's backward: the others in flight keep theirs
             rem = max(0.0, rem - freed / max(flight, 1.0))
-            if microbatches > 1:
+            if accumulating:
                 top, pending = _accumulation_peak(arrivals.get(id(g), []), shapes, mode, gb, part_queues, done, pending)
                 peak = max(peak, base + rem + accumulated + top)
             continue
