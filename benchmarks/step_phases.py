@@ -5,9 +5,10 @@ side by side.
     python benchmarks/step_phases.py [--model KEY] [--world 4] [--steps 21] [--plans NAME ...]
 
 The model is one of ``bench_holdout.py``'s planner-quality models (default: the wide and shallow
-GPT, the one whose pick missed there) or of its hold-out grid (``--model "gpt h32 L2 s16"``). Plans: ddp on dp = world, and GPipe, 1F1B and
-zero-bubble on pp = 2 x dp = world / 2 with 2 micro-batches, timed round-robin (one step each
-per round after a barrier); the slowest rank's median of each phase is shown.
+GPT, the one whose pick missed there) or of its hold-out grid (``--model "gpt h32 L2 s16"``).
+Plans: ddp on dp = world, and GPipe, 1F1B and zero-bubble on pp = 2 x dp = world / 2 with 2
+micro-batches, timed round-robin (one step each per round after a barrier); the slowest rank's
+median of each phase is shown.
 
 Phases. A pipeline: its schedule (the train_step's own timer: every action and the wait for the
 last sends; predicted, the replay's makespan), the deferred dp reduction, the exchange of tied

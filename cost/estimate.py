@@ -280,6 +280,13 @@ def optimizer_time(states: float, n_tensors: int, c) -> float:
     return compute_time(0.0, 3 * states, c) + n_tensors * c.device.step_overhead
 
 
+def has_reducer(mode: str, n: int, pipelined: bool) -> bool:
+    """Whether a rank's stage has a data-parallel reducer: every plan but a pipeline stage with
+    nothing to reduce (ddp at dp = 1), whose micro-batches' gradients autograd accumulates
+    (``passes.collectives``)."""
+    return not (mode == "ddp" and n == 1 and pipelined)
+
+
 def sync_time(mode: str, n_tensors: int, c) -> float:
     """Seconds of the data-parallel runtime's host work per parameter tensor in a step under
     ``mode`` (``Device.sync_overhead``, measured by the local calibration's dp runtime probe;
@@ -445,10 +452,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]
         copies = [host_copies(off_buckets[s], mode, dt, c, slow) for s in range(S)]
         dt_device = device_dtypes(mode, dt, c.mixed_precision)
-    # a pipeline stage with nothing to reduce (ddp at dp = 1) has no reducer: autograd accumulates
-    # its micro-batches' gradients (``passes.collectives``)
-    reducer = not (mode == "ddp" and n == 1 and plan.pp_schedule is not None)
-    sync = [sync_time(mode, n_tensors[s], c) * slow if reducer else 0.0 for s in range(S)]
+    sync = [sync_time(mode, n_tensors[s], c) * slow if has_reducer(mode, n, S > 1) else 0.0 for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
                     for s, b in enumerate(dp_time_tail)]
@@ -791,7 +795,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     accumulating = pipelined and microbatches > 1
     part_queues = ([[[(k, x) for x in b] for b in _grad_buckets(part, sh, n if zero else 1, gb, bucket_bytes)]
                     for k, (part, sh) in enumerate(stage_sets)]
-                   if accumulating and mode != "zero3" and not (mode == "ddp" and n == 1) else None)
+                   if accumulating and mode != "zero3" and has_reducer(mode, n, pipelined) else None)
     # (stage, parameter) pairs by the group whose backward completes the parameter's gradient:
     # the stage's first group to read it (a tied weight's copy on the last stage included)
     arrivals: dict = {}
@@ -893,13 +897,13 @@ def _accumulation_peak(arriving, shapes, mode, gb, part_queues, done, pending: f
     hold beyond the activations and the gradients accumulated over the step's earlier
     micro-batches, at its worst (the second micro-batch: ``DataParallelSync._accumulate`` keeps
     the first as autograd made it and makes the sum as a new tensor beside both, later ones add
-    in place). With buckets
-    (``part_queues``, each stage's in the order they complete; consumed here) a micro-batch's
-    gradients wait in theirs until its last member's arrives, and are summed in one at a time
-    while all of them are held: the bucket's members and one sum. ZeRO-3 sums each as autograd
-    makes it: the gradient and its sum. Without a reducer autograd adds into ``.grad`` in place:
-    the gradient. ``done``: the parameters whose gradients have arrived (updated); ``pending``:
-    the bytes of arrived gradients whose buckets are not complete."""
+    in place). With buckets (``part_queues``, each stage's in the order they complete; consumed
+    here) a micro-batch's gradients wait in theirs until its last member's arrives, and are
+    summed in one at a time while all of them are held: the bucket's members and one sum.
+    ZeRO-3 sums each as autograd makes it: the gradient and its sum. Without a reducer autograd
+    adds into ``.grad`` in place: the gradient. ``done``: the parameters whose gradients have
+    arrived (updated); ``pending``: the bytes of arrived gradients whose buckets are not
+    complete."""
     worst = 0.0
     for k, x in reversed(arriving):
         size = gb * math.prod(shapes[x])
@@ -910,9 +914,9 @@ def _accumulation_peak(arriving, shapes, mode, gb, part_queues, done, pending: f
         pending += size
         q = part_queues[k]
         while q and all(y in done for y in q[0]):
-            b = [shapes[y] for _, y in q.pop(0)]
-            worst = max(worst, pending + max(gb * math.prod(sh) for sh in b))
-            pending -= sum(gb * math.prod(sh) for sh in b)
+            sizes = [gb * math.prod(shapes[y]) for _, y in q.pop(0)]
+            worst = max(worst, pending + max(sizes))
+            pending -= sum(sizes)
     return worst, pending
 
 

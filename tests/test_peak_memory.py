@@ -109,9 +109,7 @@ def test_pipeline_with_data_parallel_peak_within_five_percent(accumulating_peaks
     counted neither the waiting gradients nor the sums, and freed every micro-batch's
     activations at once) and came to 0.93 (1F1B) and 0.90 (interleaved) of these peaks;
     5%, not the 10% of the other plans, so that a miss of that size fails."""
-    x, _ = gpt_batch(ACCUMULATING_CONFIG, ACCUMULATING_BATCH)
-    est = evaluate_plan(Profiles(TinyGPT(ACCUMULATING_CONFIG), (x,)), axes, autopar.Plan(**kw), local_cluster[0],
-                        ACCUMULATING_BATCH)
+    est = _predicted(ACCUMULATING_CONFIG, ACCUMULATING_BATCH, axes, kw, local_cluster[0])
     measured = max(r[name]["peak"] for r in accumulating_peaks)
     assert est.memory_bytes == pytest.approx(measured, rel=0.05), (name, [r[name]["peaks"] for r in accumulating_peaks])
 
