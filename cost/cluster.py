@@ -23,8 +23,8 @@ Where the numbers come from:
   typical NCCL-level per-message figures, an assumption rather than a datasheet number.
 * ``"local"``: this machine, measured once by ``python -m autopar calibrate``
   (``autopar.cost.calibration``: matmuls, copies, attention, framework time per op and per
-  pass, gloo collectives among busy ranks, a synthetic pipeline, the slowdown of ranks sharing
-  cores) and read back from its cache (``autopar.cost.cache``), so that the cost model can be
+  pass, gloo collectives among busy ranks, autopar's own and a synthetic pipeline, the slowdown
+  of ranks sharing cores) and read back from its cache (``autopar.cost.cache``), so that the cost model can be
   checked against the CPU test runs. ``get_cluster("local")`` only reads the cache.
 """
 from __future__ import annotations
@@ -55,9 +55,9 @@ class Link:
     fits: tuple = ()     # measured links: ((collective, group size, alpha seconds, beta seconds per byte sent
     #                      per rank), ...): whole-collective fits, all groups of that size busy at once,
     #                      that replace the algorithm formulas for those kinds
-    hop: float = 0.0     # measured links: seconds a pipeline's small message takes from its send to the
-    #                      receiver waiting on it (a synthetic pipeline's replay fitted to its measured
-    #                      step); 0: the p2p fit alone
+    hop: float = 0.0     # measured links: seconds a pipeline's message costs its schedule as a latency
+    #                      from its send to the receiver waiting on it (the replay of autopar's own
+    #                      1F1B pipelines fitted to their measured schedules); 0: the p2p fit alone
     wake: float = 0.0    # measured links of ranks sharing cores: seconds a rank woken by its message
     #                      waits for a core when all are taken (fitted like hop, hop kept at the
     #                      uncrowded link's)

@@ -110,8 +110,8 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
 
 
 def pipeline_hop_time(nbytes: float, link, *, after: float | None = None) -> float:
-    """Seconds of one pipeline message of ``nbytes``: the link's measured ``hop`` latency (a
-    synthetic pipeline's, when measured) plus the p2p fit's per-byte time, else the p2p
+    """Seconds of one pipeline message of ``nbytes``: the link's measured ``hop`` latency (fitted
+    on autopar's own pipelines, when measured) plus the p2p fit's per-byte time, else the p2p
     collective time."""
     hop = getattr(link, "hop", 0.0)
     fits = [f for f in getattr(link, "fits", ()) if f[0] == "p2p"]

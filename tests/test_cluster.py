@@ -130,6 +130,26 @@ def test_skew_table_sets_the_latency_by_the_compute_before():
         assert collective_time("all_reduce", 4096, 2, crowded, after=after) == pytest.approx(alpha + 1e-9 * moved)
 
 
+def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
+    """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
+    closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
+    and no contention lasts (m + 1)(F + B) + 2h, F and B each with a message's CPU time."""
+    from autopar.cost.calibration import local
+    m, f, b, msg, h = 4, 4e-4, 7e-4, 1e-4, 6.5e-4
+    per_stage = [{"F": f, "B": b, "W": 0.0}] * 2
+    measured = (m + 1) * (f + msg + b + msg) + 2 * h
+    alone = ((2, 1.0), (4, 1.0))      # no slowdown: the replay runs each rank at full speed
+    assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], measured)], 2, alone) == pytest.approx(h, rel=1e-6)
+    # the median of several pipelines' fits; one that no latency up to 50 ms explains is left
+    # out, with a warning; none at all fits 0
+    two = [("gpipe", per_stage, [msg, msg], measured + 2 * d) for d in (0.0, 2e-4, 4e-4)]
+    assert local._fit_runtime_hop(two, 2, alone) == pytest.approx(h + 2e-4, rel=1e-6)
+    with caplog.at_level("WARNING"):
+        assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1.0)], 2, alone) == 0.0
+    assert "no hop fitted" in caplog.text
+    assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1e-4)], 2, alone) == 0.0
+
+
 def test_invalid_numbers_are_refused():
     with pytest.raises(ValueError, match="bandwidth"):
         Link("nvlink", 0.0, 1e-6)
@@ -171,6 +191,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"
     assert 0.0 <= c.intra.overlap_loss <= 1.0 and "overlap_loss" in c.source
+    # what a message costs autopar's own pipelines, the same on ranks sharing cores
+    assert 0.0 <= c.intra.hop < 1e-2 and "autopar's own 2-stage 1F1B pipelines" in c.source
+    assert c.shared is None or c.shared.hop == c.intra.hop
     assert 1e-6 <= c.intra.latency <= 1e-2
     assert 1e7 <= c.intra.bandwidth <= 1e11
     assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)

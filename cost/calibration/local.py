@@ -387,20 +387,28 @@ def _pipeline_replay(world: int, cores: int, contention: tuple, hop: float, wake
 def _fit_hop(measured: float, world: int, cores: int, contention: tuple, hop: float | None = None,
              place=pipeline_placement) -> float:
     """The message latency (or, given ``hop``, the wake-up wait) at which ``_pipeline_replay``
-    lasts ``measured`` seconds (bisection; 0 if even none replays slower)."""
+    lasts ``measured`` seconds (bisection; 0 if even none replays slower, or if not even 50 ms
+    does: the probe was disturbed)."""
 
     def replay(x):
         return _pipeline_replay(world, cores, contention, x if hop is None else hop, 0.0 if hop is None else x, place)
 
+    fit = _bisect_latency(replay, measured, "the synthetic pipeline", "hop" if hop is None else "wake")
+    return 0.0 if fit is None else fit
+
+
+def _bisect_latency(replay, measured: float, what: str, kind: str) -> float | None:
+    """The ``x`` in [0, 50 ms] at which ``replay(x)`` (growing with ``x``) lasts ``measured``
+    seconds, by bisection; 0 when even ``replay(0)`` does not last less. None when not even
+    50 ms replays that slowly: the probe was disturbed (another process took a core), not a
+    property of the machine, and a warning says so."""
     lo, hi = 0.0, 0.05
     if replay(lo) >= measured:
         return 0.0
     if replay(hi) < measured:
-        # not even 50 ms per message replays that slowly: the probe was disturbed (another
-        # process took a core), not a property of the machine; no latency of this kind is fitted
-        log.warning("autopar calibration: the synthetic pipeline took %.1f ms, more than any %s up to "
-                    "50 ms explains; fitting 0 instead", measured * 1e3, "hop" if hop is None else "wake")
-        return 0.0
+        log.warning("autopar calibration: %s took %.1f ms, more than any %s up to 50 ms explains; no %s "
+                    "fitted from it", what, measured * 1e3, kind, kind)
+        return None
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if replay(mid) < measured else (lo, mid)
@@ -508,7 +516,7 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, float]:
+def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, float, list]:
     """(seconds per op, seconds per stage pass, seconds per message, and a zero-bubble W
     action's seconds per pass and per op) of framework time as autopar's compiled modules run
     them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
@@ -521,22 +529,83 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, flo
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
     1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. The four
-    pipelines are stepped in turn in one job (``_op_overhead_probe``)."""
+    pipelines are stepped in turn in one job (``_op_overhead_probe``). Last, per pipeline, what
+    its replay needs (``_fit_runtime_hop``): each stage's median F, B and W action and message
+    CPU times, and the step's schedule as the slowest rank timed it."""
     points, messages, split = [], [], []
-    for per_pipeline in ranks(_op_overhead_probe, 2, _OP_PIPELINES, timeout=240):     # a list per rank
-        got = dict(zip(_OP_PIPELINES, per_pipeline))
+    pipelines = _OP_PIPELINES + _HOP_PIPELINES
+    per_rank = ranks(_op_overhead_probe, 2, pipelines, timeout=240)     # a list per rank
+    for per_pipeline in per_rank:
+        got = dict(zip(pipelines, per_pipeline))
         for layers in (2, 10):
-            (fb, ops, msg), (fbw, _, _) = got[(layers, "1f1b")], got[(layers, "zero_bubble")]
+            (fb, ops, msg, *_), (fbw, *_) = got[(layers, "1f1b", 8)], got[(layers, "zero_bubble", 8)]
             points.append((3 * ops, fb))
             messages.append(msg)
             split.append((ops, fbw - fb))
+    replays = _replays(pipelines, per_rank)
     per_op, per_pass = _fit_line(points)
     if per_op <= 0:      # a nonsense fit (a noisy machine): everything per op
         per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
     split_op, split_pass = _fit_line(split)
     if split_op <= 0:
         split_op, split_pass = max(0.0, sum(y for _, y in split) / sum(x for x, _ in split)), 0.0
-    return per_op, max(per_pass, 0.0), statistics.median(messages), max(split_pass, 0.0), split_op
+    return per_op, max(per_pass, 0.0), statistics.median(messages), max(split_pass, 0.0), split_op, replays
+
+
+def _replays(pipelines: tuple, per_rank: list) -> list:
+    """What ``_fit_runtime_hop`` replays of ``_op_overhead_probe``'s results (a list per rank)
+    for the ``_HOP_PIPELINES`` among ``pipelines``: (schedule, per stage {kind: action CPU
+    seconds}, per stage a message's CPU seconds; the slowest rank's schedule)."""
+    out = []
+    for k, (_, schedule, _) in enumerate(pipelines):
+        if pipelines[k] not in _HOP_PIPELINES:
+            continue
+        rows = [per_rank[r][k] for r in range(len(per_rank))]
+        stages = [[row for row in rows if row[5] == stage] for stage in (0, 1)]
+        out.append((schedule, [{kind: statistics.mean(row[3][kind] for row in st) for kind in ("F", "B", "W")}
+                               for st in stages],
+                    [statistics.mean(row[2] for row in st) for st in stages], max(row[4] for row in rows)))
+    return out
+
+
+def _fit_runtime_hop(replays: list, cores: int, contention: tuple) -> float:
+    """The message latency at which the cost model's replay of autopar's own pipelines lasts
+    their measured schedules: the op-overhead probe's 1F1B pipelines of GPTs of h = 16
+    (``_HOP_PIPELINES``; ``_measure_op_overhead``'s ``replays``: per pipeline its schedule, each
+    stage's median F and B action CPU times with a message's CPU time added as the estimate adds
+    it, and the schedule the slowest rank timed), replayed as the estimate replays 2 ranks on
+    ``cores`` cores (placed by ``pipeline_placement``, slowed by the measured ``contention``).
+    The median of the pipelines' fits (bisection; 0 where even none replays slower).
+
+    This is what a message costs the runtime's pipelines beyond the CPU time of posting it, as
+    a latency on the schedule's critical path. Measured, not explained (2026-12-03, this
+    machine, per-action timelines of 1F1B on 2 processes): a message reaches a rank waiting on
+    it within 0.03 ms (median), but one or two posts (``dist.isend``/``irecv``) a step hold the
+    thread 1-2 ms without using its CPU, and time passes between actions. Replayed from each
+    action's measured time, GPTs of h = 8 lose 0.7-0.8 ms a message, h = 12 to 64 lose 1.3-1.7
+    ms, and a synthetic pipeline of bare matmuls (``_pipeline_probe``) 0-0.8 ms. So the probe's
+    pipelines are of h = 16: outside the h = 8 case, and none of the hold-out grid's widths
+    (32, 64, 96). The zero-bubble schedule is left out: its replay of its own measured actions
+    can be longer than its measured schedule with no latency at all, so it cannot say what a
+    message costs."""
+    crowd = functools.partial(slowdown, contention, cores)
+    speed, placement = pipeline_placement(2, 2, cores, crowd) if crowd(2) > 1 else (1.0, None)
+    fits = []
+    for schedule_name, per_stage, msg, measured in replays:
+        s = build_schedule(schedule_name, 2, 4)
+
+        def duration(a):
+            t = per_stage[a.stage][a.kind]
+            return t + msg[a.stage] if a.kind in ("F", "B") else t
+
+        def replay(hop):
+            return simulate_shared(s, duration=duration, latency=lambda a: hop, speed=speed,
+                                   placement=placement).makespan
+
+        fit = _bisect_latency(replay, measured, f"a {schedule_name} pipeline's schedule", "hop")
+        if fit is not None:
+            fits.append(fit)
+    return statistics.median(fits) if fits else 0.0
 
 
 def _fit_line(points: list) -> tuple[float, float]:
@@ -548,24 +617,28 @@ def _fit_line(points: list) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-_OP_PIPELINES = ((2, "1f1b"), (2, "zero_bubble"), (10, "1f1b"), (10, "zero_bubble"))   # (layers, schedule)
+_OP_PIPELINES = ((2, "1f1b", 8), (2, "zero_bubble", 8), (10, "1f1b", 8), (10, "zero_bubble", 8))   # (layers, schedule, h)
+_HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16))    # the runtime's message latency's (h = 16)
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
-    """On each rank of 2-stage pipelines of GPTs (h = 8) of ``(layers, schedule)`` each, all
-    compiled first, then stepped in turn, round after round (a disturbance of the machine falls
-    on all alike): per pipeline (thread CPU seconds of this rank's F, B (and W) actions per
-    micro-batch, median of ``steps`` rounds after 3; ops the profile counts in its stage per
-    micro-batch; CPU seconds per send or receive action)."""
+    """On each rank of 2-stage pipelines (2 processes; micro-batches of 2 sequences of 8 tokens)
+    of GPTs of ``(layers, schedule, h)`` each, all
+    compiled first, then stepped in turn, round after round, each step after a barrier (a
+    disturbance of the machine falls on all alike): per pipeline (thread CPU seconds of this
+    rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
+    profile counts in its stage per micro-batch; CPU seconds per send or receive action;
+    {kind: median thread CPU seconds of one action of that kind}; the median wall seconds of
+    the step's schedule, ``train_step``'s own timer; this rank's stage)."""
     torch.set_num_threads(1)
     m = 4
-    spent = {"compute": 0.0, "message": 0.0}
+    spent = {"compute": 0.0, "message": 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
 
     def loss(out, target):
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    def prepared(layers, schedule):
-        c = GPTConfig(vocab=16, seq=8, dim=8, heads=2, layers=layers, max_seq=8)
+    def prepared(layers, schedule, dim):
+        c = GPTConfig(vocab=16, seq=8, dim=dim, heads=2, layers=layers, max_seq=8)
         torch.manual_seed(0)
         x, t = gpt_batch(c, 8)
         dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
@@ -579,7 +652,11 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
             try:
                 return run_action(a, *args, **kwargs)
             finally:
-                spent["compute" if a.kind in ("F", "B", "W") else "message"] += time.thread_time() - c0
+                took = time.thread_time() - c0
+                compute = a.kind in ("F", "B", "W")
+                spent["compute" if compute else "message"] += took
+                if compute:
+                    spent[a.kind] += took
 
         dm._run = timed
 
@@ -587,23 +664,32 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
             opt.zero_grad(set_to_none=True)
             dm.train_step(lx, lt, loss)
             opt.step()
+            return dm.step_time
 
         groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
         cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
-        mine = groups[cut:] if dist.get_rank() else groups[:cut]
-        return step, float(sum(g.ops for g in mine))
+        stage = int(next(iter(dm.stages)))
+        mine = groups[cut:] if stage else groups[:cut]
+        return step, float(sum(g.ops for g in mine)), stage
 
-    runs = [prepared(layers, schedule) for layers, schedule in pipelines]
-    compute, message = [[] for _ in runs], [[] for _ in runs]
+    runs = [prepared(*pipeline) for pipeline in pipelines]
+    got = [{k: [] for k in ("compute", "message", "F", "B", "W", "schedule")} for _ in runs]
     for i in range(steps + 3):
-        for k, (step, _) in enumerate(runs):
-            spent.update(compute=0.0, message=0.0)
-            step()
+        for k, (step, _, _) in enumerate(runs):
+            spent.update(compute=0.0, message=0.0, F=0.0, B=0.0, W=0.0)
+            dist.barrier()
+            schedule = step()
             if i >= 3:
-                compute[k].append(spent["compute"] / m)
-                message[k].append(spent["message"] / (2 * m))      # a receive and a send per micro-batch
+                g = got[k]
+                g["compute"].append(spent["compute"] / m)
+                g["message"].append(spent["message"] / (2 * m))     # a receive and a send per micro-batch
+                for kind in ("F", "B", "W"):
+                    g[kind].append(spent[kind] / m)
+                g["schedule"].append(schedule)
     dist.barrier()
-    return [(statistics.median(compute[k]), ops, statistics.median(message[k])) for k, (_, ops) in enumerate(runs)]
+    return [(statistics.median(g["compute"]), ops, statistics.median(g["message"]),
+             {kind: statistics.median(g[kind]) for kind in ("F", "B", "W")}, statistics.median(g["schedule"]), stage)
+            for g, (_, ops, stage) in zip(got, runs)]
 
 
 class _Block(torch.nn.Module):
@@ -806,7 +892,7 @@ def _measure_local() -> Cluster:
         attention, attention_overhead = _measure_attention(flops)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
-        overhead, pass_overhead, message_overhead, split_pass, split_op = _measure_op_overhead(ranks)
+        overhead, pass_overhead, message_overhead, split_pass, split_op, replays = _measure_op_overhead(ranks)
         sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
@@ -820,7 +906,8 @@ def _measure_local() -> Cluster:
         ranks.close()
         torch.set_num_threads(threads)
     contention = _slowdowns(alone, loops)
-    gloo = dataclasses.replace(gloo, hop=_fit_hop(pipe_alone, _GLOO_WORLD, cores, contention))
+    synthetic_hop = _fit_hop(pipe_alone, _GLOO_WORLD, cores, contention)
+    gloo = dataclasses.replace(gloo, hop=_fit_runtime_hop(replays, cores, contention))
     if shared is not None:
         shared = dataclasses.replace(shared, hop=gloo.hop, wake=_fit_hop(pipe_shared, 2 * cores, cores, contention,
                                                                          hop=gloo.hop))
@@ -868,11 +955,14 @@ def _measure_local() -> Cluster:
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if shared else "",
-        f"hop: a synthetic 2-stage 1F1B pipeline ({_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / "
-        f"{_PIPE_B * 1e3:g} ms of matmuls, receives posted ahead), the message latency at which the "
-        f"model's replay lasts its measured step: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes"
-        + (f"; on {2 * cores} (shared) that hop and a woken rank's wait for a core when all are taken: "
-           f"wake {shared.wake * 1e3:.2f} ms" if shared else ""),
+        f"hop: the message latency at which the model's replay of autopar's own 2-stage 1F1B pipelines "
+        f"(4 micro-batches, GPTs of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES)} layers, run with the "
+        f"op_overhead probe; each stage's measured F and B action CPU times plus a message's, the contention of "
+        f"2 ranks) lasts their measured schedules, the median: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes "
+        f"(a synthetic pipeline of bare matmuls, {_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / {_PIPE_B * 1e3:g} ms, "
+        f"receives posted before the step, fits {synthetic_hop * 1e3:.2f} ms)"
+        + (f"; on {2 * cores} (shared) that hop, and a woken rank's wait for a core when all are taken, "
+           f"fitted on the synthetic pipeline given that hop: wake {shared.wake * 1e3:.2f} ms" if shared else ""),
         f"overlap_loss: a 1 MiB all-reduce issued asynchronously before ~2 ms of matmuls and waited on after, "
         f"against each alone, every rank at once, {_OVERLAP_REPS} rounds in turn, slowest rank; median over rounds "
         f"of (both - longer) / shorter: {gloo.overlap_loss:.2f} on {_GLOO_WORLD} processes"
