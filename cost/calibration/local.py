@@ -582,7 +582,7 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple) -> float:
     machine, per-action timelines of 1F1B on 2 processes): a message reaches a rank waiting on
     it within 0.03 ms (median), but one or two posts (``dist.isend``/``irecv``) a step hold the
     thread 1-2 ms without using its CPU, and time passes between actions. Replayed from each
-    action's measured time, GPTs of h = 8 lose 0.7-0.8 ms a message, h = 12 to 64 lose 1.3-1.7
+    action's measured time, GPTs of h = 8 lose 0.7-1.2 ms a message, h = 12 to 64 lose 1.3-1.8
     ms, and a synthetic pipeline of bare matmuls (``_pipeline_probe``) 0-0.8 ms. So the probe's
     pipelines are of h = 16: outside the h = 8 case, and none of the hold-out grid's widths
     (32, 64, 96). The zero-bubble schedule is left out: its replay of its own measured actions
