@@ -557,9 +557,10 @@ def _replays(pipelines: tuple, per_rank: list) -> list:
     for the ``_HOP_PIPELINES`` among ``pipelines``: (schedule, per stage {kind: action CPU
     seconds}, per stage a message's CPU seconds; the slowest rank's schedule)."""
     out = []
-    for k, (_, schedule, _) in enumerate(pipelines):
-        if pipelines[k] not in _HOP_PIPELINES:
+    for k, pipeline in enumerate(pipelines):
+        if pipeline not in _HOP_PIPELINES:
             continue
+        schedule = pipeline[1]
         rows = [per_rank[r][k] for r in range(len(per_rank))]
         stages = [[row for row in rows if row[5] == stage] for stage in (0, 1)]
         out.append((schedule, [{kind: statistics.mean(row[3][kind] for row in st) for kind in ("F", "B", "W")}
@@ -618,14 +619,14 @@ def _fit_line(points: list) -> tuple[float, float]:
 
 
 _OP_PIPELINES = ((2, "1f1b", 8), (2, "zero_bubble", 8), (10, "1f1b", 8), (10, "zero_bubble", 8))   # (layers, schedule, h)
-_HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16))    # the runtime's message latency's (h = 16)
+_HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16))    # those _fit_runtime_hop replays
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     """On each rank of 2-stage pipelines (2 processes; micro-batches of 2 sequences of 8 tokens)
-    of GPTs of ``(layers, schedule, h)`` each, all
-    compiled first, then stepped in turn, round after round, each step after a barrier (a
-    disturbance of the machine falls on all alike): per pipeline (thread CPU seconds of this
+    of GPTs of ``(layers, schedule, h)`` each, all compiled first, then stepped in turn, round
+    after round, each step after a barrier (a disturbance of the machine falls on all alike):
+    per pipeline (thread CPU seconds of this
     rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
     profile counts in its stage per micro-batch; CPU seconds per send or receive action;
     {kind: median thread CPU seconds of one action of that kind}; the median wall seconds of
