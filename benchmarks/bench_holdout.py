@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
@@ -11,13 +11,14 @@ against every plan it could have picked.
    stack of linear layers, GPTs of h=8, bare collectives and matmuls). Measured as
    tests/jobs/predict.py measures its small GPT: bytes by the counters, peak memory by the
    census plus the profiler's peak, median step time of the slowest rank with each model's
-   plans timed round-robin; predicted by ``evaluate_plan`` on the ``local`` preset. Prints a
+   plans timed in rounds, each plan a block of consecutive steps a round, the first of each
+   block not timed (``jobs.holdout.measured_cases``: a training loop's steady step); predicted by ``evaluate_plan`` on the ``local`` preset. Prints a
    row per (world, model, plan) and the mean and worst |predicted/measured - 1| of step time
    and memory, and how many rows' bytes are exact.
 2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
    narrow and deep, long sequences, the Llama), ``autopar.plan`` (local preset, no
    recomputation: compile has nothing that matches the planner's recomputation choice), and
-   every plan of its report's candidates, all measured round-robin the same way: each plan's
+   every plan of its report's candidates, all measured in the same rounds: each plan's
    predicted and measured step time and rank, and the chosen plan's measured time over the
    fastest measured one. Before that, ``autopar.tune`` measures the planner's first three in
    processes of its own and chooses one; its pick's time in this benchmark's measurement over
@@ -91,7 +92,7 @@ def _step(per_rank, k) -> float:
     return max(statistics.median(r[k]["times"]) for r in per_rank)
 
 
-def grid(worlds, steps: int, cluster, only=None) -> list:
+def grid(worlds, steps: int, cluster, only=None, block: int = 4) -> list:
     from autopar.testing import run
     from jobs.holdout import measured_cases
     models = grid_models()
@@ -100,8 +101,8 @@ def grid(worlds, steps: int, cluster, only=None) -> list:
         plan_list = [p for p in plans(world) if not only or any(o in p[0] for o in only)]
         pred = predictions(models, plan_list, cluster)
         t0 = time.perf_counter()
-        per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps,
-                       timeout=3600)
+        per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps, True,
+                       block, timeout=3600)
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
               f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores")
         print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
@@ -160,8 +161,8 @@ def _plan_kwargs(plan) -> dict:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if getattr(plan, f.name) != f.default}
 
 
-def quality(steps: int, cluster, world: int = 4) -> list:
-    """The planner's pick against every candidate of its report, measured round-robin."""
+def quality(steps: int, cluster, world: int = 4, block: int = 4) -> list:
+    """The planner's pick against every candidate of its report, measured in the same rounds."""
     import autopar
     from autopar.models import gpt_batch
     from autopar.testing import run
@@ -175,11 +176,11 @@ def quality(steps: int, cluster, world: int = 4) -> list:
                  if x_.fits]
         t0 = time.perf_counter()
         # autopar.tune over the planner's first TUNE_TOP candidates, in processes of its own; then
-        # every candidate measured by this benchmark, round-robin: tune's pick is judged by that
+        # every candidate measured by this benchmark, in the same rounds: tune's pick is judged by that
         tuned = cands[run(tune_pick, world, spec, batch, [(a, kw) for _, a, kw, _ in cands[:TUNE_TOP]], steps,
                           timeout=1800)[0]][0]
         per_rank = run(measured_cases, world, [(key, spec, batch, [(n, a, kw) for n, a, kw, _ in cands])], steps,
-                       False, timeout=1800)
+                       False, block, timeout=1800)
         measured = {n: _step(per_rank, (key, n)) for n, _, _, _ in cands}
         order = sorted(measured, key=measured.get)
         print(f"\n## planner quality: {key} ({c}), global batch {batch}, world {world}; {report.searched} plans "
@@ -244,13 +245,15 @@ def compare(path_a: str, path_b: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
-    ap.add_argument("--steps", type=int, default=7, help="timed rounds per plan (the median is reported)")
+    ap.add_argument("--steps", type=int, default=7, help="timed steps per plan, at least (the median is reported)")
+    ap.add_argument("--block", type=int, default=4,
+                    help="consecutive steps of a plan a round, the first not timed (1: one step each in turn)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--plans", nargs="+", metavar="PART",
                     help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
     ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
     ap.add_argument("--quality-steps", type=int, default=21,
-                    help="timed rounds per candidate of --quality (more than the grid's: the picks are a few %% apart)")
+                    help="timed steps per candidate, at least, of --quality (more than the grid's: the picks are a few %% apart)")
     ap.add_argument("--compare", nargs=2, metavar=("LOG_A", "LOG_B"),
                     help="two grids this script printed: how far their measurements of the same rows are apart")
     args = ap.parse_args()
@@ -261,9 +264,9 @@ def main():
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
-        grid(args.worlds, args.steps, c, args.plans)
+        grid(args.worlds, args.steps, c, args.plans, args.block)
     if args.quality:
-        quality(args.quality_steps, c)
+        quality(args.quality_steps, c, block=args.block)
 
 
 if __name__ == "__main__":

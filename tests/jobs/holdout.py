@@ -4,7 +4,6 @@ per rank, the bytes each plan sends per step, its peak memory and its step times
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ import autopar
 from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import steady_live_bytes
 
-from . import memory_peak
+from . import common, memory_peak
 
 
 def build(spec):
@@ -42,17 +41,19 @@ def prepared(spec, batch, axes, kw):
     return step, body, dm, opt
 
 
-def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
+def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = common.BLOCK) -> dict:
     """{(model key, plan name): {bytes, by_axis, peak, times}} on this rank for ``cases``, a list
     of (model key, spec, batch, [(plan name, mesh axes, plan kwargs), ...]). A model's plans
     are compiled one after another, each one's bytes (the counters, after two warm-up steps)
     and peak memory measured when it is compiled: ``memory_peak.peak_of`` (what lives between
     its steps, the census after zero_grad, plus the profiler's peak of what a step allocates on
     top, each profiled step after zero_grad), less what lived before it was compiled. Then the
-    model's plans are timed round-robin,
-    one step each per round, ``steps`` rounds, so that a disturbance of the machine falls on all
-    of them alike; then they are dropped before the next model. ``memory=False``: step times
-    only (no counters, no census)."""
+    model's plans are timed in rounds, so that a disturbance of the machine falls on all of
+    them alike: each round runs every plan for ``block`` consecutive steps and times all but the
+    first, until each plan has at least ``steps`` times; then they are dropped before the next
+    model. ``memory=False``: step times only (no counters, no census).
+
+    Blocks, not one step each in turn: see ``common.timed_rounds``."""
     torch.set_num_threads(1)
     out = {}
     for key, spec, batch, plans in cases:
@@ -75,12 +76,8 @@ def measured_cases(cases, steps: int = 7, memory: bool = True) -> dict:
         for step in runners.values():
             for _ in range(1 if memory else 2):
                 step()
-        for _ in range(steps):
-            for name, step in runners.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                out[(key, name)]["times"].append(time.perf_counter() - t0)
+        for name, times in common.timed_rounds(runners, steps, block).items():
+            out[(key, name)]["times"] = times
         del runners, step, body, dm, opt
         gc.collect()
         dist.barrier()

@@ -2,14 +2,13 @@
 measures per rank (bytes, peak memory, step time)."""
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist
 
 from autopar.models import GPTConfig
 
-from . import memory_peak
+from . import common, memory_peak
 
 PREDICT_CONFIG = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)
 PREDICT_BATCH = 16
@@ -34,8 +33,9 @@ def measured_plans(names=None, steps=7, extra=()):
     """Bytes per step, peak memory and step times of each plan in PREDICT_PLANS (and ``extra``
     (name, axes, plan kwargs) ones) on this rank. Bytes and memory are measured with each plan
     alone in the process (the census counts every live tensor); the step times with every plan
-    compiled again and timed round-robin, one step each per round, so that a disturbance of the
-    machine falls on all plans alike instead of on the one measured at the time."""
+    compiled again and timed in rounds (``common.timed_rounds``: each plan a block of consecutive
+    steps a round), so that a disturbance of the machine falls on all plans alike instead of on
+    the one measured at the time."""
     torch.set_num_threads(1)
     plans = [(name, axes, kw) for name, axes, kw in tuple(PREDICT_PLANS) + tuple(extra)
              if names is None or name in names]
@@ -44,14 +44,8 @@ def measured_plans(names=None, steps=7, extra=()):
     for _, (_, step) in runners.items():
         for _ in range(2):
             step()
-    for name in runners:
-        out[name]["times"] = []
-    for _ in range(steps):
-        for name, (_, step) in runners.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            out[name]["times"].append(time.perf_counter() - t0)
+    for name, times in common.timed_rounds({name: step for name, (_, step) in runners.items()}, steps).items():
+        out[name]["times"] = times
     dist.barrier()
     return out
 
