@@ -294,6 +294,13 @@ def sync_time(mode: str, n_tensors: int, c) -> float:
     return n_tensors * dict(c.device.sync_overhead).get(mode, 0.0)
 
 
+def tied_exchange_time(nbytes: float, link) -> float:
+    """Summing a tied weight's gradients between the two pipeline ranks that hold it: one
+    exchange of ``nbytes``, each rank's send and receive posted together (the runtime's
+    ``_sum_tied_grads``), so one point-to-point time, not two."""
+    return collective_time("p2p", nbytes, 2, link) if nbytes else 0.0
+
+
 def loss_broadcast_time(p: int, link) -> float:
     """The mean loss broadcast from the last stage over the pipeline's ``p`` ranks (a
     binomial tree of one-value messages)."""
@@ -513,16 +520,16 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             tail_t = [copies[s].up_tail(dp_time_tail[s]) for s in range(S)]
         after = [reduce_t[s] + opt_time[s] + tail_t[s] + sync[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
-        tied_t = collective_time("p2p", tied_bytes, 2, link_pp) if tied_bytes else 0.0
+        tied_t = tied_exchange_time(tied_bytes, link_pp)
         # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
         loss_t = loss_broadcast_time(p, link_pp)
-        step = pipe + max(per_rank_after) + 2 * tied_t + loss_t
+        step = pipe + max(per_rank_after) + tied_t + loss_t
         for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
             mine = [s for s in range(S) if s % p == r]
             t0 = pipe
             up = "params up + all_gather" if plan.offload == "optimizer" else "all_gather params"
             for label, lane, dur in (("dp reduction (deferred)", "comm", sum(reduce_t[s] + sync[s] for s in mine)),
-                                     ("tied gradients", "comm", 2 * tied_t),
+                                     ("tied gradients", "comm", tied_t),
                                      ("loss broadcast", "comm", loss_t),
                                      ("optimizer", "compute", sum(opt_time[s] for s in mine)),
                                      (up, "comm", sum(tail_t[s] for s in mine))):
@@ -531,7 +538,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     t0 += dur
         tp_exposed = m * max(sum(tpf[a:b]) + sum(tpb[a:b]) for a, b in bounds)
         compute = busy - tp_exposed
-        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + 2 * tied_t + loss_t
+        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + tied_t + loss_t
         worst_r = max(range(p), key=lambda r: per_rank_after[r])
         host_exposed = tuple(sum(x[s] - y[s] for s in range(S) if s % p == worst_r)
                              for x, y in ((reduce_t, [sum(r) for r in dp_bwd_reduce]), (tail_t, dp_time_tail)))

@@ -33,7 +33,7 @@ from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import group_time
 from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
-                       optimizer_time, padded_sum, saved_bytes, sync_time)
+                       optimizer_time, padded_sum, saved_bytes, sync_time, tied_exchange_time)
 from .memory import FP32, MIXED_PRECISION, persistent_bytes
 from .profile import GroupCost, Profile
 from .replay import closed_form_pipeline
@@ -220,8 +220,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         pipe += 2 * (p - 1) * hop
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
         tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
-        step = pipe + red + opt + tail + (2 * collective_time("p2p", tied, 2, lpp) if tied else 0.0)
-        step += loss_broadcast_time(p, lpp)
+        step = pipe + red + opt + tail + tied_exchange_time(tied, lpp) + loss_broadcast_time(p, lpp)
     # ---- memory (the busiest rank)
     flight = inflight_microbatches(plan.pp_schedule, p, m, v, 0)
 

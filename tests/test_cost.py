@@ -85,6 +85,22 @@ def test_alpha_beta_times():
     assert collective_time("all_gather", 1e6, 1, nvlink) == 0.0
 
 
+def test_a_tied_table_costs_one_exchange_after_the_pipeline():
+    """The two stages holding a tied embedding / LM head sum its gradients by one exchange, each
+    posting its send and receive together (``_sum_tied_grads``): one point-to-point transfer of
+    the table's gradient (the preset's training dtype) on the pipeline's link, alpha + bytes /
+    bandwidth, not two."""
+    c = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=2, max_seq=8)
+    x, _ = gpt_batch(c, 8)
+    cluster = get_cluster("dgx-a100-80gb")
+    e = evaluate_plan(Profiles(TinyGPT(c), (x,)), {"pp": 2}, autopar.Plan(pp_schedule="gpipe", microbatches=2),
+                      cluster, 8)
+    tied = [end - start for _, _, label, start, end in e.timeline if label == "tied gradients"]
+    assert tied and len(set(tied)) == 1, tied
+    link = cluster.intra                      # 2 GPUs of one node
+    assert tied[0] == pytest.approx(link.latency + 64 * 32 * cluster.device.dtype_bytes / link.bandwidth)
+
+
 # ---- memory: published figures ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,published_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
