@@ -1,13 +1,16 @@
 """tune: the planner's best candidates measured on this cluster, and the fastest one chosen.
 
 The cost model ranks plans by prediction; where its best candidates are closer to each other
-than its error on the machine at hand (BENCHMARKS.md: about 15% per row on the local CPU
+than its error on the machine at hand (BENCHMARKS.md: about 11% per row on the local CPU
 preset, where ranks share cores), only a measurement tells them apart. Run on every rank of a
 process group (torchrun, or ``autopar.testing.run``), ``autopar.tune`` compiles each candidate
-on a copy of the model, warms each up, then steps them in turn, one training step each per
-round after a barrier (a disturbance of the machine then falls on all of them alike), and
-takes each candidate's median over the rounds of its slowest rank's step (the all-reduced
-maximum, so every rank sees the same numbers and chooses the same plan)::
+on a copy of the model, warms each up, then steps them in rounds (a disturbance of the machine
+then falls on all of them alike): each round runs every candidate for ``block`` consecutive
+training steps, each after a barrier, and times all but the first, since a training loop runs
+one plan step after step and the step right after another candidate's starts with that
+candidate's model in the caches (BENCHMARKS.md, hold-out runs 22-24: ZeRO-1 30% slower, ddp 11%).
+It takes each candidate's median timed step of its slowest rank (the all-reduced maximum, so
+every rank sees the same numbers and chooses the same plan)::
 
     report = autopar.plan(model, dist.get_world_size(), example_inputs=(x,))
     tuned = autopar.tune(model, report, example_inputs=(x,), targets=y, loss_fn=loss_fn)
@@ -48,8 +51,8 @@ def _mesh_text(axes: dict) -> str:
 @dataclass
 class TuneRow:
     """One measured candidate: its mesh axes and plan, the cost model's prediction (None when
-    the candidate came without one) and the measured step (the median over rounds of the
-    slowest rank's step, and every round's)."""
+    the candidate came without one) and the measured step (the median of the slowest rank's
+    timed steps, and every timed step's, in the order run)."""
     axes: dict
     plan: Plan
     predicted_s: Optional[float]
@@ -69,9 +72,12 @@ class TuneReport:
     chosen: TuneRow
     steps: int
     warmup: int
+    block: int = 1
 
     def explain(self) -> str:
-        head = (f"tune: {len(self.rows)} candidates, each {self.warmup} warm-up and {self.steps} timed steps in turn; "
+        rounds = (f"in rounds of {self.block} consecutive steps each, the first untimed" if self.block > 1
+                  else "one step each in turn")
+        head = (f"tune: {len(self.rows)} candidates, each {self.warmup} warm-up and {self.steps} timed steps, {rounds}; "
                 "the median of the slowest rank's step")
         lines = [head, f"{'#':>2}  {'mesh':24s} {'plan':66s} {'predicted ms':>12s} {'measured ms':>11s} "
                        f"{'/ fastest':>9s}"]
@@ -139,21 +145,23 @@ def _stepper(dm, plan: Plan, opt, inputs: tuple, kwargs: dict, targets, loss_fn)
 
 def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, targets=None, loss_fn=None,
          optimizer=torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None, steps: int = 7, warmup: int = 2,
-         top: int = 3) -> TuneReport:
+         top: int = 3, block: int = 4) -> TuneReport:
     """Measure ``candidates`` (the ``PlanReport`` of ``autopar.plan``: its first ``top`` that
     fit; or a list of (mesh axes, Plan)) on this process group and choose the fastest. Every
     rank calls it alike. ``example_inputs`` / ``example_kwargs`` / ``targets`` are one global
     batch (each candidate's ranks step their data-parallel slice), the loss
     ``loss_fn(output, targets)`` or, without ``loss_fn``, the model's own (``output.loss``).
     ``optimizer`` (a class, with ``optimizer_kwargs``) is what each candidate steps, through
-    ``DistributedModule.optimizer``. ``model`` is left as it is: each candidate compiles a copy."""
+    ``DistributedModule.optimizer``. ``model`` is left as it is: each candidate compiles a copy.
+    ``steps`` timed steps of each candidate, in rounds of ``block`` consecutive steps of one
+    candidate, the first of each untimed (``block=1``: one step each in turn, all timed)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tune measures the candidates on the ranks that will run them and found no process "
                            "group: call it on every rank after torch.distributed.init_process_group (torchrun), "
                            "or through autopar.testing.run")
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"tune(steps={steps}, warmup={warmup}): expected at least one timed step and no negative "
-                         "warm-up")
+    if steps < 1 or warmup < 0 or block < 1:
+        raise ValueError(f"tune(steps={steps}, warmup={warmup}, block={block}): expected at least one timed step, no "
+                         "negative warm-up and blocks of at least one step")
     cands = _candidates(candidates, top)
     _check(cands, dist.get_world_size())
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
@@ -180,13 +188,19 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
         for _ in range(warmup):
             step()
     times = torch.zeros(steps, len(runners), dtype=torch.float64)
-    for i in range(steps):
+    per_block = max(1, block - 1)          # timed steps a block
+    for first in range(0, steps, per_block):
+        timed = min(per_block, steps - first)
         for j, (*_, step) in enumerate(runners):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times[i, j] = time.perf_counter() - t0
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)      # each round's slowest rank, the same on every rank
+            for i in range(timed + (block > 1)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                if block > 1 and i == 0:
+                    continue       # the step right after another candidate's: not what a training loop runs
+                times[first + i - (block > 1), j] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)      # each timed step's slowest rank, the same on every rank
     rows = [TuneRow(axes, plan, predicted, statistics.median(times[:, j].tolist()), times[:, j].tolist())
             for j, (axes, plan, predicted, _) in enumerate(runners)]
-    return TuneReport(rows=rows, chosen=min(rows, key=lambda r: r.measured_s), steps=steps, warmup=warmup)
+    return TuneReport(rows=rows, chosen=min(rows, key=lambda r: r.measured_s), steps=steps, warmup=warmup,
+                      block=block)

@@ -35,7 +35,8 @@ def test_tune_measures_every_candidate_alike_on_every_rank_and_picks_the_fastest
     for other in ranks[1:]:      # the slowest rank's times, all-reduced: one table, one choice everywhere
         assert other[:2] == (rows, chosen)
     assert all(r[2] is None for r in rows)                      # given pairs carry no prediction
-    assert all(len(r[4]) == 5 and min(r[4]) > 0 for r in rows)  # 5 timed rounds each
+    assert all(len(r[4]) == 5 and min(r[4]) > 0 for r in rows)  # 5 timed steps each
+    assert "in rounds of 4 consecutive steps each, the first untimed" in text.splitlines()[0], text
     # GPipe with 8 one-row micro-batches runs 8 passes each way and 16 messages per rank where
     # ddp runs one pass each way: several times slower, whatever the machine's noise
     assert rows[1][3] > 2 * rows[0][3], text
