@@ -2,7 +2,7 @@
 against every plan it could have picked.
 
     python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
-    python benchmarks/bench_holdout.py --compare LOG_A LOG_B
+    python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
    sequence lengths 16/48, and the test suite's Llama (``autopar.models.Llama()``), under one
@@ -23,15 +23,16 @@ against every plan it could have picked.
    fastest measured one. Before that, ``autopar.tune`` measures the planner's first three in
    processes of its own and chooses one; its pick's time in this benchmark's measurement over
    the fastest is printed beside the planner's.
-3. ``--compare LOG_A LOG_B``: two grids this script printed (its output saved), the same rows
-   measured twice: how far apart the two measurements are (the noise floor any prediction
+3. ``--compare LOG_A LOG_B [LOG ...]``: grids this script printed (its output saved), the same
+   rows measured in each: how far apart the measurements are (the noise floor any prediction
    is judged against), and each run's prediction error against its own measurement and
-   against the two measurements' geometric mean.
+   against the geometric mean of all the runs' measurements.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import statistics
@@ -222,24 +223,35 @@ def parse_grid(path: str) -> dict:
     return rows
 
 
-def compare(path_a: str, path_b: str) -> None:
-    """How far two printed grids' measurements of the same rows are apart (the measurement's
-    own repeatability: no prediction can be closer to one run than the runs are to each other),
-    and each run's prediction error against its own measurement and against the two runs'
-    geometric mean."""
-    a, b = parse_grid(path_a), parse_grid(path_b)
-    for world in sorted({k[0] for k in a} & {k[0] for k in b}):
-        keys = [k for k in a if k in b and k[0] == world]
-        again = [abs(b[k][0] / a[k][0] - 1) for k in keys]
-        print(f"world {world}: {len(keys)} rows measured in both; measured B / measured A: mean |ratio - 1| "
-              f"{statistics.mean(again):.1%}, worst {max(again):.1%}, {sum(x <= 0.10 for x in again)} within 10%, "
-              f"{sum(x <= 0.25 for x in again)} within 25%")
-        for name, run in (("A", a), ("B", b)):
+def compare(*paths: str) -> None:
+    """How far printed grids' measurements of the same rows are apart (the measurement's own
+    repeatability: no prediction can be closer to one run than the runs are to each other):
+    each pair of runs, and each run's prediction error against its own measurement and
+    against the geometric mean of every run's measurement of the row (rows as printed, 0.1 ms)."""
+    if len(paths) < 2:
+        raise SystemExit(f"--compare needs at least two grids this script printed; got {len(paths)}")
+    runs = [parse_grid(p) for p in paths]
+    names = [chr(ord("A") + i) for i in range(len(runs))]
+    print("runs: " + ", ".join(f"{n} = {p}" for n, p in zip(names, paths)))
+    worlds = sorted(set.intersection(*({k[0] for k in r} for r in runs)))
+    for world in worlds + ([None] if len(worlds) > 1 else []):
+        keys = [k for k in runs[0] if world in (None, k[0]) and all(k in r for r in runs)]
+        label = f"world {world}" if world is not None else "all worlds"
+        for i in range(len(runs)):
+            for j in range(i + 1, len(runs)):
+                again = [abs(runs[j][k][0] / runs[i][k][0] - 1) for k in keys]
+                print(f"{label}: {len(keys)} rows measured in all; measured {names[j]} / measured {names[i]}: mean "
+                      f"|ratio - 1| {statistics.mean(again):.1%}, worst {max(again):.1%}, {sum(x <= 0.10 for x in again)} "
+                      f"within 10%, {sum(x <= 0.25 for x in again)} within 25%")
+        geo = {k: math.exp(statistics.mean(math.log(r[k][0]) for r in runs)) for k in keys}
+        for name, run in zip(names, runs):
             own = [abs(run[k][1] / run[k][0] - 1) for k in keys]
-            both = [abs(run[k][1] / (a[k][0] * b[k][0]) ** 0.5 - 1) for k in keys]
+            both = [abs(run[k][1] / geo[k] - 1) for k in keys]
+            spread = [abs(run[k][0] / geo[k] - 1) for k in keys]
             print(f"  run {name}'s prediction against its own measurement: mean {statistics.mean(own):.1%}, worst "
-                  f"{max(own):.1%}; against the two runs' geometric mean: mean {statistics.mean(both):.1%}, "
-                  f"worst {max(both):.1%}")
+                  f"{max(own):.1%}; against the runs' geometric mean: mean {statistics.mean(both):.1%}, worst "
+                  f"{max(both):.1%}, {sum(x <= 0.25 for x in both)} within 25% (its measurement from that mean: mean "
+                  f"{statistics.mean(spread):.1%}, worst {max(spread):.1%})")
 
 
 def main():
@@ -254,8 +266,9 @@ def main():
     ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
     ap.add_argument("--quality-steps", type=int, default=21,
                     help="timed steps per candidate, at least, of --quality (more than the grid's: the picks are a few %% apart)")
-    ap.add_argument("--compare", nargs=2, metavar=("LOG_A", "LOG_B"),
-                    help="two grids this script printed: how far their measurements of the same rows are apart")
+    ap.add_argument("--compare", nargs="+", metavar="LOG",
+                    help="two or more grids this script printed: how far their measurements of the same rows are "
+                         "apart, and each run's predictions against their geometric mean")
     args = ap.parse_args()
     if args.compare:
         compare(*args.compare)
