@@ -58,6 +58,9 @@ class Link:
     hop: float = 0.0     # measured links: seconds a pipeline's message costs its schedule as a latency
     #                      from its send to the receiver waiting on it (the replay of autopar's own
     #                      1F1B pipelines fitted to their measured schedules); 0: the p2p fit alone
+    hop_interleaved: float = 0.0   # measured links: the same under the interleaved schedule (every
+    #                      chunk boundary a message, each rank's chunks taking turns), fitted likewise
+    #                      on autopar's own interleaved pipelines; 0: ``hop``
     wake: float = 0.0    # measured links of ranks sharing cores: seconds a rank woken by its message
     #                      waits for a core when all are taken (fitted like hop, hop kept at the
     #                      uncrowded link's)

@@ -109,11 +109,12 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     return min(_fn(kind, a)(alpha, beta, float(nbytes), float(p)) for a in names)
 
 
-def pipeline_hop_time(nbytes: float, link, *, after: float | None = None) -> float:
+def pipeline_hop_time(nbytes: float, link, *, after: float | None = None, schedule: str | None = None) -> float:
     """Seconds of one pipeline message of ``nbytes``: the link's measured ``hop`` latency (fitted
-    on autopar's own pipelines, when measured) plus the p2p fit's per-byte time, else the p2p
+    on autopar's own pipelines, when measured; under the interleaved ``schedule`` its
+    ``hop_interleaved`` where measured) plus the p2p fit's per-byte time, else the p2p
     collective time."""
-    hop = getattr(link, "hop", 0.0)
+    hop = (schedule == "interleaved" and getattr(link, "hop_interleaved", 0.0)) or getattr(link, "hop", 0.0)
     fits = [f for f in getattr(link, "fits", ()) if f[0] == "p2p"]
     if hop and fits:
         return hop + fits[0][3] * float(nbytes)

@@ -509,7 +509,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
             Bs = [both(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
-        hop = [pipeline_hop_time(p2p_bytes[s], link_pp, after=sum(f_stage[s])) for s in range(S)]
+        hop = [pipeline_hop_time(p2p_bytes[s], link_pp, after=sum(f_stage[s]), schedule=plan.pp_schedule)
+               for s in range(S)]
         pipe, bubble, busy = pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
                                             wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers

@@ -206,7 +206,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
             red = collective_time(red_kind, (pre_pad if mode != "ddp" else pre_psi) * gbytes, n, ldp)
         step = fwd + bwd + red + opt + tail + c.device.pass_overhead * slow
     else:
-        hop = pipeline_hop_time(layer.out_bytes, lpp) + (getattr(lpp, "wake", 0.0) if slow > 1 else 0.0)
+        hop = pipeline_hop_time(layer.out_bytes, lpp, schedule=plan.pp_schedule) + \
+            (getattr(lpp, "wake", 0.0) if slow > 1 else 0.0)
         fb = [mid * (Fl + Bl) + Fp + Bp] + [mid * (Fl + Bl)] * (p - 2) + [mid * (Fl + Bl) + Fo + Bo]
         # each stage pass's own cost, and its receive and send forward and backward
         fb = [x + v * (c.device.pass_overhead + 4 * c.device.message_overhead) * slow for x in fb]

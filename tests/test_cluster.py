@@ -56,7 +56,7 @@ def test_every_preset_number_has_a_source(name):
     for f in ("device.matmul_efficiency", "device.memory_efficiency"):
         assert "calibrated elsewhere" not in cited[f] and any(ch.isdigit() for ch in cited[f]), cited[f]
     for level in (c.intra, c.inter, c.host):
-        assert (level.fits, level.hop, level.wake, level.skew) == ((), 0.0, 0.0, ())
+        assert (level.fits, level.hop, level.hop_interleaved, level.wake, level.skew) == ((), 0.0, 0.0, 0.0, ())
     assert c.shared is None and c.contention == ()
     assert all(text in c.source for text in cited.values())
 
@@ -150,6 +150,34 @@ def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1e-4)], 2, alone) == 0.0
 
 
+def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_them():
+    """An interleaved pipeline (2 stages a rank: 4 stages, the probe's replay) is replayed with
+    its 4 stages, and the fit inverts the replay: a schedule made with latency h fits h. The
+    calibration fits each schedule on its own pipelines (``schedules``), and the estimate's
+    message time takes ``hop_interleaved`` for the interleaved schedule only."""
+    from autopar.cost.calibration import local
+    from autopar.cost.comm import pipeline_hop_time
+    from autopar.cost.replay import simulate_shared
+    from autopar.schedule import build_schedule
+    f, b, msg, h = 4e-4, 7e-4, 1e-4, 1.3e-3
+    per_stage = [{"F": f, "B": b, "W": 0.0}] * 4
+    alone = ((2, 1.0), (4, 1.0))
+    sched = build_schedule("interleaved", 2, 4, 2)
+    measured = simulate_shared(sched, duration=lambda a: (f if a.kind == "F" else b) + msg,
+                               latency=lambda a: h).makespan
+    replays = [("interleaved", per_stage, [msg] * 4, measured),
+               ("1f1b", per_stage[:2], [msg] * 2, (4 + 1) * (f + b + 2 * msg) + 2 * 5e-4)]
+    assert local._fit_runtime_hop(replays, 2, alone, ("interleaved",)) == pytest.approx(h, rel=1e-6)
+    one = local._fit_runtime_hop(replays, 2, alone, ("1f1b",))
+    assert 0 <= one < h and one != pytest.approx(h)
+    link = Link("gloo", 1e9, 1e-4, fits=(("p2p", 2, 1e-4, 1e-9),), hop=5e-4, hop_interleaved=h)
+    assert pipeline_hop_time(1000, link, schedule="interleaved") == pytest.approx(h + 1e-6)
+    for schedule in ("1f1b", "zero_bubble", None):
+        assert pipeline_hop_time(1000, link, schedule=schedule) == pytest.approx(5e-4 + 1e-6)
+    assert pipeline_hop_time(1000, dataclasses.replace(link, hop_interleaved=0.0),
+                             schedule="interleaved") == pytest.approx(5e-4 + 1e-6)
+
+
 def test_invalid_numbers_are_refused():
     with pytest.raises(ValueError, match="bandwidth"):
         Link("nvlink", 0.0, 1e-6)
@@ -194,6 +222,8 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     # what a message costs autopar's own pipelines, the same on ranks sharing cores
     assert 0.0 <= c.intra.hop < 1e-2 and "autopar's own 2-stage 1F1B pipelines" in c.source
     assert c.shared is None or c.shared.hop == c.intra.hop
+    assert 0.0 <= c.intra.hop_interleaved < 1e-2 and "hop_interleaved" in c.source
+    assert c.shared is None or c.shared.hop_interleaved == c.intra.hop_interleaved
     assert 1e-6 <= c.intra.latency <= 1e-2
     assert 1e7 <= c.intra.bandwidth <= 1e11
     assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)

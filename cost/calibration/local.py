@@ -555,21 +555,23 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, flo
 def _replays(pipelines: tuple, per_rank: list) -> list:
     """What ``_fit_runtime_hop`` replays of ``_op_overhead_probe``'s results (a list per rank)
     for the ``_HOP_PIPELINES`` among ``pipelines``: (schedule, per stage {kind: action CPU
-    seconds}, per stage a message's CPU seconds; the slowest rank's schedule)."""
+    seconds}, per stage a message's CPU seconds; the slowest rank's schedule). An interleaved
+    pipeline's 4 stages take their rank's times (stage s runs on rank s % 2)."""
     out = []
     for k, pipeline in enumerate(pipelines):
         if pipeline not in _HOP_PIPELINES:
             continue
         schedule = pipeline[1]
         rows = [per_rank[r][k] for r in range(len(per_rank))]
-        stages = [[row for row in rows if row[5] == stage] for stage in (0, 1)]
+        ranks = [[row for row in rows if row[5] == r] for r in (0, 1)]
+        stages = [ranks[s % 2] for s in range(4 if schedule == "interleaved" else 2)]
         out.append((schedule, [{kind: statistics.mean(row[3][kind] for row in st) for kind in ("F", "B", "W")}
                                for st in stages],
                     [statistics.mean(row[2] for row in st) for st in stages], max(row[4] for row in rows)))
     return out
 
 
-def _fit_runtime_hop(replays: list, cores: int, contention: tuple) -> float:
+def _fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tuple | None = None) -> float:
     """The message latency at which the cost model's replay of autopar's own pipelines lasts
     their measured schedules: the op-overhead probe's 1F1B pipelines of GPTs of h = 16
     (``_HOP_PIPELINES``; ``_measure_op_overhead``'s ``replays``: per pipeline its schedule, each
@@ -588,12 +590,18 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple) -> float:
     pipelines are of h = 16: outside the h = 8 case, and none of the hold-out grid's widths
     (32, 64, 96). The zero-bubble schedule is left out: its replay of its own measured actions
     can be longer than its measured schedule with no latency at all, so it cannot say what a
-    message costs."""
+    message costs. ``schedules``: the replays of those schedules only (None: all).
+
+    The interleaved schedule's messages cost more (2026-12-04, replays of measured actions on 2
+    processes: GPTs of h = 16 and 64 with 4 layers lose 1.05-1.41 ms a message interleaved,
+    0.45-1.03 ms under 1F1B), so its pipelines are fitted apart (``Link.hop_interleaved``)."""
     crowd = functools.partial(slowdown, contention, cores)
     speed, placement = pipeline_placement(2, 2, cores, crowd) if crowd(2) > 1 else (1.0, None)
     fits = []
     for schedule_name, per_stage, msg, measured in replays:
-        s = build_schedule(schedule_name, 2, 4)
+        if schedules is not None and schedule_name not in schedules:
+            continue
+        s = build_schedule(schedule_name, 2, 4, len(per_stage) // 2)
 
         def duration(a):
             t = per_stage[a.stage][a.kind]
@@ -619,7 +627,7 @@ def _fit_line(points: list) -> tuple[float, float]:
 
 
 _OP_PIPELINES = ((2, "1f1b", 8), (2, "zero_bubble", 8), (10, "1f1b", 8), (10, "zero_bubble", 8))   # (layers, schedule, h)
-_HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16))    # those _fit_runtime_hop replays
+_HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16), (4, "interleaved", 16))    # those _fit_runtime_hop replays
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
@@ -630,10 +638,12 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
     profile counts in its stage per micro-batch; CPU seconds per send or receive action;
     {kind: median thread CPU seconds of one action of that kind}; the median wall seconds of
-    the step's schedule, ``train_step``'s own timer; this rank's stage)."""
+    the step's schedule, ``train_step``'s own timer; this rank's pipeline index). The
+    interleaved schedule runs 2 stages a rank."""
     torch.set_num_threads(1)
     m = 4
     spent = {"compute": 0.0, "message": 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
+    count = {"message": 0, "F": 0, "B": 0, "W": 0}
 
     def loss(out, target):
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
@@ -643,7 +653,8 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         torch.manual_seed(0)
         x, t = gpt_batch(c, 8)
         dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
-                             plan=Plan(pp_schedule=schedule, microbatches=m))
+                             plan=Plan(pp_schedule=schedule, microbatches=m,
+                                       virtual_stages=2 if schedule == "interleaved" else 1))
         opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
         lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
         run_action = dm._run
@@ -656,6 +667,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
                 took = time.thread_time() - c0
                 compute = a.kind in ("F", "B", "W")
                 spent["compute" if compute else "message"] += took
+                count[a.kind if compute else "message"] += 1
                 if compute:
                     spent[a.kind] += took
 
@@ -669,7 +681,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
 
         groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
         cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
-        stage = int(next(iter(dm.stages)))
+        stage = min(int(k) for k in dm.stages)      # this rank's pipeline index
         mine = groups[cut:] if stage else groups[:cut]
         return step, float(sum(g.ops for g in mine)), stage
 
@@ -678,14 +690,15 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     for i in range(steps + 3):
         for k, (step, _, _) in enumerate(runs):
             spent.update(compute=0.0, message=0.0, F=0.0, B=0.0, W=0.0)
+            count.update(message=0, F=0, B=0, W=0)
             dist.barrier()
             schedule = step()
             if i >= 3:
                 g = got[k]
                 g["compute"].append(spent["compute"] / m)
-                g["message"].append(spent["message"] / (2 * m))     # a receive and a send per micro-batch
+                g["message"].append(spent["message"] / max(count["message"], 1))
                 for kind in ("F", "B", "W"):
-                    g[kind].append(spent[kind] / m)
+                    g[kind].append(spent[kind] / max(count[kind], 1))      # one action's
                 g["schedule"].append(schedule)
     dist.barrier()
     return [(statistics.median(g["compute"]), ops, statistics.median(g["message"]),
@@ -908,10 +921,11 @@ def _measure_local() -> Cluster:
         torch.set_num_threads(threads)
     contention = _slowdowns(alone, loops)
     synthetic_hop = _fit_hop(pipe_alone, _GLOO_WORLD, cores, contention)
-    gloo = dataclasses.replace(gloo, hop=_fit_runtime_hop(replays, cores, contention))
+    gloo = dataclasses.replace(gloo, hop=_fit_runtime_hop(replays, cores, contention, ("1f1b",)),
+                               hop_interleaved=_fit_runtime_hop(replays, cores, contention, ("interleaved",)))
     if shared is not None:
-        shared = dataclasses.replace(shared, hop=gloo.hop, wake=_fit_hop(pipe_shared, 2 * cores, cores, contention,
-                                                                         hop=gloo.hop))
+        shared = dataclasses.replace(shared, hop=gloo.hop, hop_interleaved=gloo.hop_interleaved,
+                                     wake=_fit_hop(pipe_shared, 2 * cores, cores, contention, hop=gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
         f"measured on {socket.gethostname()} at {when} by autopar.cost.calibration.calibrate_local "
@@ -957,9 +971,12 @@ def _measure_local() -> Cluster:
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if shared else "",
         f"hop: the message latency at which the model's replay of autopar's own 2-stage 1F1B pipelines "
-        f"(4 micro-batches, GPTs of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES)} layers, run with the "
-        f"op_overhead probe; each stage's measured F and B action CPU times plus a message's, the contention of "
-        f"2 ranks) lasts their measured schedules, the median: {gloo.hop * 1e3:.2f} ms on {_GLOO_WORLD} processes "
+        f"(4 micro-batches, GPTs of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == '1f1b')} "
+        f"layers, run with the op_overhead probe; each stage's measured F and B action CPU times plus a message's, "
+        f"the contention of 2 ranks) lasts their measured schedules, the median: {gloo.hop * 1e3:.2f} ms on "
+        f"{_GLOO_WORLD} processes; hop_interleaved: the same for the interleaved schedule (2 stages a rank, GPTs "
+        f"of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == 'interleaved')} layers): "
+        f"{gloo.hop_interleaved * 1e3:.2f} ms "
         f"(a synthetic pipeline of bare matmuls, {_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / {_PIPE_B * 1e3:g} ms, "
         f"receives posted before the step, fits {synthetic_hop * 1e3:.2f} ms)"
         + (f"; on {2 * cores} (shared) that hop, and a woken rank's wait for a core when all are taken, "
