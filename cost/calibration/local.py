@@ -528,10 +528,10 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, flo
     micro-batch besides its ops (its call, the runtime's autograd functions and hooks). A send
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
-    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. The four
-    pipelines are stepped in turn in one job (``_op_overhead_probe``). Last, per pipeline, what
-    its replay needs (``_fit_runtime_hop``): each stage's median F, B and W action and message
-    CPU times, and the step's schedule as the slowest rank timed it."""
+    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. These four
+    pipelines and the ``_HOP_PIPELINES`` are stepped in turn in one job (``_op_overhead_probe``).
+    Last, per hop pipeline, what its replay needs (``_fit_runtime_hop``): each stage's median F,
+    B and W action and message CPU times, and the step's schedule as the slowest rank timed it."""
     points, messages, split = [], [], []
     pipelines = _OP_PIPELINES + _HOP_PIPELINES
     per_rank = ranks(_op_overhead_probe, 2, pipelines, timeout=240)     # a list per rank
