@@ -8,7 +8,7 @@ on a copy of the model, warms each up, then steps them in rounds (a disturbance 
 then falls on all of them alike): each round runs every candidate for ``block`` consecutive
 training steps, each after a barrier, and times all but the first, since a training loop runs
 one plan step after step and the step right after another candidate's starts with that
-candidate's model in the caches (BENCHMARKS.md, hold-out runs 22-24: ZeRO-1 30% slower, ddp 11%).
+candidate's model in the caches (BENCHMARKS.md, hold-out runs 22-25: ZeRO-1 30% slower, ddp 11%).
 It takes each candidate's median timed step of its slowest rank (the all-reduced maximum, so
 every rank sees the same numbers and chooses the same plan)::
 
