@@ -6,10 +6,9 @@ preset, where ranks share cores), only a measurement tells them apart. Run on ev
 process group (torchrun, or ``autopar.testing.run``), ``autopar.tune`` compiles each candidate
 on a copy of the model, warms each up, then steps them in rounds (a disturbance of the machine
 then falls on all of them alike): each round runs every candidate for ``block`` consecutive
-training steps, each after a barrier, and times all but the first, since a training loop runs
-one plan step after step and the step right after another candidate's starts with that
-candidate's model in the caches (BENCHMARKS.md, hold-out runs 22-25: ZeRO-1 30% slower, ddp 11%).
-It takes each candidate's median timed step of its slowest rank (the all-reduced maximum, so
+training steps, each after a barrier, and times all but the first (``timed_rounds``: the step
+right after another candidate's starts with that candidate's model in the caches; a training
+loop's steps do not). It takes each candidate's median timed step of its slowest rank (the all-reduced maximum, so
 every rank sees the same numbers and chooses the same plan)::
 
     report = autopar.plan(model, dist.get_world_size(), example_inputs=(x,))
@@ -41,7 +40,7 @@ from .mesh import Mesh
 from .planspec import Plan
 from .runtime.module import model_loss
 
-__all__ = ["tune", "TuneReport", "TuneRow"]
+__all__ = ["tune", "TuneReport", "TuneRow", "timed_rounds"]
 
 
 def _mesh_text(axes: dict) -> str:
@@ -143,6 +142,33 @@ def _stepper(dm, plan: Plan, opt, inputs: tuple, kwargs: dict, targets, loss_fn)
     return step
 
 
+def timed_rounds(steps_by_name: dict, steps: int, block: int = 4) -> dict:
+    """{name: seconds of each of its ``steps`` timed steps, in the order run} of the step
+    functions in ``steps_by_name`` (every rank calls it alike), timed in rounds so that a
+    disturbance of the machine falls on all of them alike: each round runs every one for
+    ``block`` consecutive steps, each after a barrier, and times all but the first (the last
+    round's blocks shorter where ``steps`` ends); ``block=1``: one step each in turn, all timed.
+
+    Why blocks: a training loop runs one plan step after step. A step right after another
+    model's starts with that model's parameters, optimizer state and activations in the caches
+    instead of its own. Measured on 2 processes (gpt h96 L2 s16, the 9 plans of the hold-out
+    grid at world 2, three interleaved repeats, 2026-12-04; BENCHMARKS.md, hold-out runs 22-25):
+    ddp took 8.1 ms a step one step each in turn, 7.2 ms in blocks of 4 and 6.7 ms alone;
+    ZeRO-1 11.6 and 8.9 ms, ZeRO-2 10.1 and 8.1 ms."""
+    times = {name: [] for name in steps_by_name}
+    per_block = max(1, block - 1)          # timed steps a block
+    for first in range(0, steps, per_block):
+        timed = min(per_block, steps - first)
+        for name, step in steps_by_name.items():
+            for i in range(timed + (block > 1)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                if i or block <= 1:        # a block's first step follows another model's: not timed
+                    times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, targets=None, loss_fn=None,
          optimizer=torch.optim.AdamW, optimizer_kwargs: Optional[dict] = None, steps: int = 7, warmup: int = 2,
          top: int = 3, block: int = 4) -> TuneReport:
@@ -187,20 +213,10 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
     for *_, step in runners:
         for _ in range(warmup):
             step()
-    times = torch.zeros(steps, len(runners), dtype=torch.float64)
-    per_block = max(1, block - 1)          # timed steps a block
-    for first in range(0, steps, per_block):
-        timed = min(per_block, steps - first)
-        for j, (*_, step) in enumerate(runners):
-            for i in range(timed + (block > 1)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                if block > 1 and i == 0:
-                    continue       # the step right after another candidate's: not what a training loop runs
-                times[first + i - (block > 1), j] = time.perf_counter() - t0
+    measured = timed_rounds({j: step for j, (*_, step) in enumerate(runners)}, steps, block)
+    times = torch.tensor([measured[j] for j in range(len(runners))], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)      # each timed step's slowest rank, the same on every rank
-    rows = [TuneRow(axes, plan, predicted, statistics.median(times[:, j].tolist()), times[:, j].tolist())
+    rows = [TuneRow(axes, plan, predicted, statistics.median(times[j].tolist()), times[j].tolist())
             for j, (axes, plan, predicted, _) in enumerate(runners)]
     return TuneReport(rows=rows, chosen=min(rows, key=lambda r: r.measured_s), steps=steps, warmup=warmup,
                       block=block)
