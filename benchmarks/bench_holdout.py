@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 7] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
@@ -10,11 +10,16 @@ against every plan it could have picked.
    on 2 and on 4 gloo processes. The local calibration's probes run none of these (a synthetic
    stack of linear layers, GPTs of h=8, bare collectives and matmuls). Measured as
    tests/jobs/predict.py measures its small GPT: bytes by the counters, peak memory by the
-   census plus the profiler's peak, median step time of the slowest rank with each model's
-   plans timed in rounds, each plan a block of consecutive steps a round, the first of each
-   block not timed (``jobs.holdout.measured_cases``: a training loop's steady step); predicted by ``evaluate_plan`` on the ``local`` preset. Prints a
-   row per (world, model, plan) and the mean and worst |predicted/measured - 1| of step time
-   and memory, and how many rows' bytes are exact.
+   census plus the profiler's peak, step time as the slowest rank's median of ``--steps``
+   steps. ``--measure alone`` (default): each plan alone in the processes, as a training job
+   runs it: compiled, 3 untimed steps, then its steps one after another, freed before the next
+   plan is compiled. ``--measure rounds``: all plans of a model resident and timed in rounds,
+   each plan a block of ``--block`` consecutive steps a round, the first not timed (the way of
+   runs 22-27; on 2 processes plans beside each other measured slower, ddp 1.18x and
+   zero-bubble 1.14x their step alone: BENCHMARKS.md, runs 26-28). ``jobs.holdout.measured_cases`` measures either way. Predicted
+   by ``evaluate_plan`` on the ``local`` preset. Prints a row per (world, model, plan) and the
+   mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
+   are exact.
 2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
    narrow and deep, long sequences, the Llama), ``autopar.plan`` (local preset, no
    recomputation: compile has nothing that matches the planner's recomputation choice), and
@@ -93,7 +98,7 @@ def _step(per_rank, k) -> float:
     return max(statistics.median(r[k]["times"]) for r in per_rank)
 
 
-def grid(worlds, steps: int, cluster, only=None, block: int = 4) -> list:
+def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = True) -> list:
     from autopar.testing import run
     from jobs.holdout import measured_cases
     models = grid_models()
@@ -103,7 +108,7 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4) -> list:
         pred = predictions(models, plan_list, cluster)
         t0 = time.perf_counter()
         per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps, True,
-                       block, timeout=3600)
+                       block, alone, timeout=3600)
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
               f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores")
         print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
@@ -257,15 +262,21 @@ def compare(*paths: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
-    ap.add_argument("--steps", type=int, default=7, help="timed steps per plan, at least (the median is reported)")
+    ap.add_argument("--steps", type=int, default=41,
+                    help="timed steps per plan, at least (the median is reported; fewer measure the same row less alike "
+                         "from run to run: BENCHMARKS.md, runs 26-27)")
     ap.add_argument("--block", type=int, default=4,
-                    help="consecutive steps of a plan a round, the first not timed (1: one step each in turn)")
+                    help="--measure rounds and --quality: consecutive steps of a plan a round, the first not timed "
+                         "(1: one step each in turn)")
+    ap.add_argument("--measure", choices=("alone", "rounds"), default="alone",
+                    help="the grid's step times: each plan alone in the processes (compiled, --steps consecutive "
+                         "steps, freed before the next), or all plans of a model in rounds of --block steps")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--plans", nargs="+", metavar="PART",
                     help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
     ap.add_argument("--quality", action="store_true", help="measure the planner's pick against its candidates")
-    ap.add_argument("--quality-steps", type=int, default=21,
-                    help="timed steps per candidate, at least, of --quality (more than the grid's: the picks are a few %% apart)")
+    ap.add_argument("--quality-steps", type=int, default=41,
+                    help="timed steps per candidate, at least, of --quality (as many as the grid's: the picks are a few %% apart)")
     ap.add_argument("--compare", nargs="+", metavar="LOG",
                     help="two or more grids this script printed: how far their measurements of the same rows are "
                          "apart, and each run's predictions against their geometric mean")
@@ -277,7 +288,7 @@ def main():
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
-        grid(args.worlds, args.steps, c, args.plans, args.block)
+        grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone")
     if args.quality:
         quality(args.quality_steps, c, block=args.block)
 

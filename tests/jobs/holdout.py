@@ -4,6 +4,7 @@ per rank, the bytes each plan sends per step, its peak memory and its step times
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 import torch.distributed as dist
@@ -41,19 +42,24 @@ def prepared(spec, batch, axes, kw):
     return step, body, dm, opt
 
 
-def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = common.BLOCK) -> dict:
+def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = common.BLOCK, alone: bool = False) -> dict:
     """{(model key, plan name): {bytes, by_axis, peak, times}} on this rank for ``cases``, a list
     of (model key, spec, batch, [(plan name, mesh axes, plan kwargs), ...]). A model's plans
     are compiled one after another, each one's bytes (the counters, after two warm-up steps)
     and peak memory measured when it is compiled: ``memory_peak.peak_of`` (what lives between
     its steps, the census after zero_grad, plus the profiler's peak of what a step allocates on
-    top, each profiled step after zero_grad), less what lived before it was compiled. Then the
+    top, each profiled step after zero_grad), less what lived before it was compiled.
+    ``alone``: each plan's ``steps`` step times are then taken at once, the plan alone in the
+    processes (``_timed_alone``), and it is freed before the next is compiled. Otherwise the
     model's plans are timed in rounds, so that a disturbance of the machine falls on all of
     them alike: each round runs every plan for ``block`` consecutive steps and times all but the
     first, until each plan has at least ``steps`` times; then they are dropped before the next
     model. ``memory=False``: step times only (no counters, no census).
 
-    Blocks, not one step each in turn: see ``common.timed_rounds``."""
+    Blocks, not one step each in turn: see ``common.timed_rounds``. Alone, not in rounds: on 2
+    processes, with a model's 9 plans resident and timed in rounds, ddp measured 1.18x its step
+    alone (up to 1.49x), zero-bubble 1.14x and interleaved 1.11x (geometric means over the
+    hold-out grid's 13 models, 2026-12-04; BENCHMARKS.md, runs 26-28); on 4 within 4%."""
     torch.set_num_threads(1)
     out = {}
     for key, spec, batch, plans in cases:
@@ -73,15 +79,34 @@ def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = comm
             row.update(peak=memory_peak.peak_of(body, opt, dm)["peak"] - before, times=[])
             out[(key, name)] = row
             dist.barrier()
+            if alone:
+                out[(key, name)]["times"] = _timed_alone(step, steps)
+                del runners[name], step, body, dm, opt
+                gc.collect()
+                dist.barrier()
         for step in runners.values():
             for _ in range(1 if memory else 2):
                 step()
-        for name, times in common.timed_rounds(runners, steps, block).items():
+        for name, times in (common.timed_rounds(runners, steps, block) if runners else {}).items():
             out[(key, name)]["times"] = times
-        del runners, step, body, dm, opt
+        runners = step = body = dm = opt = None
         gc.collect()
         dist.barrier()
     return out
+
+
+def _timed_alone(step, steps: int, warmup: int = 3) -> list:
+    """Seconds of each of ``steps`` consecutive steps of one plan, each after a barrier, after
+    ``warmup`` untimed ones: the plan alone in its processes, as a training loop runs it."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def tune_pick(spec, batch: int, pairs, steps: int) -> int:
