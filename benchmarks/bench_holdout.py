@@ -16,8 +16,9 @@ against every plan it could have picked.
    plan is compiled. ``--measure rounds``: all plans of a model resident and timed in rounds,
    each plan a block of ``--block`` consecutive steps a round, the first not timed (the way of
    runs 22-27; on 2 processes plans beside each other measured slower, ddp 1.18x and
-   zero-bubble 1.14x their step alone: BENCHMARKS.md, runs 26-28). ``jobs.holdout.measured_cases`` measures either way. Predicted
-   by ``evaluate_plan`` on the ``local`` preset. Prints a row per (world, model, plan) and the
+   zero-bubble 1.14x their step alone: BENCHMARKS.md, runs 26-28).
+   ``jobs.holdout.measured_cases`` measures either way. Predicted by ``evaluate_plan`` on the
+   ``local`` preset. Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
    are exact.
 2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
@@ -264,7 +265,7 @@ def main():
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
     ap.add_argument("--steps", type=int, default=41,
                     help="timed steps per plan, at least (the median is reported; fewer measure the same row less alike "
-                         "from run to run: BENCHMARKS.md, runs 26-27)")
+                         "from run to run: BENCHMARKS.md, runs 26-28)")
     ap.add_argument("--block", type=int, default=4,
                     help="--measure rounds and --quality: consecutive steps of a plan a round, the first not timed "
                          "(1: one step each in turn)")

@@ -67,23 +67,22 @@ def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = comm
         for name, axes, kw in plans:
             before = steady_live_bytes(3) if memory else 0    # collects garbage first
             step, body, dm, opt = prepared(spec, batch, axes, kw)
-            runners[name] = step
-            if not memory:
-                out[(key, name)] = {"times": []}
-                continue
-            for _ in range(2):
+            out[(key, name)] = row = {"times": []}
+            if memory:
+                for _ in range(2):
+                    step()
+                dm.comm_stats.reset()
                 step()
-            dm.comm_stats.reset()
-            step()
-            row = {"bytes": dm.comm_stats.total(), "by_axis": {a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")}}
-            row.update(peak=memory_peak.peak_of(body, opt, dm)["peak"] - before, times=[])
-            out[(key, name)] = row
-            dist.barrier()
+                row.update(bytes=dm.comm_stats.total(), by_axis={a: dm.comm_stats.total(axis=a) for a in ("dp", "tp", "pp")},
+                           peak=memory_peak.peak_of(body, opt, dm)["peak"] - before)
+                dist.barrier()
             if alone:
-                out[(key, name)]["times"] = _timed_alone(step, steps)
-                del runners[name], step, body, dm, opt
+                row["times"] = _timed_alone(step, steps)
+                del step, body, dm, opt
                 gc.collect()
                 dist.barrier()
+            else:
+                runners[name] = step
         for step in runners.values():
             for _ in range(1 if memory else 2):
                 step()
