@@ -4,12 +4,12 @@ per rank, the bytes each plan sends per step, its peak memory and its step times
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import torch.distributed as dist
 
 import autopar
+from autopar import tuning
 from autopar.models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import steady_live_bytes
 
@@ -96,16 +96,11 @@ def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = comm
 
 def _timed_alone(step, steps: int, warmup: int = 3) -> list:
     """Seconds of each of ``steps`` consecutive steps of one plan, each after a barrier, after
-    ``warmup`` untimed ones: the plan alone in its processes, as a training loop runs it."""
-    for _ in range(warmup):
+    ``warmup`` untimed ones: the plan alone in its processes, as a training loop runs it (one
+    round of ``autopar.tuning.timed_rounds`` whose block is all the steps, its first untimed)."""
+    for _ in range(warmup - 1):
         step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
+    return tuning.timed_rounds({"plan": step}, steps, block=steps + 1)["plan"]
 
 
 def tune_pick(spec, batch: int, pairs, steps: int) -> int:
