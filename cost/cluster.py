@@ -108,6 +108,9 @@ class Device:
     #                            its FLOPs (the local CPU's per-slice setup; GPU presets: 0)
     pass_overhead: float = 0.0  # seconds per forward + backward of a module or pipeline stage beyond its
     #                            ops (its call, the runtime's autograd functions; local CPU; GPU presets: 0)
+    backward_op_ratio: float = 2.0   # a backward's framework time per forward op, in op_overheads (2: each
+    #                            forward op's input and weight gradients; the local CPU measures it)
+    backward_pass_share: float = 2 / 3   # the part of pass_overhead the backward takes (local CPU: measured)
     message_overhead: float = 0.0   # host seconds to post and complete one point-to-point message
     #                            (local CPU; GPU presets: 0, the copy engines move it)
     split_pass_overhead: float = 0.0   # host seconds a zero-bubble schedule's separate weight-gradient (W)
@@ -298,6 +301,10 @@ def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tu
                                         "attention's FLOPs are matmuls)"),
         ("device.attention_overhead", _NO_HOST),
         ("device.pass_overhead", _NO_HOST),
+        ("device.backward_op_ratio", "2: a backward runs each forward op's input and weight gradients; on GPU "
+                                     "presets it multiplies op_overhead, which is 0 (the host runs ahead)"),
+        ("device.backward_pass_share", "2/3: backward's share of a pass as of its ops; on GPU presets it "
+                                       "splits pass_overhead, which is 0"),
         ("device.message_overhead", _NO_HOST),
         ("device.split_pass_overhead", _NO_HOST),
         ("device.split_op_overhead", _NO_HOST),

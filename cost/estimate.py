@@ -6,14 +6,17 @@ The prediction composes the cost model's pieces over the profile of the compiled
 collectives and parameters):
 
 - compute: each layer's forward as the roofline of its op classes, summed
-  (``cost.compute.group_time``); backward twice the forward (input and weight gradients);
+  (``cost.compute.group_time``); backward twice the forward's arithmetic (input and weight
+  gradients) and ``Device.backward_op_ratio`` times its ops' dispatch (measured on the local
+  CPU: about 1.2, not 2: a backward runs gradient kernels, not every forward op twice);
   full recomputation adds a forward, selective recomputation the attention's;
 - communication: ``cost.comm``'s alpha-beta time of each collective on the link of its mesh
   axis (``Cluster.link_for``); tensor-parallel collectives sit on the compute stream (they
   block the next op); data-parallel ones on a communication stream that overlaps compute as
   the runtime does with the overlap pass (ZeRO-3 prefetches the next layer's gather;
   gradient buckets, cut as the collectives pass cuts them, ZeRO-1's too, are reduced while
-  backward continues; ZeRO-1/2's parameter all-gather after the step is exposed); with
+  backward continues; ZeRO-1/2's parameter all-gathers after the step, one per bucket as
+  the runtime issues them, each with its latency and its copies, are exposed); with
   ``Plan(overlap=False)`` every collective is exposed, one after another;
 - optimizer offload (``Plan(offload="optimizer")``, ``cost.offload``): the device's optimizer
   step becomes the step on the host, and the host link's copies go where the runtime issues
@@ -242,13 +245,15 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
     """(F, B, W, forward compute alone, tp forward, tp backward) seconds of one group: its
     forward (the roofline, ``group_time``, times ``slow``, plus its tp collectives, which block
     the next op, each with the runtime's host work, ``Device.collective_overhead``), backward
-    (twice the compute, the backward tp collectives, and what
+    (twice the compute but for the ops' dispatch, which is ``Device.backward_op_ratio`` times the
+    forward's, the backward tp collectives, and what
     recomputation redoes: a layer's whole forward under ``full``, its attention under
     ``selective``), and W (the weight-gradient matmuls a zero-bubble schedule defers). On a
     measured link (``Link.skew``) a collective's latency grows with the compute before it:
     the group's compute spread over its collectives."""
     f = group_time(g, c)
     fc = f * slow
+    ops = g.ops * c.device.op_overhead * slow      # the forward's dispatch; backward's is backward_op_ratio x
     host = c.device.collective_overhead * slow if t > 1 else 0.0    # the runtime's work per collective
     tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward))) + host * len(g.tp_forward)
     tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward))) + host * len(g.tp_backward)
@@ -258,7 +263,8 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
             redo = fc + tpf
         elif recompute == "selective":
             redo = g.attention_flops / c.device.attention_rate * slow
-    return fc + tpf, 2 * fc + tpb + redo, compute_time(g.matmul_flops, 0.0, c) * slow, f, tpf, tpb
+    return (fc + tpf, 2 * (fc - ops) + c.device.backward_op_ratio * ops + tpb + redo,
+            compute_time(g.matmul_flops, 0.0, c) * slow, f, tpf, tpb)
 
 
 def saved_bytes(g: GroupCost, recompute: str) -> float:
@@ -278,6 +284,21 @@ def optimizer_time(states: float, n_tensors: int, c) -> float:
     """Seconds of the optimizer step over this rank's shard: reading and writing parameters,
     gradients and state (3 x the state bytes, on the roofline) and AdamW's per-tensor cost."""
     return compute_time(0.0, 3 * states, c) + n_tensors * c.device.step_overhead
+
+
+def replica_gathers(buckets, n: int, link, c, after: float, slow: float = 1.0) -> list:
+    """Seconds of each of ZeRO-1/2's replica gathers after the optimizer step
+    (``DpSync.gather_replicas``), one bucket after another (``buckets``: each one's gathered
+    bytes, padded): the bucket's shards staged (this rank's 1/N, read and written), its
+    all-gather, the replicas written from the gathered buffer (the bucket read and written),
+    each copy on the roofline times ``slow``. The first gather follows the step's ``after``
+    seconds of compute, each later one its predecessor's copies: every bucket pays the
+    collective's latency, not one gather of them all."""
+    out = []
+    for i, nbytes in enumerate(buckets):
+        copies = compute_time(0.0, 2 * nbytes / n + 2 * nbytes, c)
+        out.append(collective_time("all_gather", nbytes, n, link, after=after if i == 0 else copies) + copies * slow)
+    return out
 
 
 def has_reducer(mode: str, n: int, pipelined: bool) -> bool:
@@ -442,7 +463,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dp_fwd_gather.append(fwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_reduce.append(red)
-        dp_time_tail.append(pad * pbytes if mode in ("zero1", "zero2") else 0.0)    # bytes, timed below
+        # ZeRO-1/2's replica gathers after the step, a bucket at a time (bytes, timed below)
+        dp_time_tail.append([sum(padded_numel(shapes[x], n) for x in b) * pbytes
+                             for b in _grad_buckets(gs, shapes, n, pbytes, plan.bucket_bytes)]
+                            if mode in ("zero1", "zero2") and n > 1 else [])
     # ---- point-to-point between stages ----------------------------------------------------------
     p2p_bytes = [stage_groups[s][-1].cross_bytes if s < S - 1 else 0.0 for s in range(S)]
     tied_bytes = 0.0
@@ -461,8 +485,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dt_device = device_dtypes(mode, dt, c.mixed_precision)
     sync = [sync_time(mode, n_tensors[s], c) * slow if has_reducer(mode, n, S > 1) else 0.0 for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
-    dp_time_tail = [collective_time("all_gather", b, n, link_dp, after=opt_time[s] / slow) if b else 0.0
-                    for s, b in enumerate(dp_time_tail)]
+    tail_parts = [replica_gathers(b, n, link_dp, c, opt_time[s] / slow, slow) for s, b in enumerate(dp_time_tail)]
+    dp_time_tail = [sum(parts) for parts in tail_parts]
+    if plan.offload == "optimizer":     # each bucket's copy up pipelined with that bucket's own gather
+        copies = [dataclasses.replace(x, gather_parts=tuple(parts)) for x, parts in zip(copies, tail_parts)]
 
     # ---- time ---------------------------------------------------------------------------------
     timeline: list = []
@@ -471,8 +497,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     dev = c.device
     if S == 1:
         F, B = list(F), list(B)
-        F[0] += dev.pass_overhead / 3 * cslow
-        B[0] += sync[0] + 2 * dev.pass_overhead / 3 * cslow   # the bucket bookkeeping runs inside backward
+        F[0] += dev.pass_overhead * (1 - dev.backward_pass_share) * cslow
+        B[0] += sync[0] + dev.pass_overhead * dev.backward_pass_share * cslow   # the bucket bookkeeping runs inside backward
         def one_stage(copies_, lanes):
             return _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
                                  opt_time[0], mode, n, lanes, simulate, plan.overlap, copies_)
@@ -496,8 +522,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         compute -= tp_exposed
     else:
         msgs = [(s > 0) + (s < S - 1) for s in range(S)]     # a receive and a send per pass
-        Fs = [stage_sum(F, s) + (dev.pass_overhead / 3 + msgs[s] * dev.message_overhead) * cslow for s in range(S)]
-        Bs = [stage_sum(B, s) + (2 * dev.pass_overhead / 3 + msgs[s] * dev.message_overhead) * cslow
+        Fs = [stage_sum(F, s) + (dev.pass_overhead * (1 - dev.backward_pass_share) + msgs[s] * dev.message_overhead)
+              * cslow for s in range(S)]
+        Bs = [stage_sum(B, s) + (dev.pass_overhead * dev.backward_pass_share + msgs[s] * dev.message_overhead) * cslow
               for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
         if plan.split_backward:     # splitting W out of backward costs host work of its own (measured on

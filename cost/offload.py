@@ -138,9 +138,13 @@ class HostCopies:
     up: tuple           # seconds of each of those copies up
     group: tuple        # the layer group whose backward completes each bucket
     early: bool         # gradients land while backward goes on (False: ZeRO-1, when backward ends)
+    gather_parts: tuple = ()   # seconds of each bucket's replica all-gather (ZeRO-1/2), when known
 
     def gathers(self, total: float) -> list:
-        """ZeRO-1/2's replica all-gather of ``total`` seconds, a bucket's share each (by elements)."""
+        """ZeRO-1/2's replica all-gathers, ``total`` seconds in all: each bucket's own
+        (``gather_parts``) where the estimate timed them, else a bucket's share by elements."""
+        if len(self.gather_parts) == len(self.elements) and sum(self.gather_parts) == total:
+            return list(self.gather_parts)
         e = sum(self.elements)
         return [total * x / e if e else 0.0 for x in self.elements]
 

@@ -27,13 +27,13 @@ from typing import Optional
 
 from autopar.mesh import Mesh
 from autopar.planspec import DP_MODES, Plan
-from autopar.sizes import batch_split_error, chunk, inflight_microbatches, state_bytes
+from autopar.sizes import FIRST_BUCKET_BYTES, batch_split_error, chunk, inflight_microbatches, state_bytes
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import group_time
 from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
-                       optimizer_time, padded_sum, saved_bytes, sync_time, tied_exchange_time)
+                       optimizer_time, padded_sum, replica_gathers, saved_bytes, sync_time, tied_exchange_time)
 from .memory import FP32, MIXED_PRECISION, persistent_bytes
 from .profile import GroupCost, Profile
 from .replay import closed_form_pipeline
@@ -147,6 +147,17 @@ def _average(layers: list) -> GroupCost:
 
 # ---- the closed-form score ------------------------------------------------------------------------
 
+def even_buckets(nbytes: float, bucket_bytes: int) -> list:
+    """``nbytes`` of gradients cut as the reducer cuts its buckets, ignoring where the
+    parameters end: the first at min(1 MiB, ``bucket_bytes``), the others at ``bucket_bytes``."""
+    first = min(FIRST_BUCKET_BYTES, bucket_bytes)
+    if nbytes <= first:
+        return [nbytes]
+    rest = nbytes - first
+    k = math.ceil(rest / bucket_bytes)
+    return [first] + [rest / k] * k
+
+
 def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tuple[float, float]:
     """(step time, peak memory per rank) of one candidate by the closed forms."""
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
@@ -191,7 +202,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
     states = state_bytes(mode, psi, n, dt, padded_psi=pad)
     opt = (optimizer_time(states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
-    tail = collective_time("all_gather", pad * pb, n, ldp) if mode in ("zero1", "zero2") else 0.0
+    tail = sum(replica_gathers(even_buckets(pad * pb, plan.bucket_bytes), n, ldp, c, opt / slow, slow)) \
+        if mode in ("zero1", "zero2") and n > 1 else 0.0
     if S == 1:
         if mode == "zero3":
             fwd = collective_time("all_gather", (pre_pad + post_pad) * pb, n, ldp) + \

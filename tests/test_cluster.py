@@ -116,6 +116,17 @@ def test_slowdown_of_ranks_sharing_the_machine():
     assert PRESETS["dgx-h100"].slowdown(64) == 1.0
 
 
+def test_contention_is_the_ranks_shared_throughput():
+    """The contention probe's slowdown with k processes is k loops over the sum of the ranks'
+    rates (their harmonic mean over the loop alone), not the mean of each rank's pace: three
+    ranks at 2x alone and one starved at 4x share 2 cores at 4 / (3/2 + 1/4) = 2.29x (their
+    mean would say 2.5x); ranks alike read their common slowdown; never below 1."""
+    from autopar.cost.calibration.local import _slowdowns
+    alone = 1e-3
+    got = dict(_slowdowns(alone, {4: [2e-3, 2e-3, 2e-3, 4e-3], 2: [1.05e-3, 1.05e-3], 1: [0.9e-3]}))
+    assert got[4] == pytest.approx(4 / (3 / 2 + 1 / 4)) and got[2] == pytest.approx(1.05) and got[1] == 1.0
+
+
 def test_skew_table_sets_the_latency_by_the_compute_before():
     """A link of ranks sharing cores takes a small collective's latency from its table at the
     compute that preceded it: linear between the measured lengths, flat beyond them, 1 ms

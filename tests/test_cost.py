@@ -57,6 +57,25 @@ def test_group_time_sums_the_op_classes_on_the_roofline():
     assert group_time(g, slow) == pytest.approx(base + extra + g.attention_heads * 1e-6 + g.ops * 2e-6)
 
 
+def test_backward_is_twice_the_arithmetic_and_the_measured_ratio_of_the_dispatch():
+    """A group's backward: its forward's arithmetic twice (input and weight gradients) but its
+    ops' dispatch ``backward_op_ratio`` times the forward's (the local CPU measures about 1.2:
+    a backward runs gradient kernels, not every forward op twice); with the ratio at 2 (GPU
+    presets, whose dispatch is 0 anyway) the backward is the forward twice."""
+    from autopar.cost.estimate import group_passes
+    cfg = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=2)
+    x, _ = gpt_batch(cfg, 8)
+    g = next(g for g in Profiles(TinyGPT(cfg), (x,)).base.groups if g.name == "blocks.0")
+    base = get_cluster("dgx-a100-80gb")
+    for ratio in (1.2, 2.0):
+        c = base.with_(device=dataclasses.replace(base.device, op_overhead=5e-6, backward_op_ratio=ratio))
+        f, b = group_passes(g, c, 1, c.intra, "none", 1.5)[:2]
+        arithmetic = group_time(g, c) - g.ops * 5e-6
+        assert f == pytest.approx(1.5 * (arithmetic + g.ops * 5e-6))
+        assert b == pytest.approx(1.5 * (2 * arithmetic + ratio * g.ops * 5e-6))
+    assert b == pytest.approx(2 * f)
+
+
 # ---- communication ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
@@ -337,3 +356,27 @@ def test_an_estimate_does_not_depend_on_the_process_string_hash_seed():
         assert done.returncode == 0, done.stderr[-2000:]
         outs.add(done.stdout)
     assert len(outs) == 1, outs
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero2"])
+def test_zero_replica_gathers_pay_one_latency_per_runtime_bucket(mode):
+    """ZeRO-1/2 over dp=2 in 32 kB buckets (fp32, dgx-a100's links): after the optimizer step
+    the runtime all-gathers the updated rows one bucket at a time (a virtual-mesh compile's
+    buckets), so the step's tail is, per bucket of W padded elements a rank, one all-gather of
+    2·W·4 B plus its copies (this rank's W rows staged, read and written; the 2·W gathered
+    rows written into the replicas, read and written) at the device's memory rate: its latency
+    paid per bucket, not once for the whole model. Written here from the link's alpha-beta."""
+    c = dataclasses.replace(get_cluster("dgx-a100-80gb"), mixed_precision=False)
+    cfg = GPTConfig()
+    tok, _ = gpt_batch(cfg, 8)
+    model = TinyGPT(cfg)
+    plan = autopar.Plan(dp=mode, bucket_bytes=32_000)
+    dm = autopar.compile(model, autopar.Mesh(dp=2, virtual=True, rank=0), example_inputs=(tok,), plan=plan)
+    widths = [b.width for b in dm._sync.buckets]
+    assert len(widths) > 2
+    e = autopar.estimate(model, autopar.Mesh(dp=2, virtual=True), plan, example_inputs=(tok,), cluster=c)
+    link, rate = c.link_for({"dp": 2}, "dp"), c.device.mem_bandwidth * c.device.memory_efficiency
+    expected = sum(link.latency * 1 + (2 * w * 4) / 2 / link.bandwidth + (2 * w * 4 + 2 * 2 * w * 4) / rate
+                   for w in widths)
+    gathers = [end - start for _, lane, name, start, end in e.timeline if name == "all_gather params"]
+    assert gathers == [pytest.approx(expected, rel=1e-9)]

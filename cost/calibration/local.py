@@ -71,6 +71,7 @@ _GLOO_REPS = 9
 _GLOO_WORLD = 2
 _CONTENTION_SECONDS = 1.5
 _SKEW_COMPUTE = (2e-4, 1e-3, 4e-3)     # compute seconds before a collective, for Link.skew
+_SKEW_BLOCKS = 7                       # blocks of rounds per skew point, their median taken
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -256,7 +257,9 @@ def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
         compute()
         op()
 
-    excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)))
+    # 7 blocks, not 3: the step's collectives take these as their latency, and with 3 the same
+    # machine's table moved by up to 2x from one calibration to the next (BENCHMARKS.md, run 29)
+    excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)), blocks=_SKEW_BLOCKS)
     return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
 
 
@@ -516,40 +519,51 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead(ranks: _Ranks) -> tuple[float, float, float, float, float, list]:
-    """(seconds per op, seconds per stage pass, seconds per message, and a zero-bubble W
-    action's seconds per pass and per op) of framework time as autopar's compiled modules run
+def _measure_op_overhead(ranks: _Ranks) -> tuple:
+    """(seconds per forward op, seconds per stage pass, backward's per-op time over the forward's,
+    backward's share of the pass, seconds per message, and a zero-bubble W action's seconds per
+    pass and per op) of framework time as autopar's compiled modules run
     them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
     and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
-    processes. The thread CPU time of each rank's forward and backward actions per
-    micro-batch, against the ops the cost model's profile counts in its stage, is fitted as
-    pass + 3 x ops x per-op (each forward op runs again twice in backward): the per-op slope is
-    the dispatch (the FX module's Python and the aten op), the constant what a stage does per
-    micro-batch besides its ops (its call, the runtime's autograd functions and hooks). A send
+    processes. The thread CPU time of each rank's forward actions, against the ops the cost
+    model's profile counts in its stage, is fitted as pass + ops x per-op, and its backward
+    actions' likewise: the per-op slopes are the dispatch (the FX module's Python and the aten
+    ops; backward runs each forward op's gradients, not twice its cost: about 1.2x the forward's
+    on this machine), the constants what a stage does per micro-batch besides its ops (its
+    call, the runtime's autograd functions and hooks). (A fit that makes no sense on a noisy
+    machine falls back to pass + 3 x ops x per-op over F + B, split as the arithmetic is.) A send
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
     1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. These four
     pipelines and the ``_HOP_PIPELINES`` are stepped in turn in one job (``_op_overhead_probe``).
     Last, per hop pipeline, what its replay needs (``_fit_runtime_hop``): each stage's median F,
     B and W action and message CPU times, and the step's schedule as the slowest rank timed it."""
-    points, messages, split = [], [], []
+    points, forward, backward, messages, split = [], [], [], [], []
     pipelines = _OP_PIPELINES + _HOP_PIPELINES
     per_rank = ranks(_op_overhead_probe, 2, pipelines, timeout=240)     # a list per rank
     for per_pipeline in per_rank:
         got = dict(zip(pipelines, per_pipeline))
         for layers in (2, 10):
-            (fb, ops, msg, *_), (fbw, *_) = got[(layers, "1f1b", 8)], got[(layers, "zero_bubble", 8)]
+            (fb, ops, msg, kinds, *_), (fbw, *_) = got[(layers, "1f1b", 8)], got[(layers, "zero_bubble", 8)]
             points.append((3 * ops, fb))
+            forward.append((ops, kinds["F"]))
+            backward.append((ops, kinds["B"]))
             messages.append(msg)
             split.append((ops, fbw - fb))
     replays = _replays(pipelines, per_rank)
-    per_op, per_pass = _fit_line(points)
-    if per_op <= 0:      # a nonsense fit (a noisy machine): everything per op
-        per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
+    (op_f, pass_f), (op_b, pass_b) = _fit_line(forward), _fit_line(backward)
+    if op_f > 0 and op_b > 0 and pass_f >= 0 and pass_b >= 0 and pass_f + pass_b > 0:
+        per_op, ratio, per_pass, share = op_f, op_b / op_f, pass_f + pass_b, pass_b / (pass_f + pass_b)
+    else:                # a nonsense fit (a noisy machine): F + B together, split as the arithmetic is
+        per_op, per_pass = _fit_line(points)
+        ratio, share = 2.0, 2 / 3
+        if per_op <= 0:  # everything per op
+            per_op, per_pass = sum(y for _, y in points) / sum(x for x, _ in points), 0.0
     split_op, split_pass = _fit_line(split)
     if split_op <= 0:
         split_op, split_pass = max(0.0, sum(y for _, y in split) / sum(x for x, _ in split)), 0.0
-    return per_op, max(per_pass, 0.0), statistics.median(messages), max(split_pass, 0.0), split_op, replays
+    return (per_op, max(per_pass, 0.0), ratio, share, statistics.median(messages), max(split_pass, 0.0), split_op,
+            replays)
 
 
 def _replays(pipelines: tuple, per_rank: list) -> list:
@@ -831,15 +845,15 @@ def _compiled_step(model, world: int, mode: str, x):
     return step
 
 
-def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
+def _measure_sync_overhead(ranks: _Ranks, op_step: float) -> tuple:
     """(((mode, seconds per parameter tensor), ...), seconds per tp collective, tp collectives
     added): the data-parallel runtime's host work per parameter tensor and step under each
     dp mode (flattening gradients into buckets, ZeRO's
     padded chunks and shard views, ZeRO-3's gathers laid out into parameters and its saved-tensor
     hooks, ZeRO-1/2's copy into the replicas after the step), on 2 processes: the growth of a
     compiled step's thread CPU time from the 2- to the 8-block synthetic stack, less what the
-    cost model charges for that growth elsewhere (the added ops' dispatch, forward and twice in
-    backward, at ``op_overhead``; the plain AdamW step's measured growth), over the tensors
+    cost model charges for that growth elsewhere (the added ops' dispatch in forward and
+    backward, ``op_step`` seconds an op; the plain AdamW step's measured growth), over the tensors
     added; the ranks' mean. The tensor-parallel runtime's host work per collective likewise,
     from the same stacks under ``Plan(tp=True)`` (``Device.collective_overhead``)."""
     per_rank = ranks(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
@@ -847,7 +861,7 @@ def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
     ops = [sum(g.ops for g in Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),),
                                        blocks_once=False).base.groups) for b in (lo, hi)]
     added = (hi - lo) * _TENSORS_PER_BLOCK
-    charged = 3 * (ops[1] - ops[0]) * op_overhead
+    charged = (ops[1] - ops[0]) * op_step
 
     def growth(r, key):
         return r[(key, hi)] - r[(key, lo)]
@@ -863,10 +877,15 @@ def _measure_sync_overhead(ranks: _Ranks, op_overhead: float) -> tuple:
 
 def _slowdowns(alone: float, crowded: dict) -> tuple:
     """((processes, slowdown), ...): the synthetic stack's seconds per forward + backward with k
-    processes looping at once (``crowded[k]``, per rank; ``_contention_probe``), the ranks' mean,
-    over the same loop alone. Processes on a core of their own still share caches and memory;
-    more than the cores time-share them, and pay for the switching on top of the fair share."""
-    return tuple((k, max(1.0, statistics.mean(per_rank) / alone)) for k, per_rank in sorted(crowded.items()))
+    processes looping at once (``crowded[k]``, per rank; ``_contention_probe``), over the same
+    loop alone, of the ranks' aggregate rate: the harmonic mean of the ranks' seconds per loop
+    (k loops over the sum of their rates). Ranks of a training step wait for each other at every
+    collective, so a rank the scheduler favoured for a while gives its core back to the others:
+    the step goes at the ranks' shared throughput, not at the mean of their separate paces (one
+    rank starved for the probe's 1.5 s moved the mean to 2.37 where the others read 2.16-2.18).
+    Processes on a core of their own still share caches and memory; more than the cores
+    time-share them, and pay for the switching on top of the fair share."""
+    return tuple((k, max(1.0, statistics.harmonic_mean(per_rank) / alone)) for k, per_rank in sorted(crowded.items()))
 
 
 def _cpu_model() -> str:
@@ -906,8 +925,9 @@ def _measure_local() -> Cluster:
         attention, attention_overhead = _measure_attention(flops)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
-        overhead, pass_overhead, message_overhead, split_pass, split_op, replays = _measure_op_overhead(ranks)
-        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead)
+        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, replays = \
+            _measure_op_overhead(ranks)
+        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead * (1 + ratio))
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
@@ -948,12 +968,14 @@ def _measure_local() -> Cluster:
         "fitted below zero: the three smallest messages' median excess over bytes_moved/bandwidth); "
         f"times {[float(f'{s:.3g}') for s in seconds]} s; its skew: each kind's latency after "
         f"{[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round with no barrier "
-        "(excess over the same compute alone), which a step's collectives take as their alpha",
+        f"(excess over the same compute alone, the median of {_SKEW_BLOCKS} blocks of rounds), which a step's "
+        "collectives take as their alpha",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
         f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
-        f"processes, stepped in turn, fitted as pass + 3 x ops x op: {overhead * 1e6:.1f} us per op, "
-        f"{pass_overhead * 1e6:.0f} us per stage pass; message_overhead: a send or receive action's CPU "
+        f"processes, stepped in turn, the F actions fitted as pass + ops x op, the B actions likewise: "
+        f"{overhead * 1e6:.1f} us per op forward, backward_op_ratio {ratio:.2f} x that per op backward, "
+        f"{pass_overhead * 1e6:.0f} us per stage pass (backward_pass_share {share:.2f}); message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
         f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + ops x op: "
@@ -987,13 +1009,14 @@ def _measure_local() -> Cluster:
         + (f"; 0 on {2 * cores} (ranks sharing cores: their busy-rank latencies, skew, hold it)" if shared else ""),
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
-        f"processes looping at once, mean over ranks / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
+        f"processes looping at once, the ranks' harmonic mean / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
                     dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
                     attention_efficiency=attention, attention_overhead=attention_overhead,
-                    pass_overhead=pass_overhead, message_overhead=message_overhead, sync_overhead=sync,
+                    pass_overhead=pass_overhead, backward_op_ratio=ratio, backward_pass_share=share,
+                    message_overhead=message_overhead, sync_overhead=sync,
                     split_pass_overhead=split_pass, split_op_overhead=split_op,
                     collective_overhead=collective_overhead)
     # the reference workload timed at the start and at the end, each part's mean (cost.drift)
