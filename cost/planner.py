@@ -147,15 +147,16 @@ def _average(layers: list) -> GroupCost:
 
 # ---- the closed-form score ------------------------------------------------------------------------
 
-def even_buckets(nbytes: float, bucket_bytes: int) -> list:
-    """``nbytes`` of gradients cut as the reducer cuts its buckets, ignoring where the
-    parameters end: the first at min(1 MiB, ``bucket_bytes``), the others at ``bucket_bytes``."""
+def even_buckets(nbytes: float, bucket_bytes: int) -> tuple:
+    """(first bucket's bytes, each other's, how many others) of ``nbytes`` of gradients cut as
+    the reducer cuts its buckets, ignoring where the parameters end: the first at min(1 MiB,
+    ``bucket_bytes``), the rest in as few equal buckets of at most ``bucket_bytes`` (a closed
+    form: a candidate of a trillion parameters has thousands of buckets)."""
     first = min(FIRST_BUCKET_BYTES, bucket_bytes)
     if nbytes <= first:
-        return [nbytes]
-    rest = nbytes - first
-    k = math.ceil(rest / bucket_bytes)
-    return [first] + [rest / k] * k
+        return nbytes, 0.0, 0
+    k = math.ceil((nbytes - first) / bucket_bytes)
+    return first, (nbytes - first) / k, k
 
 
 def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tuple[float, float]:
@@ -202,8 +203,11 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
     states = state_bytes(mode, psi, n, dt, padded_psi=pad)
     opt = (optimizer_time(states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
-    tail = sum(replica_gathers(even_buckets(pad * pb, plan.bucket_bytes), n, ldp, c, opt / slow, slow)) \
-        if mode in ("zero1", "zero2") and n > 1 else 0.0
+    tail = 0.0
+    if mode in ("zero1", "zero2") and n > 1:     # the first bucket's gather, then k of the others' size
+        first, rest, k = even_buckets(pad * pb, plan.bucket_bytes)
+        parts = replica_gathers([first, rest] if k else [first], n, ldp, c, opt / slow, slow)
+        tail = parts[0] + k * (parts[1] if k else 0.0)
     if S == 1:
         if mode == "zero3":
             fwd = collective_time("all_gather", (pre_pad + post_pad) * pb, n, ldp) + \
