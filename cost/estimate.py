@@ -428,7 +428,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     # ---- data-parallel bytes and times, per stage ------------------------------------------
     mode = plan.dp
     formulas = []
-    dp_bytes, dp_time_tail, dp_fwd_gather, dp_bwd_gather, dp_bwd_reduce = [], [], [], [], []
+    dp_bytes, dp_tail_buckets, dp_fwd_gather, dp_bwd_gather, dp_bwd_reduce = [], [], [], [], []
     states, psi_stage, n_tensors, opt_elements, off_buckets = [], [], [], [], []
     for s, gs in enumerate(stage_groups):
         # a stage holds every parameter it reads (a tied table lives in each stage reading it)
@@ -464,7 +464,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
         dp_bwd_reduce.append(red)
         # ZeRO-1/2's replica gathers after the step, a bucket at a time (bytes, timed below)
-        dp_time_tail.append([sum(padded_numel(shapes[x], n) for x in b) * pbytes
+        dp_tail_buckets.append([sum(padded_numel(shapes[x], n) for x in b) * pbytes
                              for b in _grad_buckets(gs, shapes, n, pbytes, plan.bucket_bytes)]
                             if mode in ("zero1", "zero2") and n > 1 else [])
     # ---- point-to-point between stages ----------------------------------------------------------
@@ -485,7 +485,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         dt_device = device_dtypes(mode, dt, c.mixed_precision)
     sync = [sync_time(mode, n_tensors[s], c) * slow if has_reducer(mode, n, S > 1) else 0.0 for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
-    tail_parts = [replica_gathers(b, n, link_dp, c, opt_time[s] / slow, slow) for s, b in enumerate(dp_time_tail)]
+    tail_parts = [replica_gathers(b, n, link_dp, c, opt_time[s] / slow, slow) for s, b in enumerate(dp_tail_buckets)]
     dp_time_tail = [sum(parts) for parts in tail_parts]
     if plan.offload == "optimizer":     # each bucket's copy up pipelined with that bucket's own gather
         copies = [dataclasses.replace(x, gather_parts=tuple(parts)) for x, parts in zip(copies, tail_parts)]

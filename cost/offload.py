@@ -143,7 +143,7 @@ class HostCopies:
     def gathers(self, total: float) -> list:
         """ZeRO-1/2's replica all-gathers, ``total`` seconds in all: each bucket's own
         (``gather_parts``) where the estimate timed them, else a bucket's share by elements."""
-        if len(self.gather_parts) == len(self.elements) and sum(self.gather_parts) == total:
+        if len(self.gather_parts) == len(self.elements):
             return list(self.gather_parts)
         e = sum(self.elements)
         return [total * x / e if e else 0.0 for x in self.elements]

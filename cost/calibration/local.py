@@ -258,7 +258,8 @@ def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
         op()
 
     # 7 blocks, not 3: the step's collectives take these as their latency, and with 3 the same
-    # machine's table moved by up to 2x from one calibration to the next (BENCHMARKS.md, run 29)
+    # machine's points moved by 1.7-2x on average (up to 4x) between calibrations (BENCHMARKS.md,
+    # runs 29-30)
     excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)), blocks=_SKEW_BLOCKS)
     return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
 
