@@ -69,10 +69,11 @@ class Link:
     #                      follows that much compute on every rank, round after round with no
     #                      barrier to line them up (ranks drift apart, the more so when they share
     #                      cores and the longer they compute), which replaces the fit's alpha
-    overlap_loss: float = 0.0   # measured links: the fraction of an asynchronous collective's time that
-    #                      still delays the compute it overlaps (on CPU cores the collective's own
-    #                      threads take turns with the compute); 0: overlap hides it all (and on
-    #                      the local preset's ``shared`` link, whose busy-rank latencies hold it)
+    overlap_loss: float = 0.0   # measured links: the fraction of the communication that overlapping it
+    #                      with compute does not hide (on CPU cores the collectives' own threads take
+    #                      turns with the compute): the step moves that far from the overlapped one
+    #                      to the compute plus the time some communication lane was busy; 0: overlap
+    #                      hides it all
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):

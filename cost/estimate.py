@@ -503,13 +503,20 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             return _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
                                  opt_time[0], mode, n, lanes, simulate, plan.overlap, copies_)
 
-        step, compute, exposed, bubble = one_stage(copies[0], timeline)
+        lanes: list = []
+        step, compute, exposed, bubble = one_stage(copies[0], lanes)
+        timeline += lanes
         loss = link_dp.overlap_loss if n > 1 and plan.overlap else 0.0
         if loss:     # collectives overlapped with compute that still delay it (measured, local preset)
-            serial = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
-                                   opt_time[0], mode, n, [], simulate, False, copies[0])[0]
+            if simulate:     # the compute lane's work, then the communication's lanes as they ran
+                serial = sum(t1 - t0 for _, lane, _, t0, t1 in lanes if lane == "compute") + \
+                    busy_union([(t0, t1) for _, lane, _, t0, t1 in lanes if lane == "comm"])
+            else:            # the closed form has no lanes: each collective in turn
+                serial = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
+                                       opt_time[0], mode, n, [], simulate, False, copies[0])[0]
             hidden = max(0.0, serial - step)
-            formulas.append(("overlap on shared cores", "step = overlapped + overlap_loss x (serial - overlapped)",
+            formulas.append(("overlap on shared cores", "step = overlapped + overlap_loss x (compute + "
+                             "communication busy - overlapped)",
                              f"{step:.4g} s + {loss:.2f} x {hidden:.4g} s = {step + loss * hidden:.4g} s"))
             step, exposed = step + loss * hidden, exposed + loss * hidden
         if copies[0] is not None:     # what the copies down, then up, add: the step without them
@@ -1011,6 +1018,18 @@ def _first_layer(groups):
 def _holds_tied(prof: Profile, gs) -> bool:
     names = set().union(*(g.reads for g in gs))
     return any(x in names for x in prof.tied)
+
+
+def busy_union(intervals) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals: how long some lane of them
+    was busy (ZeRO-3's gathers and its reductions run on process groups of their own, side
+    by side)."""
+    covered, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            covered += b - max(a, end)
+            end = b
+    return covered
 
 
 def _oversubscription(c, axes) -> float:

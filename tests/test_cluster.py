@@ -230,6 +230,7 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"
     assert 0.0 <= c.intra.overlap_loss <= 1.0 and "overlap_loss" in c.source
+    assert c.shared is None or (0.0 <= c.shared.overlap_loss <= 1.0 and "(ranks sharing cores)" in c.source)
     # what a message costs autopar's own pipelines, the same on ranks sharing cores
     assert 0.0 <= c.intra.hop < 1e-2 and "autopar's own 2-stage 1F1B pipelines" in c.source
     assert c.shared is None or c.shared.hop == c.intra.hop

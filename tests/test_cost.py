@@ -274,27 +274,41 @@ def test_planner_beats_or_matches_the_published_configuration():
     assert report.candidates[0].reason == "chosen"
 
 
-def test_overlap_loss_moves_the_step_from_overlapped_to_serial():
+def test_overlap_loss_moves_the_step_from_overlapped_to_the_compute_plus_the_busy_communication():
     """A link's measured ``overlap_loss`` (the local preset's ranks share cores with their
-    collectives' threads) keeps that fraction of what overlap hides: 0 is the overlapped step,
-    1 the step of the same plan with every collective waited on when issued
-    (``Plan(overlap=False)``), and in between the line between them."""
+    collectives' threads) keeps that fraction of what overlap hides. At 1 the step is the
+    compute lane's work plus the time some communication lane was busy: with one lane (ddp's
+    bucket reductions) the step of the same plan with every collective waited on when issued
+    (``Plan(overlap=False)``); with ZeRO-3's two (gathers and reductions, each on a process
+    group of its own) less than that, as long as the two lanes overlapped one another."""
     cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
     x, _ = gpt_batch(cfg, 8)
     prof = Profiles(TinyGPT(cfg), (x,))
     base = get_cluster("dgx-a100-80gb")
     slow = dataclasses.replace(base.intra, bandwidth=1e8)     # collectives long enough to hide
-    steps = {}
-    for loss in (0.0, 0.25, 1.0):
+    base = base.with_(device=dataclasses.replace(base.device, op_overhead=5e-6))     # compute to hide them behind
+
+    def est(loss, **kw):
         link = dataclasses.replace(slow, overlap_loss=loss)
-        c = base.with_(intra=link, inter=link)
-        steps[loss] = evaluate_plan(prof, {"dp": 4}, autopar.Plan(dp="zero3"), c, 8).step_time_s
-    link = dataclasses.replace(slow, overlap_loss=1.0)
-    serial = evaluate_plan(prof, {"dp": 4}, autopar.Plan(dp="zero3", overlap=False),
-                           base.with_(intra=link, inter=link), 8).step_time_s
-    assert serial > steps[0.0] * 1.05                        # overlap hid something to lose
-    assert steps[1.0] == pytest.approx(serial, rel=1e-9)
-    assert steps[0.25] == pytest.approx(steps[0.0] + 0.25 * (serial - steps[0.0]), rel=1e-9)
+        return evaluate_plan(prof, {"dp": 4}, autopar.Plan(**kw), base.with_(intra=link, inter=link), 8)
+
+    for mode in ("ddp", "zero3"):     # small buckets: ddp's reductions go on beside backward
+        steps = {loss: est(loss, dp=mode, bucket_bytes=1 << 14).step_time_s for loss in (0.0, 0.25, 1.0)}
+        serial = est(1.0, dp=mode, bucket_bytes=1 << 14, overlap=False).step_time_s
+        assert serial > steps[0.0] * 1.05                        # overlap hid something to lose
+        assert steps[0.25] == pytest.approx(steps[0.0] + 0.25 * (steps[1.0] - steps[0.0]), rel=1e-9)
+        lanes = est(0.0, dp=mode, bucket_bytes=1 << 14).timeline
+        work = sum(t1 - t0 for _, lane, _, t0, t1 in lanes if lane == "compute")
+        comm = sorted((t0, t1) for _, lane, _, t0, t1 in lanes if lane == "comm" and t1 > t0)
+        busy, end = 0.0, 0.0                                      # the union, walked here
+        for t0, t1 in comm:
+            busy, end = busy + max(0.0, t1 - max(t0, end)), max(end, t1)
+        assert steps[1.0] == pytest.approx(work + busy, rel=1e-9)
+        side_by_side = any(a1 > b0 for (_, a1), (b0, _) in zip(comm, comm[1:]))
+        if mode == "ddp":
+            assert not side_by_side and steps[1.0] == pytest.approx(serial, rel=1e-9)
+        else:
+            assert side_by_side and steps[1.0] < serial * 0.99
     with pytest.raises(ValueError, match="overlap_loss"):
         Link("gloo", 1e9, 1e-4, overlap_loss=1.5)
 

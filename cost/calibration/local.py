@@ -282,8 +282,7 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
             for t in _SKEW_COMPUTE:
                 out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
     out[("pipeline",)] = _pipeline_probe()
-    if world <= (os.cpu_count() or 1):
-        out[("overlap",)] = _overlap_probe()
+    out[("overlap",)] = _overlap_probe()
     return out
 
 
@@ -327,11 +326,15 @@ def _overlap_loss(per_rank: list) -> float:
     from each rank's ``_overlap_probe``: per round, with the slowest rank's time of each, 0 when
     the two took the longer one's time, 1 when they took the sum; the median over the rounds
     (a round's collective alone varies 1.2-2.7 ms here, so one median of each varied 0.3-1.0).
-    Measured with as many ranks as cores; where ranks outnumber cores the link's collectives
-    are priced by their latency among computing ranks (``skew``), which already holds their
-    share of the cores: the probe there also read 0.8-1.0, and charging it as well put ZeRO-3's
-    hold-out steps on 4 processes at 1.39x their measured time on average (BENCHMARKS.md,
-    hold-out run 5), against 0.88-1.02 without."""
+
+    Measured on every world, the one whose ranks outnumber the cores too: gloo's collectives
+    are host work (2026-12-04, this machine: 300 all-reduces of 4 KiB on 4 processes kept rank
+    0's gloo event-loop thread busy 380 ms, 1.3 ms each, in 1.5 s), and cores the ranks' compute
+    already fills cannot take it beside that compute. There the probe reads 1.0 with all-reduces
+    of 4 KiB, 1 MiB and 4 MiB alike. The estimate charges it against the time some
+    communication lane was busy, not each collective in turn: ZeRO-3's gathers and reductions
+    run on process groups of their own, side by side. (Charged each in turn, ZeRO-3's hold-out
+    steps on 4 processes came out at 1.39x their measured time: BENCHMARKS.md, hold-out run 5.)"""
     rounds = [[max(r[i][k] for r in per_rank) for i in range(3)] for k in range(len(per_rank[0][0]))]
     return statistics.median(min(1.0, max(0.0, (both - max(c, m)) / min(c, m))) for c, m, both in rounds)
 
@@ -429,8 +432,7 @@ def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float]
     out = []
     skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
     pipeline = max(r[("pipeline",)] for r in per_rank)
-    # ranks sharing cores: not measured, and 0 (see _overlap_loss)
-    overlap = _overlap_loss([r[("overlap",)] for r in per_rank]) if ("overlap",) in per_rank[0] else 0.0
+    overlap = _overlap_loss([r[("overlap",)] for r in per_rank])
     for key in per_rank[0]:
         if key[0] in ("skew", "pipeline", "overlap"):
             continue
@@ -599,7 +601,12 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tu
     a latency on the schedule's critical path. Measured, not explained (2026-12-03, this
     machine, per-action timelines of 1F1B on 2 processes): a message reaches a rank waiting on
     it within 0.03 ms (median), but one or two posts (``dist.isend``/``irecv``) a step hold the
-    thread 1-2 ms without using its CPU, and time passes between actions. Replayed from each
+    thread 1-2 ms without using its CPU, and time passes between actions (2026-12-04: 7-25% of
+    posts took over 1 ms, up to 5 ms, with both ranks of a pair waiting at once; gloo moves an
+    unbound buffer only once the receiver's notice that its receive is posted reached the
+    sender, so a message can wait on the sender's event-loop thread, which shares a core with
+    its compute; posting every receive as early as its shapes allow measured within the noise,
+    0.88-1.09x, in round-robin A/B runs). Replayed from each
     action's measured time, GPTs of h = 8 lose 0.7-1.2 ms a message, h = 12 to 64 lose 1.3-1.8
     ms, and a synthetic pipeline of bare matmuls (``_pipeline_probe``) 0-0.8 ms. So the probe's
     pipelines are of h = 16: outside the h = 8 case, and none of the hold-out grid's widths
@@ -1007,7 +1014,8 @@ def _measure_local() -> Cluster:
         f"overlap_loss: a 1 MiB all-reduce issued asynchronously before ~2 ms of matmuls and waited on after, "
         f"against each alone, every rank at once, {_OVERLAP_REPS} rounds in turn, slowest rank; median over rounds "
         f"of (both - longer) / shorter: {gloo.overlap_loss:.2f} on {_GLOO_WORLD} processes"
-        + (f"; 0 on {2 * cores} (ranks sharing cores: their busy-rank latencies, skew, hold it)" if shared else ""),
+        + (f"; {shared.overlap_loss:.2f} on {2 * cores} (ranks sharing cores)" if shared else "")
+        + "; charged against the time some communication lane was busy",
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
         f"processes looping at once, the ranks' harmonic mean / alone: {', '.join(f'k={k}: {f:.2f}' for k, f in contention)}",
