@@ -503,14 +503,12 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             return _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
                                  opt_time[0], mode, n, lanes, simulate, plan.overlap, copies_)
 
-        lanes: list = []
-        step, compute, exposed, bubble = one_stage(copies[0], lanes)
-        timeline += lanes
+        step, compute, exposed, bubble = one_stage(copies[0], timeline)
         loss = link_dp.overlap_loss if n > 1 and plan.overlap else 0.0
         if loss:     # collectives overlapped with compute that still delay it (measured, local preset)
             if simulate:     # the compute lane's work, then the communication's lanes as they ran
-                serial = sum(t1 - t0 for _, lane, _, t0, t1 in lanes if lane == "compute") + \
-                    busy_union([(t0, t1) for _, lane, _, t0, t1 in lanes if lane == "comm"])
+                serial = sum(t1 - t0 for _, lane, _, t0, t1 in timeline if lane == "compute") + \
+                    busy_union([(t0, t1) for _, lane, _, t0, t1 in timeline if lane == "comm"])
             else:            # the closed form has no lanes: each collective in turn
                 serial = _single_stage(F, B, dp_fwd_gather[0], dp_bwd_gather[0], dp_bwd_reduce[0], dp_time_tail[0],
                                        opt_time[0], mode, n, [], simulate, False, copies[0])[0]
