@@ -3,6 +3,7 @@ against every plan it could have picked.
 
     python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
+    python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
    sequence lengths 16/48, and the test suite's Llama (``autopar.models.Llama()``), under one
@@ -33,6 +34,11 @@ against every plan it could have picked.
    rows measured in each: how far apart the measurements are (the noise floor any prediction
    is judged against), and each run's prediction error against its own measurement and
    against the geometric mean of all the runs' measurements.
+4. ``--repredict LOG``: a grid this script printed, its rows predicted again by the code as it
+   is on the cached local preset (``AUTOPAR_CACHE``: the run's own calibration), against that
+   grid's measurements; ``--set`` replaces numbers of the preset first (``device.FIELD`` or a
+   link's, ``intra``/``inter``/``shared``). How a change to the model reads on runs already
+   measured.
 """
 from __future__ import annotations
 
@@ -260,6 +266,59 @@ def compare(*paths: str) -> None:
                   f"{statistics.mean(spread):.1%}, worst {max(spread):.1%})")
 
 
+def with_fields(cluster, sets=()):
+    """``cluster`` with ``LINK.FIELD=VALUE`` settings applied: a number of its ``device`` or of
+    a link (``intra``, ``inter``, ``shared``; ``intra`` also sets ``inter`` where the two are
+    one link, as on the local preset)."""
+    for item in sets:
+        key, _, value = item.partition("=")
+        part, _, name = key.partition(".")
+        if part not in ("device", "intra", "inter", "shared") or not name or not value:
+            raise SystemExit(f"--set {item!r}: expected PART.FIELD=NUMBER with PART one of device, intra, inter, "
+                             f"shared (e.g. shared.overlap_loss=1.0)")
+        target = getattr(cluster, part)
+        if target is None or not hasattr(target, name):
+            raise SystemExit(f"--set {item!r}: the cluster's {part} has no field {name!r}")
+        new = dataclasses.replace(target, **{name: float(value)})
+        changes = {part: new}
+        if part == "intra" and cluster.inter == cluster.intra:
+            changes["inter"] = new
+        cluster = cluster.with_(**changes)
+    return cluster
+
+
+def repredict(path: str, cluster, sets=()) -> dict:
+    """A grid this script printed, its rows predicted again by this code on ``cluster`` (with
+    ``with_fields(sets)``) against the grid's own measurements: how a change to the model reads
+    on a run without measuring it again. Returns (world, model, plan) -> predicted / measured."""
+    rows = parse_grid(path)
+    if not rows:
+        raise SystemExit(f"--repredict {path}: no grid rows found (expected a log this script printed)")
+    cluster = with_fields(cluster, sets)
+    models = {k: (k, spec, b) for k, spec, b in grid_models()}
+    out = {}
+    for world in sorted({w for w, _, _ in rows}):
+        keys = [k for k in rows if k[0] == world]
+        plan_list = [p for p in plans(world) if any(k[2] == p[0] for k in keys)]
+        pred = predictions([models[m] for m in dict.fromkeys(k[1] for k in keys)], plan_list, cluster)
+        out.update({k: pred[(k[1], k[2])].step_time_s * 1e3 / rows[k][0] for k in keys})
+    for world in sorted({w for w, _, _ in out}) + [None]:
+        keys = [k for k in out if world in (None, k[0])]
+        for label, ratio in (("as printed (its 0.1 ms rows)", {k: rows[k][1] / rows[k][0] for k in keys}),
+                             ("predicted again", {k: out[k] for k in keys})):
+            err = {k: abs(r - 1) for k, r in ratio.items()}
+            worst = max(err, key=err.get)
+            print(f"{'all worlds' if world is None else f'world {world}'}, {label}: {len(keys)} rows; step time "
+                  f"|pred/meas - 1| mean {statistics.mean(err.values()):.1%}, worst {err[worst]:.1%} ({worst[1]}, "
+                  f"{worst[2]}, world {worst[0]}), {sum(e <= 0.25 for e in err.values())} within 25%")
+        by_plan: dict = {}
+        for k in keys:
+            by_plan.setdefault(k[2], []).append(out[k])
+        print("  predicted again, pred/meas by plan (mean, min..max): " + "; ".join(
+            f"{p} {statistics.mean(v):.2f} ({min(v):.2f}..{max(v):.2f})" for p, v in by_plan.items()))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="process counts of the grid")
@@ -281,9 +340,18 @@ def main():
     ap.add_argument("--compare", nargs="+", metavar="LOG",
                     help="two or more grids this script printed: how far their measurements of the same rows are "
                          "apart, and each run's predictions against their geometric mean")
+    ap.add_argument("--repredict", metavar="LOG",
+                    help="a grid this script printed: its rows predicted again by this code on the cached local "
+                         "preset (AUTOPAR_CACHE: the run's own calibration), against the grid's measurements")
+    ap.add_argument("--set", nargs="+", default=[], metavar="PART.FIELD=NUMBER",
+                    help="--repredict: preset numbers to replace first, e.g. shared.overlap_loss=1.0")
     args = ap.parse_args()
     if args.compare:
         compare(*args.compare)
+        return
+    if args.repredict:
+        from autopar.cost.cluster import get_cluster
+        repredict(args.repredict, get_cluster("local"), args.set)
         return
     from autopar.cost.calibration import calibrate_local
     c = calibrate_local()

@@ -1,0 +1,65 @@
+"""benchmarks/bench_holdout.py --repredict: a printed grid's rows predicted again by this code
+on a given cluster (``--set`` numbers replaced first), against the grid's own measurements."""
+import dataclasses
+import os
+import sys
+
+import pytest
+
+import autopar
+from autopar.cost.cluster import get_cluster
+from autopar.cost.estimate import Profiles, evaluate_plan
+from autopar.models import gpt_batch
+
+from jobs.holdout import build
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_holdout  # noqa: E402
+
+GRID = """## hold-out grid: world 2, global batch 8, 13 models x 9 plans, measured in 221 s on 2 cores
+model            plan            bytes meas       pred |  peak MB    pred ratio |  step ms    pred ratio
+gpt h32 L2 s16   ddp                112,512    112,512 |    0.674   0.690  1.02 |      5.1     4.3  0.84
+gpt h32 L2 s16   pp 1f1b             24,960     24,960 |    0.468   0.446  0.95 |     11.2    11.2  1.00
+"""
+
+
+def _expected(cluster, plan_name):
+    """pred / measured of the grid's row of ``plan_name``, by evaluate_plan here."""
+    key, spec, batch = next(m for m in bench_holdout.grid_models() if m[0] == "gpt h32 L2 s16")
+    _, axes, kw = next(p for p in bench_holdout.plans(2) if p[0] == plan_name)
+    model, c = build(spec)
+    x, _ = gpt_batch(c, batch)
+    e = evaluate_plan(Profiles(model, (x,)), axes, autopar.Plan(**kw), cluster, batch)
+    return e.step_time_s * 1e3 / {"ddp": 5.1, "pp 1f1b": 11.2}[plan_name]
+
+
+def test_repredict_reads_the_printed_rows_and_applies_the_settings(tmp_path, capsys):
+    log = tmp_path / "grid.log"
+    log.write_text(GRID)
+    c = get_cluster("dgx-a100-80gb")
+    got = bench_holdout.repredict(str(log), c)
+    assert set(got) == {(2, "gpt h32 L2 s16", "ddp"), (2, "gpt h32 L2 s16", "pp 1f1b")}
+    for plan in ("ddp", "pp 1f1b"):
+        assert got[(2, "gpt h32 L2 s16", plan)] == pytest.approx(_expected(c, plan), rel=1e-9)
+    out = capsys.readouterr().out
+    as_printed = (abs(4.3 / 5.1 - 1) + abs(11.2 / 11.2 - 1)) / 2         # the log's own pred / meas
+    assert f"world 2, as printed (its 0.1 ms rows): 2 rows; step time |pred/meas - 1| mean {as_printed:.1%}" in out
+    # a device number replaced: the predictions move with it, as evaluate_plan moves on that cluster
+    slower = bench_holdout.repredict(str(log), c, ["device.op_overhead=1e-4"])
+    moved = c.with_(device=dataclasses.replace(c.device, op_overhead=1e-4))
+    assert slower[(2, "gpt h32 L2 s16", "ddp")] == pytest.approx(_expected(moved, "ddp"), rel=1e-9)
+    assert slower[(2, "gpt h32 L2 s16", "ddp")] > got[(2, "gpt h32 L2 s16", "ddp")]
+
+
+def test_repredict_says_what_it_expected(tmp_path):
+    log = tmp_path / "grid.log"
+    log.write_text(GRID)
+    c = get_cluster("dgx-a100-80gb")
+    with pytest.raises(SystemExit, match="expected PART.FIELD=NUMBER"):
+        bench_holdout.repredict(str(log), c, ["overlap_loss=1"])
+    with pytest.raises(SystemExit, match="has no field 'nonsense'"):
+        bench_holdout.repredict(str(log), c, ["device.nonsense=1"])
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    with pytest.raises(SystemExit, match="no grid rows found"):
+        bench_holdout.repredict(str(empty), c)
