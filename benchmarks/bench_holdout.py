@@ -277,7 +277,10 @@ def with_fields(cluster, sets=()):
             raise SystemExit(f"--set {item!r}: expected PART.FIELD=NUMBER with PART one of device, intra, inter, "
                              f"shared (e.g. shared.overlap_loss=1.0)")
         target = getattr(cluster, part)
-        if target is None or not hasattr(target, name):
+        if target is None:
+            raise SystemExit(f"--set {item!r}: cluster {cluster.name!r} has no {part} link (only the local preset "
+                             f"has one, where ranks outnumber cores)")
+        if not hasattr(target, name):
             raise SystemExit(f"--set {item!r}: the cluster's {part} has no field {name!r}")
         new = dataclasses.replace(target, **{name: float(value)})
         changes = {part: new}

@@ -59,6 +59,8 @@ def test_repredict_says_what_it_expected(tmp_path):
         bench_holdout.repredict(str(log), c, ["overlap_loss=1"])
     with pytest.raises(SystemExit, match="has no field 'nonsense'"):
         bench_holdout.repredict(str(log), c, ["device.nonsense=1"])
+    with pytest.raises(SystemExit, match="has no shared link"):
+        bench_holdout.repredict(str(log), c, ["shared.overlap_loss=1"])
     empty = tmp_path / "empty.log"
     empty.write_text("nothing here\n")
     with pytest.raises(SystemExit, match="no grid rows found"):
