@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
     python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
 
@@ -18,7 +18,14 @@ against every plan it could have picked.
    each plan a block of ``--block`` consecutive steps a round, the first not timed (the way of
    runs 22-27; on 2 processes plans beside each other measured slower, ddp 1.18x and
    zero-bubble 1.14x their step alone: BENCHMARKS.md, runs 26-28).
-   ``jobs.holdout.measured_cases`` measures either way. Predicted by ``evaluate_plan`` on the
+   ``jobs.holdout.measured_cases`` measures either way. ``--passes K``: the whole grid measured
+   K times, one pass after another (the first also counts bytes and memory), each compiling and
+   timing every plan again; a row's step is the median of its K passes' steps, each pass's
+   printed beside it, with how far the passes are apart. One pass (runs 5-34) read each row in
+   one stretch of about half a second: on this machine a pass's steps ran 0.88-1.10x their
+   rows' medians together, and a row's step moved 7.5-8.6% on average beyond that
+   (BENCHMARKS.md, runs 35 and 36).
+   Predicted by ``evaluate_plan`` on the
    ``local`` preset. Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
    are exact.
@@ -105,36 +112,44 @@ def _step(per_rank, k) -> float:
     return max(statistics.median(r[k]["times"]) for r in per_rank)
 
 
-def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = True) -> list:
+def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = True, passes: int = 1) -> list:
     from autopar.testing import run
     from jobs.holdout import measured_cases
+    if passes < 1:
+        raise SystemExit(f"--passes {passes}: expected at least one pass over the grid")
     models = grid_models()
     rows = []
     for world in worlds:
         plan_list = [p for p in plans(world) if not only or any(o in p[0] for o in only)]
         pred = predictions(models, plan_list, cluster)
         t0 = time.perf_counter()
-        per_rank = run(measured_cases, world, [(k, spec, b, plan_list) for k, spec, b in models], steps, True,
-                       block, alone, timeout=3600)
+        cases = [(k, spec, b, plan_list) for k, spec, b in models]
+        # pass 1 measures bytes and memory too; every pass compiles and times each plan again
+        measured = [run(measured_cases, world, cases, steps, i == 0, block, alone, timeout=3600)
+                    for i in range(passes)]
+        per_rank = measured[0]
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
-              f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores")
+              f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores"
+              + (f", {passes} passes (step: the median of the passes' steps)" if passes > 1 else ""))
         print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
-              f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}")
+              f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}" + (" | passes' steps" if passes > 1 else ""))
         for key, _, _ in models:
             for name, _, _ in plan_list:
                 k = (key, name)
                 rs = [r[k] for r in per_rank]
                 b = max(r["bytes"] for r in rs)
                 peak = max(r["peak"] for r in rs)
-                step = _step(per_rank, k)
+                each = [_step(m, k) for m in measured]
+                step = statistics.median(each)
                 e = pred[k]
                 axes_ok = all(max(r["by_axis"][a] for r in rs) == v for a, v in e.comm_bytes_by_axis.items())
                 rows.append(dict(world=world, model=key, plan=name, bytes=b, bytes_pred=e.comm_bytes,
                                  exact=b == e.comm_bytes and axes_ok, peak=peak, peak_pred=e.memory_bytes,
-                                 step=step, step_pred=e.step_time_s))
+                                 step=step, step_pred=e.step_time_s, passes=each))
                 print(f"{key:16s} {name:15s} {b:>10,.0f} {e.comm_bytes:>10,.0f} | {peak / 1e6:>8.3f} "
                       f"{e.memory_bytes / 1e6:>7.3f} {e.memory_bytes / peak:>5.2f} | {step * 1e3:>8.1f} "
-                      f"{e.step_time_s * 1e3:>7.1f} {e.step_time_s / step:>5.2f}")
+                      f"{e.step_time_s * 1e3:>7.1f} {e.step_time_s / step:>5.2f}"
+                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each) if passes > 1 else ""))
         summary([r for r in rows if r["world"] == world], f"world {world}")
     if len(worlds) > 1:
         summary(rows, "all worlds")
@@ -151,6 +166,13 @@ def summary(rows, label: str) -> None:
           f"bytes exact {sum(r['exact'] for r in rows)}/{len(rows)}; memory mean {statistics.mean(mem):.1%}, worst "
           f"{max(mem):.1%} ({worst_m['model']}, {worst_m['plan']}, world {worst_m['world']}), "
           f"{sum(x <= 0.10 for x in mem)} within 10%")
+    k = min(len(r.get("passes", ())) for r in rows)
+    if k > 1:      # how far the passes measured a row apart, and what each pass alone would have read
+        spread = [abs(x / r["step"] - 1) for r in rows for x in r["passes"]]
+        alone = [[abs(r["step_pred"] / r["passes"][i] - 1) for r in rows] for i in range(k)]
+        print(f"  {k} passes: a pass's step from the rows' median: mean {statistics.mean(spread):.1%}, worst "
+              f"{max(spread):.1%}; each pass alone, step time mean (worst): "
+              + ", ".join(f"{statistics.mean(a):.1%} ({max(a):.1%})" for a in alone))
     by_plan: dict = {}
     for r in rows:
         by_plan.setdefault(r["plan"], []).append(r["step_pred"] / r["step"])
@@ -334,6 +356,9 @@ def main():
     ap.add_argument("--measure", choices=("alone", "rounds"), default="alone",
                     help="the grid's step times: each plan alone in the processes (compiled, --steps consecutive "
                          "steps, freed before the next), or all plans of a model in rounds of --block steps")
+    ap.add_argument("--passes", type=int, default=3,
+                    help="times the grid is measured, one pass after another, each compiling and timing every plan "
+                         "again; a row's step is the median of the passes' (one pass: runs 5-34)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--plans", nargs="+", metavar="PART",
                     help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
@@ -360,7 +385,7 @@ def main():
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
-        grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone")
+        grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone", args.passes)
     if args.quality:
         quality(args.quality_steps, c, block=args.block)
 

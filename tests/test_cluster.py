@@ -127,6 +127,16 @@ def test_contention_is_the_ranks_shared_throughput():
     assert got[4] == pytest.approx(4 / (3 / 2 + 1 / 4)) and got[2] == pytest.approx(1.05) and got[1] == 1.0
 
 
+def test_contention_keeps_the_median_of_its_readings():
+    """Several readings of k processes at once: each the ranks' shared throughput, the median of
+    them kept, so that one reading taken while something else ran on the machine moves nothing."""
+    from autopar.cost.calibration.local import _slowdowns
+    alone = 1e-3
+    readings = {4: [[2.2e-3] * 4, [2.8e-3] * 4, [2.1e-3, 2.1e-3, 2.1e-3, 2.4e-3]], 2: [[1.1e-3] * 2, [1.2e-3] * 2, [1e-3] * 2]}
+    got = dict(_slowdowns(alone, readings))
+    assert got[4] == pytest.approx(2.2) and got[2] == pytest.approx(1.1)
+
+
 def test_skew_table_sets_the_latency_by_the_compute_before():
     """A link of ranks sharing cores takes a small collective's latency from its table at the
     compute that preceded it: linear between the measured lengths, flat beyond them, 1 ms

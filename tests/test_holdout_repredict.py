@@ -65,3 +65,25 @@ def test_repredict_says_what_it_expected(tmp_path):
     empty.write_text("nothing here\n")
     with pytest.raises(SystemExit, match="no grid rows found"):
         bench_holdout.repredict(str(empty), c)
+
+
+def test_passes_summary_and_rows_with_the_passes_column(tmp_path, capsys):
+    """A grid measured in several passes: a row's step is the median of its passes (the caller's),
+    the summary says how far each pass's step is from that median and what each pass alone would
+    have read, and the printed rows with the passes' column still parse."""
+    rows = [dict(world=2, model="gpt h32 L2 s16", plan="ddp", bytes=1, bytes_pred=1, exact=True, peak=1.0,
+                 peak_pred=1.0, step=5.0, step_pred=5.5, passes=[4.0, 5.0, 6.0]),
+            dict(world=2, model="gpt h32 L2 s16", plan="tp", bytes=1, bytes_pred=1, exact=True, peak=1.0,
+                 peak_pred=1.0, step=10.0, step_pred=9.0, passes=[10.0, 12.0, 9.0])]
+    bench_holdout.summary(rows, "world 2")
+    out = capsys.readouterr().out
+    spread = [1 / 5, 0, 1 / 5, 0, 2 / 10, 1 / 10]
+    each = [(abs(5.5 / 4 - 1) + abs(9 / 10 - 1)) / 2, (abs(5.5 / 5 - 1) + abs(9 / 12 - 1)) / 2,
+            (abs(5.5 / 6 - 1) + abs(9 / 9 - 1)) / 2]
+    assert (f"3 passes: a pass's step from the rows' median: mean {sum(spread) / 6:.1%}, worst {max(spread):.1%}; "
+            f"each pass alone, step time mean (worst): {each[0]:.1%}") in out
+    assert f", {each[2]:.1%} (" in out
+    log = tmp_path / "grid.log"
+    log.write_text(GRID.splitlines()[0] + "\n" + "gpt h32 L2 s16   ddp                112,512    112,512 |    0.674   "
+                   "0.690  1.02 |      5.1     4.3  0.84 | 4.9 5.1 5.6\n")
+    assert bench_holdout.parse_grid(str(log)) == {(2, "gpt h32 L2 s16", "ddp"): (5.1, 4.3)}
