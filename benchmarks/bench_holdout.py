@@ -23,8 +23,8 @@ against every plan it could have picked.
    timing every plan again; a row's step is the median of its K passes' steps, each pass's
    printed beside it, with how far the passes are apart. One pass (runs 5-34) read each row in
    one stretch of about half a second: on this machine a pass's steps ran 0.88-1.10x their
-   rows' medians together, and a row's step moved 7.5-8.6% on average beyond that
-   (BENCHMARKS.md, runs 35 and 36).
+   rows' medians together, and a row's step moved 7.1-10.2% on average beyond that
+   (BENCHMARKS.md, runs 35-37).
    Predicted by ``evaluate_plan`` on the
    ``local`` preset. Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes

@@ -71,6 +71,7 @@ _GLOO_REPS = 9
 _GLOO_WORLD = 2
 _CONTENTION_SECONDS = 1.5
 _CONTENTION_READINGS = 3               # readings per number of processes, the median kept
+_CONTENTION_READING_SECONDS = 0.5      # each reading's loop: the three take what one reading did
 _SKEW_COMPUTE = (2e-4, 1e-3, 4e-3)     # compute seconds before a collective, for Link.skew
 _SKEW_BLOCKS = 7                       # blocks of rounds per skew point, their median taken
 
@@ -896,8 +897,8 @@ def _slowdowns(alone: float, crowded: dict) -> tuple:
     Processes on a core of their own still share caches and memory; more than the cores
     time-share them, and pay for the switching on top of the fair share.
 
-    Several readings, the median: one reading of 1.5 s falls on whatever else the machine runs
-    then. One calibration read k=4 as 2.82 where those before and after it read 2.07-2.34, and
+    Several readings, the median: one reading (of 1.5 s, before three of 0.5 s) falls on
+    whatever else the machine runs then. One calibration read k=4 as 2.82 where those before and after it read 2.07-2.34, and
     the predictions of ranks sharing cores came out too slow by about as much (predicted again
     with 2.17, that run's world-4 mean error went from 13.1% to 11.1%; BENCHMARKS.md, hold-out
     run 34)."""
@@ -952,7 +953,7 @@ def _measure_local() -> Cluster:
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
                 shared, _, pipe_shared = _measure_gloo(ranks, k)
-            loops[k] = [ranks(_contention_probe, k, _CONTENTION_SECONDS, timeout=120)
+            loops[k] = [ranks(_contention_probe, k, _CONTENTION_READING_SECONDS, timeout=120)
                         for _ in range(_CONTENTION_READINGS)]
         ranks.close()
         # alone again, and the quicker of the two: a loop alone is only ever slowed by others
@@ -1031,7 +1032,7 @@ def _measure_local() -> Cluster:
         + "; charged against the time some communication lane was busy",
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
-        f"processes looping at once, the ranks' harmonic mean / alone, the median of {_CONTENTION_READINGS} readings: {', '.join(f'k={k}: {f:.2f} (' + ', '.join(f'{statistics.harmonic_mean(r) / alone:.2f}' for r in loops[k]) + ')' for k, f in contention)}",
+        f"processes looping at once, the ranks' harmonic mean / alone, the median of {_CONTENTION_READINGS} readings of {_CONTENTION_READING_SECONDS} s: {', '.join(f'k={k}: {f:.2f} (' + ', '.join(f'{statistics.harmonic_mean(r) / alone:.2f}' for r in loops[k]) + ')' for k, f in contention)}",
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
