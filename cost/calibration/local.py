@@ -898,15 +898,18 @@ def _slowdowns(alone: float, crowded: dict) -> tuple:
     time-share them, and pay for the switching on top of the fair share.
 
     Several readings, the median: one reading (of 1.5 s, before three of 0.5 s) falls on
-    whatever else the machine runs then. One calibration read k=4 as 2.82 where those before and after it read 2.07-2.34, and
-    the predictions of ranks sharing cores came out too slow by about as much (predicted again
-    with 2.17, that run's world-4 mean error went from 13.1% to 11.1%; BENCHMARKS.md, hold-out
-    run 34)."""
-    def one(per_rank):
-        return statistics.harmonic_mean(per_rank) / alone
+    whatever else the machine runs then. One calibration read k=4 as 2.82 where those before
+    and after it read 2.07-2.34, and the predictions of ranks sharing cores came out too slow
+    by about as much (predicted again with 2.17, that run's world-4 mean error went from 13.1%
+    to 11.1%; BENCHMARKS.md, hold-out run 34)."""
+    return tuple((k, max(1.0, statistics.median(_reading(r, alone) for r in readings)
+                      if isinstance(readings[0], (list, tuple)) else _reading(readings, alone)))
+                 for k, readings in sorted(crowded.items()))
 
-    return tuple((k, max(1.0, statistics.median(one(r) for r in readings) if isinstance(readings[0], (list, tuple))
-                      else one(readings))) for k, readings in sorted(crowded.items()))
+
+def _reading(per_rank: list, alone: float) -> float:
+    """One contention reading: the ranks' seconds per loop, their harmonic mean over ``alone``."""
+    return statistics.harmonic_mean(per_rank) / alone
 
 
 def _cpu_model() -> str:
@@ -1032,7 +1035,8 @@ def _measure_local() -> Cluster:
         + "; charged against the time some communication lane was busy",
         f"contention: forward + backward of the synthetic stack ({_STACK_BLOCKS} blocks, d={_STACK_DIM}, "
         f"{_STACK_ROWS} rows, 1 thread) with k "
-        f"processes looping at once, the ranks' harmonic mean / alone, the median of {_CONTENTION_READINGS} readings of {_CONTENTION_READING_SECONDS} s: {', '.join(f'k={k}: {f:.2f} (' + ', '.join(f'{statistics.harmonic_mean(r) / alone:.2f}' for r in loops[k]) + ')' for k, f in contention)}",
+        f"processes looping at once, the ranks' harmonic mean / alone, the median of {_CONTENTION_READINGS} readings of {_CONTENTION_READING_SECONDS} s: "
+        + ", ".join(f"k={k}: {f:.2f} ({', '.join(f'{_reading(r, alone):.2f}' for r in loops[k])})" for k, f in contention),
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
