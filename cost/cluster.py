@@ -63,8 +63,7 @@ class Link:
     #                      on autopar's own interleaved pipelines; 0: ``hop``
     wake: float = 0.0    # measured links of ranks sharing cores: seconds a rank woken by its message
     #                      waits for a core when all are taken (fitted like hop, hop kept at the
-    #                      uncrowded link's, on the synthetic pipeline of stages with replicas: the
-    #                      estimate charges it to pipelines with replicas only)
+    #                      uncrowded link's)
     skew: tuple = ()     # measured links (the local preset's): ((collective, group size, compute seconds
     #                      before it, alpha seconds), ...): the latency of a small collective that
     #                      follows that much compute on every rank, round after round with no

@@ -543,12 +543,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             Bs = [both(Bs[s], sum(dp_bwd_gather[s])) for s in range(S)]
         hop = [pipeline_hop_time(p2p_bytes[s], link_pp, after=sum(f_stage[s]), schedule=plan.pp_schedule)
                for s in range(S)]
-        # a woken rank's wait for a core (Link.wake): fitted on the calibration's synthetic
-        # pipeline, whose stages have replicas (world / p > 1), and charged to such pipelines
-        # only: nothing measured it on stages without replicas, each placed on its own cores
-        wake = getattr(link_pp, "wake", 0.0) if shared and world > p else 0.0
         pipe, bubble, busy = pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared,
-                                            wake=wake, slow=slow)
+                                            wake=getattr(link_pp, "wake", 0.0) if shared else 0.0, slow=slow)
         # after the last micro-batch: deferred dp reduction, tied gradients, optimizer, ZeRO gathers
         reduce_t, tail_t = [sum(dp_bwd_reduce[s]) for s in range(S)], list(dp_time_tail)
         if plan.offload == "optimizer":   # each bucket's copy down once its reduction lands it; the copies

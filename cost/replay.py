@@ -121,30 +121,18 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
 def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     """Where a pipeline's p ranks compute when ``world`` ranks share ``cores`` cores: (speed of a
     busy process, as a function of the processes computing at that moment; per rank (group,
-    cores of the group, processes it stands for)).
-
-    Stages with replicas along the other axes (world / p > 1, computing in lockstep) share all
-    the cores as one group: the kernel spreads the busy processes over every core, so a stage
-    computing in another's bubble has the cores the idle stage left (measured 2026-12-04 on 4
-    processes, pp=2 x dp=2: a stage alone ran its forward at the speed of a process alone,
-    1.0-1.6 ms where a core per stage replays 2.7 ms; the synthetic pipeline of the calibration,
-    2 stages of 2 replicas, measured 23.3 ms, which a core per stage replays at 22.9 ms with no
-    wait for a core at all, so that layout left nothing to fit the wait on).
-
-    A pipeline without replicas keeps the layout by stage: with p >= cores, consecutive stages
-    share a core (a stage's bubble frees its core for its neighbours, not for the other stages);
-    with fewer stages, each has cores / p of them (the placement that reproduces BENCHMARKS.md's
-    measured pipeline steps on the local preset). ``slowdown(k)`` is the measured slowdown of k
-    processes computing at once (``Cluster.slowdown``: the shared caches and memory, and beyond
-    the cores the time-sharing); the speed of a busy process is its part beyond the fair share,
-    for the processes busy at that moment: a stage computing alone in another's bubble runs as
-    fast as it would alone."""
+    cores of the group, processes it stands for)). A stage's replicas along the other axes
+    (world / p of them) run in lockstep, and the cores are dealt out by stage: with p >= cores,
+    consecutive stages share a core (a stage's bubble frees its core for its neighbours, not for
+    the other stages); with fewer stages, each has cores / p of them (the placement that
+    reproduces BENCHMARKS.md's measured pipeline steps on the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
+    (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
+    the speed of a busy process is its part beyond the fair share, for the processes busy at
+    that moment: a stage computing alone in another's bubble runs as fast as it would alone."""
     replicas = world / p
 
     def speed(k: float) -> float:
         return max(1.0, k / cores) / slowdown(max(1, round(k)))
-    if replicas > 1:
-        return speed, [(0, float(cores), replicas) for _ in range(p)]
     if p >= cores:
         return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
     return speed, [(r, cores / p, replicas) for r in range(p)]

@@ -120,25 +120,6 @@ def test_a_tied_table_costs_one_exchange_after_the_pipeline():
     assert tied[0] == pytest.approx(link.latency + 64 * 32 * cluster.device.dtype_bytes / link.bandwidth)
 
 
-def test_the_wake_for_a_core_is_charged_to_pipelines_with_replicas_only():
-    """On processes sharing cores, ``Link.wake`` (fitted on the calibration's synthetic pipeline
-    of two stages with replicas) lengthens pp=2 x dp=2, and leaves pp=4 on the same four
-    processes, whose stages have no replicas, as it was."""
-    c = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=4, max_seq=8)
-    x, _ = gpt_batch(c, 16)
-    prof = Profiles(TinyGPT(c), (x,))
-    base = get_cluster("dgx-a100-80gb").with_(name="local", gpus_per_node=2, contention=((2, 1.0), (4, 2.0)))
-    slow = dataclasses.replace(base.device, peak_flops=1e9, mem_bandwidth=1e9)    # stages of milliseconds
-    base = dataclasses.replace(base, device=slow, shared=dataclasses.replace(base.intra, wake=0.0))
-    woken = dataclasses.replace(base, shared=dataclasses.replace(base.intra, wake=2e-3))
-    plan = autopar.Plan(pp_schedule="1f1b", microbatches=4)
-    step = {(name, w): evaluate_plan(prof, axes, plan, cl, 16).step_time_s
-            for name, axes in (("pp2 x dp2", {"pp": 2, "dp": 2}), ("pp4", {"pp": 4}))
-            for w, cl in ((0, base), (1, woken))}
-    assert step[("pp4", 1)] == pytest.approx(step[("pp4", 0)], rel=1e-12)
-    assert step[("pp2 x dp2", 1)] > step[("pp2 x dp2", 0)] + 2e-4
-
-
 # ---- memory: published figures ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,published_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])

@@ -262,30 +262,6 @@ def test_shared_replay_slows_only_while_ranks_compute_together():
     assert alone < shared < throughout
 
 
-def test_replicated_stages_share_every_core():
-    """pp=2 x dp=2 on two cores: the two stages' replicas share both cores as one group, so a
-    stage computing while the other idles runs as a process alone (GPipe with one micro-batch
-    never computes both stages at once: the replay alone), and 1F1B's steady state, both stages'
-    four processes on two cores, lies between that and the work doubled throughout. Without
-    replicas (pp=2 on two processes) each stage keeps a core of its own."""
-    contention = {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0}      # time-sharing alone beyond two processes
-    speed, placement = pipeline_placement(2, 4, 2, lambda k: contention[k])
-    assert placement == [(0, 2.0, 2.0), (0, 2.0, 2.0)]
-    assert speed(2) == 1.0 and speed(4) == pytest.approx(1.0)   # the sharing itself halves the rate
-    assert pipeline_placement(2, 2, 2, lambda k: contention[k])[1] == [(0, 1.0, 1.0), (1, 1.0, 1.0)]
-    dur = {"F": 1.0, "B": 2.0}
-    lat = lambda a: 0.1      # noqa: E731
-    one = build_schedule("gpipe", 2, 1)
-    assert simulate_shared(one, duration=lambda a: dur[a.kind], latency=lat, placement=placement,
-                           speed=speed).makespan == pytest.approx(simulate(one, duration=lambda a: dur[a.kind],
-                                                                           latency=lat).makespan)
-    s = build_schedule("1f1b", 2, 4)
-    shared = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=placement, speed=speed).makespan
-    alone = simulate(s, duration=lambda a: dur[a.kind], latency=lat).makespan
-    doubled = simulate(s, duration=lambda a: 2 * dur[a.kind], latency=lat).makespan
-    assert alone < shared < doubled
-
-
 def test_shared_replay_reports_deadlock():
     s = Schedule.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
     with pytest.raises(ScheduleDeadlock, match="rank 0 waits at 0RECV_B0"):

@@ -1027,8 +1027,7 @@ def _measure_local() -> Cluster:
         f"(a synthetic pipeline of bare matmuls, {_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / {_PIPE_B * 1e3:g} ms, "
         f"receives posted before the step, fits {synthetic_hop * 1e3:.2f} ms)"
         + (f"; on {2 * cores} (shared) that hop, and a woken rank's wait for a core when all are taken, "
-           f"fitted on the synthetic pipeline (2 stages of {cores} replicas) given that hop, for pipelines "
-           f"with replicas: wake {shared.wake * 1e3:.2f} ms" if shared else ""),
+           f"fitted on the synthetic pipeline given that hop: wake {shared.wake * 1e3:.2f} ms" if shared else ""),
         f"overlap_loss: a 1 MiB all-reduce issued asynchronously before ~2 ms of matmuls and waited on after, "
         f"against each alone, every rank at once, {_OVERLAP_REPS} rounds in turn, slowest rank; median over rounds "
         f"of (both - longer) / shorter: {gloo.overlap_loss:.2f} on {_GLOO_WORLD} processes"
