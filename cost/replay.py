@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
-from autopar.schedule import (COMPUTE, SCHEDULES, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
+from autopar.schedule import (COMPUTE, SCHEDULES, Action, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
                               deadlock_message, execute, lower, matching_send)
 
 __all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time",
@@ -19,17 +19,19 @@ __all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_fo
 
 def simulate_shared(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *, duration=None,
                     latency=None, cores: float | None = None, wake: float = 0.0, placement=None,
-                    speed: float = 1.0) -> Timeline:
+                    speed: float = 1.0, rendezvous: bool = False) -> Timeline:
     """``autopar.schedule.simulate`` for ranks that share ``cores`` processors (default: one
     each) or are laid out by ``placement``, each at ``speed``; a rank woken by its message while
     every processor is taken waits ``wake`` for one: see ``execute_shared``."""
     schedule.validate()
     return execute_shared(schedule, lower(schedule), cores if cores is not None else schedule.p, costs, comm,
-                          duration=duration, latency=latency, wake=wake, placement=placement, speed=speed)
+                          duration=duration, latency=latency, wake=wake, placement=placement, speed=speed,
+                          rendezvous=rendezvous)
 
 
 def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | None = None, comm: float = 0.0, *,
-                   duration=None, latency=None, wake: float = 0.0, placement=None, speed: float = 1.0) -> Timeline:
+                   duration=None, latency=None, wake: float = 0.0, placement=None, speed: float = 1.0,
+                   rendezvous: bool = False) -> Timeline:
     """Replay lowered ``programs`` whose ranks share ``cores`` processors, as processes on one
     CPU do: a compute action's duration is its work on a processor of its own, and while k
     ranks compute at once each advances at min(1, cores / k) (processor sharing, the
@@ -42,7 +44,17 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
     rank standing for that many processes computing in lockstep (its replicas along the other
     mesh axes), so a busy rank advances at min(1, processors / (processes x busy ranks of its
     group)). Every rate is multiplied by ``speed`` (a process on a processor of its own, against
-    the durations given)."""
+    the durations given).
+
+    ``rendezvous``: messages move as gloo moves them, a send only once its receive is posted,
+    the receives posted as autopar's pipeline runtime posts them (those between a compute
+    action and the next when that action starts; one before a rank's first compute action
+    when the rank reaches it). A send whose receive was posted before it travels from the send;
+    one sent first waits in the sender's process until the receiver's notice that its receive
+    is posted arrives, and the sender's event-loop thread, not the thread that sent, then
+    writes it (gloo's tcp transport: ``Pair::send`` of an unbound buffer, ``onNotifyRecvReady``
+    on the event-loop thread), so it travels from the post only while some processor is free
+    for that thread: while every processor computes, it stands still."""
     cost = action_costs(schedule, costs)
     took = duration or (lambda a: cost[a.kind])
     travel = latency or (lambda a: comm)
@@ -54,35 +66,78 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
     left: dict = {}              # rank -> (action, start, work left) while it computes
     blocked: set = set()         # ranks asleep on a message not yet arrived
     resume: dict = {}            # rank -> when it gets a processor after its message woke it
+    posted: set = set()          # rendezvous: receives posted
+    waiting: dict = {}           # rendezvous: receive not yet posted -> its send, sent
+    flying: dict = {}            # rendezvous: send -> latency left, moving only while a processor is free
+    processors = cores if placement is None else sum({g: c for g, c, _ in placement}.values())
     now, eps = 0.0, 1e-15
+
+    def busy() -> float:
+        return len(left) if placement is None else sum(placement[q][2] for q in left)
+
+    def post(recv) -> None:
+        if recv in posted:
+            return
+        posted.add(recv)
+        send = waiting.pop(recv, None)
+        if send is not None:     # sent before: the sender's event-loop thread writes it now
+            flying[send] = travel(send)
+
     while True:
-        for r, prog in enumerate(programs):      # run each idle rank up to its next compute or blocked receive
-            while r not in left and pc[r] < len(prog):
-                a = prog[pc[r]]
-                if a.kind in COMPUTE:
-                    left[r] = (a, now, took(a))
-                    break
-                if a.kind.startswith("SEND"):
-                    arrival[a] = now + travel(a)
-                elif r in resume:
-                    if resume[r] > now + eps:
+        moved = True
+        while moved:     # until no rank moves: a message sent now may wake a rank the pass went by
+            moved = False
+            for r, prog in enumerate(programs):      # run each idle rank up to its next compute or blocked receive
+                while r not in left and pc[r] < len(prog):
+                    a = prog[pc[r]]
+                    if a.kind in COMPUTE:
+                        left[r] = (a, now, took(a))
+                        moved = True
+                        if rendezvous:    # the runtime posts the receives before the next compute action now
+                            for b in prog[pc[r] + 1:]:
+                                if b.kind in COMPUTE:
+                                    break
+                                # a gradient's buffer takes the shapes of the forward's outputs: not
+                                # posted before that forward ran (the runtime's _can_post)
+                                if b.kind.startswith("RECV") and not (b.kind == "RECV_B" and a.kind == "F"
+                                                                      and (a.stage, a.mb) == (b.stage, b.mb)):
+                                    post(b)
                         break
-                    del resume[r]
-                elif arrival.get(matching_send(a), math.inf) > now + eps:
-                    blocked.add(r)
-                    break
-                elif r in blocked:
-                    blocked.discard(r)
-                    full = (len(left) >= cores if placement is None else
-                            sum(placement[q][2] for q in left if placement[q][0] == placement[r][0])
-                            >= placement[r][1])
-                    if wake and full:
-                        resume[r] = now + wake
+                    if a.kind.startswith("SEND"):
+                        recv = Action(a.stage + 1, "RECV_F", a.mb) if a.kind == "SEND_F" else \
+                            Action(a.stage - 1, "RECV_B", a.mb)
+                        if not rendezvous or recv in posted:
+                            arrival[a] = now + travel(a)
+                        else:
+                            waiting[recv] = a
+                    elif r in resume:
+                        if resume[r] > now + eps:
+                            break
+                        del resume[r]
+                    elif rendezvous and a not in posted:
+                        post(a)
+                        continue
+                    elif arrival.get(matching_send(a), math.inf) > now + eps:
+                        blocked.add(r)
                         break
-                pc[r] += 1
+                    elif r in blocked:
+                        blocked.discard(r)
+                        full = (len(left) >= cores if placement is None else
+                                sum(placement[q][2] for q in left if placement[q][0] == placement[r][0])
+                                >= placement[r][1])
+                        if wake and full:
+                            resume[r] = now + wake
+                            break
+                    pc[r] += 1
+                    moved = True
         if not left:
             waits = [resume[r] if r in resume else arrival.get(matching_send(prog[pc[r]]), math.inf)
                      for r, prog in enumerate(programs) if pc[r] < len(prog)]
+            if flying:       # every processor free: the messages in flight move
+                step = min([min(flying.values())] + [t - now for t in waits if t < math.inf])
+                now += step
+                _land(flying, arrival, step, now, eps)
+                continue
             if not waits:
                 break
             if min(waits) == math.inf:
@@ -96,15 +151,20 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
             pace = speed(len(left)) if callable(speed) else speed
             rates = dict.fromkeys(left, min(1.0, cores / len(left)) * pace)
         else:
-            busy: dict = {}
+            group_busy: dict = {}
             for r in left:
-                busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
-            pace = speed(sum(busy.values())) if callable(speed) else speed
-            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * pace for r in left}
+                group_busy[placement[r][0]] = group_busy.get(placement[r][0], 0) + placement[r][2]
+            pace = speed(sum(group_busy.values())) if callable(speed) else speed
+            rates = {r: min(1.0, placement[r][1] / group_busy[placement[r][0]]) * pace for r in left}
         step = min(w / rates[r] for r, (_, _, w) in left.items())
         pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
         step = min([step] + [t - now for t in pending])
+        free = busy() < processors - eps
+        if flying and free:
+            step = min([step] + list(flying.values()))
         now += step
+        if flying and free:
+            _land(flying, arrival, step, now, eps)
         for r in list(left):
             a, start, w = left[r]
             w -= step * rates[r]
@@ -116,6 +176,14 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
                 left[r] = (a, start, w)
     return Timeline(schedule, events, now)
 
+
+def _land(flying: dict, arrival: dict, step: float, now: float, eps: float) -> None:
+    """Move the messages in flight by ``step`` seconds; those with no latency left arrive now."""
+    for a in list(flying):
+        flying[a] -= step
+        if flying[a] <= eps * max(1.0, now):
+            arrival[a] = now
+            del flying[a]
 
 
 def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
@@ -167,7 +235,8 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
     """(makespan of the schedule, bubble fraction, busiest rank's busy time). ``shared``: the
     ``pipeline_placement`` of ranks sharing cores (stage times are then each on a core of its
     own); the replay shares the cores as placed (a rank its message wakes while its cores are
-    taken waiting ``wake`` for one), the closed form slows every stage by ``slow``."""
+    taken waiting ``wake`` for one; a message sent before its receive is posted moving as gloo
+    moves it, ``execute_shared``'s ``rendezvous``), the closed form slows every stage by ``slow``."""
     split = plan.split_backward
     if shared is not None and (not simulate or m * p * v > 20000):
         k = max(1.0, slow)
@@ -197,7 +266,7 @@ def pipeline_time(plan, p, m, v, Fs, Bs, Ws, hop, timeline, simulate, shared=Non
 
     speed, placement = shared if shared is not None else (1.0, None)
     tl = execute_shared(schedule, programs, schedule.p, duration=duration, latency=latency, wake=wake,
-                        placement=placement, speed=speed) if placement is not None else \
+                        placement=placement, speed=speed, rendezvous=True) if placement is not None else \
         execute(schedule, programs, duration=duration, latency=latency)
     for r, evs in enumerate(tl.events):
         for a, s0, e in evs:

@@ -154,9 +154,10 @@ def test_skew_table_sets_the_latency_by_the_compute_before():
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
-    and no contention lasts (m + 1)(F + B) + 2h, F and B each with a message's CPU time."""
+    and no contention lasts (m + 1)(F + B) + 2h, F and B each with a message's CPU time (h no
+    longer than F: each receive is posted before its send, and the rendezvous delays nothing)."""
     from autopar.cost.calibration import local
-    m, f, b, msg, h = 4, 4e-4, 7e-4, 1e-4, 6.5e-4
+    m, f, b, msg, h = 4, 9e-4, 1.2e-3, 1e-4, 6.5e-4
     per_stage = [{"F": f, "B": b, "W": 0.0}] * 2
     measured = (m + 1) * (f + msg + b + msg) + 2 * h
     alone = ((2, 1.0), (4, 1.0))      # no slowdown: the replay runs each rank at full speed
@@ -185,7 +186,7 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
     alone = ((2, 1.0), (4, 1.0))
     sched = build_schedule("interleaved", 2, 4, 2)
     measured = simulate_shared(sched, duration=lambda a: (f if a.kind == "F" else b) + msg,
-                               latency=lambda a: h).makespan
+                               latency=lambda a: h, rendezvous=True).makespan
     replays = [("interleaved", per_stage, [msg] * 4, measured),
                ("1f1b", per_stage[:2], [msg] * 2, (4 + 1) * (f + b + 2 * msg) + 2 * 5e-4)]
     assert local._fit_runtime_hop(replays, 2, alone, ("interleaved",)) == pytest.approx(h, rel=1e-6)

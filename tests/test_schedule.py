@@ -262,6 +262,33 @@ def test_shared_replay_slows_only_while_ranks_compute_together():
     assert alone < shared < throughout
 
 
+def test_rendezvous_moves_a_message_sent_before_its_receive_only_on_a_free_processor():
+    """Gloo sends an unbound buffer once the receiver's notice that its receive is posted has
+    arrived; a send issued first is written later by the sender's event-loop thread, which needs
+    a processor. Two stages of two replicas each, one core a stage (four processes on two
+    cores): 1F1B with 2 micro-batches posts stage 1's receive of F1 as its B0 starts (the
+    runtime posts the receives before the next compute action), after stage 0 sent F1, and B0
+    takes both processors, so F1's message moves only once B0 has ended, its latency after
+    that: F1 starts B0's end + latency. GPipe posts every receive before its send and is
+    unchanged; so is 1F1B on cores enough for every process."""
+    dur = {"F": 1.0, "B": 2.0}
+    lat = 0.3
+    place = [(0, 1.0, 2.0), (1, 1.0, 2.0)]
+
+    def replay(name, rendezvous, placement=place):
+        return simulate_shared(build_schedule(name, 2, 2), duration=lambda a: dur[a.kind], latency=lambda a: lat,
+                               placement=placement, rendezvous=rendezvous)
+
+    plain, met = replay("1f1b", False), replay("1f1b", True)
+    ev = {str(a): (b, e) for a, b, e in met.events[1]}
+    assert ev["1F1"][0] == pytest.approx(ev["1B0"][1] + lat)
+    assert {str(a): b for a, b, _ in plain.events[1]}["1F1"] == pytest.approx(ev["1B0"][1])
+    assert met.makespan == pytest.approx(plain.makespan + lat)
+    assert replay("gpipe", True).makespan == pytest.approx(replay("gpipe", False).makespan)
+    roomy = [(0, 4.0, 2.0), (1, 4.0, 2.0)]      # a processor stays free for the event-loop thread
+    assert replay("1f1b", True, roomy).makespan == pytest.approx(replay("1f1b", False, roomy).makespan)
+
+
 def test_shared_replay_reports_deadlock():
     s = Schedule.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
     with pytest.raises(ScheduleDeadlock, match="rank 0 waits at 0RECV_B0"):

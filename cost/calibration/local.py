@@ -596,8 +596,9 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tu
     (``_HOP_PIPELINES``; ``_measure_op_overhead``'s ``replays``: per pipeline its schedule, each
     stage's median F and B action CPU times with a message's CPU time added as the estimate adds
     it, and the schedule the slowest rank timed), replayed as the estimate replays 2 ranks on
-    ``cores`` cores (placed by ``pipeline_placement``, slowed by the measured ``contention``).
-    The median of the pipelines' fits (bisection; 0 where even none replays slower).
+    ``cores`` cores (placed by ``pipeline_placement``, slowed by the measured ``contention``),
+    each send moving once its receive is posted, as the estimate replays them (``execute_shared``'s
+    ``rendezvous``). The median of the pipelines' fits (bisection; 0 where even none replays slower).
 
     This is what a message costs the runtime's pipelines beyond the CPU time of posting it, as
     a latency on the schedule's critical path. Measured, not explained (2026-12-03, this
@@ -633,7 +634,7 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tu
 
         def replay(hop):
             return simulate_shared(s, duration=duration, latency=lambda a: hop, speed=speed,
-                                   placement=placement).makespan
+                                   placement=placement, rendezvous=True).makespan
 
         fit = _bisect_latency(replay, measured, f"a {schedule_name} pipeline's schedule", "hop")
         if fit is not None:
@@ -1020,7 +1021,8 @@ def _measure_local() -> Cluster:
         f"hop: the message latency at which the model's replay of autopar's own 2-stage 1F1B pipelines "
         f"(4 micro-batches, GPTs of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == '1f1b')} "
         f"layers, run with the op_overhead probe; each stage's measured F and B action CPU times plus a message's, "
-        f"the contention of 2 ranks) lasts their measured schedules, the median: {gloo.hop * 1e3:.2f} ms on "
+        f"the contention of 2 ranks; a send moving once its receive is posted) lasts their measured schedules, "
+        f"the median: {gloo.hop * 1e3:.2f} ms on "
         f"{_GLOO_WORLD} processes; hop_interleaved: the same for the interleaved schedule (2 stages a rank, GPTs "
         f"of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == 'interleaved')} layers): "
         f"{gloo.hop_interleaved * 1e3:.2f} ms "
