@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import math
 
-from autopar.schedule import (COMPUTE, SCHEDULES, Action, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
-                              deadlock_message, execute, lower, matching_send)
+from autopar.schedule import (COMPUTE, SCHEDULES, Action, ScheduleDeadlock, Schedule, Timeline, action_costs,
+                              build_schedule, deadlock_message, execute, lower, matching_send)
 
 __all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time",
            "lowered_schedule"]
