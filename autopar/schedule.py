@@ -19,7 +19,8 @@ from xml.sax.saxutils import escape
 from .trace import ChromeTrace
 
 __all__ = ["KINDS", "COMPUTE", "SCHEDULES", "Action", "Schedule", "ScheduleDeadlock", "Timeline",
-           "build_schedule", "bubble_formula", "execute", "lower", "simulate", "matching_send", "action_costs", "deadlock_message"]
+           "build_schedule", "bubble_formula", "execute", "lower", "simulate", "matching_send", "matching_recv",
+           "action_costs", "deadlock_message"]
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE = ("F", "B", "W")
@@ -372,6 +373,13 @@ def matching_send(recv: Action) -> Action:
     if recv.kind == "RECV_F":
         return Action(recv.stage - 1, "SEND_F", recv.mb)
     return Action(recv.stage + 1, "SEND_B", recv.mb)
+
+
+def matching_recv(send: Action) -> Action:
+    """The receive that waits for the send ``send``'s message (``matching_send``'s inverse)."""
+    if send.kind == "SEND_F":
+        return Action(send.stage + 1, "RECV_F", send.mb)
+    return Action(send.stage - 1, "RECV_B", send.mb)
 
 
 def action_costs(schedule: Schedule, costs: dict | None) -> dict:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import math
 
-from autopar.schedule import (COMPUTE, SCHEDULES, Action, ScheduleDeadlock, Schedule, Timeline, action_costs,
-                              build_schedule, deadlock_message, execute, lower, matching_send)
+from autopar.schedule import (COMPUTE, SCHEDULES, ScheduleDeadlock, Schedule, Timeline, action_costs, build_schedule,
+                              deadlock_message, execute, lower, matching_recv, matching_send)
 
 __all__ = ["simulate_shared", "execute_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time",
            "lowered_schedule"]
@@ -104,12 +104,10 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
                                     post(b)
                         break
                     if a.kind.startswith("SEND"):
-                        recv = Action(a.stage + 1, "RECV_F", a.mb) if a.kind == "SEND_F" else \
-                            Action(a.stage - 1, "RECV_B", a.mb)
-                        if not rendezvous or recv in posted:
+                        if not rendezvous or matching_recv(a) in posted:
                             arrival[a] = now + travel(a)
                         else:
-                            waiting[recv] = a
+                            waiting[matching_recv(a)] = a
                     elif r in resume:
                         if resume[r] > now + eps:
                             break
