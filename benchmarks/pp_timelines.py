@@ -16,6 +16,7 @@ and 1 (each standing for its dp replicas).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -24,8 +25,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-TIER = ("tier", ("gpt", dict(vocab=67, seq=32, dim=64, heads=4, layers=4, max_seq=32)), 16)
 
 
 def _job(spec, batch, plans, steps):
@@ -75,8 +74,11 @@ def main():
     from autopar.models import gpt_batch
     from autopar.testing import run
     from jobs.holdout import build
-    key, spec, batch = TIER if args.model == "tier" else \
-        next(q for q in bh.QUALITY_MODELS if q[0].split()[0] == args.model)
+    if args.model == "tier":
+        from jobs.predict import PREDICT_BATCH, PREDICT_CONFIG
+        key, spec, batch = "tier", ("gpt", dataclasses.asdict(PREDICT_CONFIG)), PREDICT_BATCH
+    else:
+        key, spec, batch = next(q for q in bh.QUALITY_MODELS if q[0].split()[0] == args.model)
     axes = {"pp": 2, "dp": args.world // 2} if args.world > 2 else {"pp": 2}
     plans = [(s, axes, {"dp": "ddp", "pp_schedule": s, "microbatches": args.microbatches}) for s in args.schedules]
     measured = run(_job, args.world, spec, batch, plans, args.steps, timeout=1800)

@@ -72,9 +72,6 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
     processors = cores if placement is None else sum({g: c for g, c, _ in placement}.values())
     now, eps = 0.0, 1e-15
 
-    def busy() -> float:
-        return len(left) if placement is None else sum(placement[q][2] for q in left)
-
     def post(recv) -> None:
         if recv in posted:
             return
@@ -149,15 +146,15 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
             pace = speed(len(left)) if callable(speed) else speed
             rates = dict.fromkeys(left, min(1.0, cores / len(left)) * pace)
         else:
-            group_busy: dict = {}
+            busy: dict = {}
             for r in left:
-                group_busy[placement[r][0]] = group_busy.get(placement[r][0], 0) + placement[r][2]
-            pace = speed(sum(group_busy.values())) if callable(speed) else speed
-            rates = {r: min(1.0, placement[r][1] / group_busy[placement[r][0]]) * pace for r in left}
+                busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
+            pace = speed(sum(busy.values())) if callable(speed) else speed
+            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * pace for r in left}
         step = min(w / rates[r] for r, (_, _, w) in left.items())
         pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
         step = min([step] + [t - now for t in pending])
-        free = busy() < processors - eps
+        free = (len(left) if placement is None else sum(busy.values())) < processors - eps
         if flying and free:
             step = min([step] + list(flying.values()))
         now += step
