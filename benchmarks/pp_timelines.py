@@ -2,16 +2,16 @@
 (the runtime's own ``timeline``: wall time from after the receive it needs to the action's end),
 beside the estimate's replay of the same plan (local preset).
 
-    python benchmarks/pp_timelines.py [--model wide-shallow] [--world 4] [--microbatches 2]
+    python benchmarks/pp_timelines.py [--model wide-shallow] [--world 4] [--pp 2] [--microbatches 2]
                                       [--schedules gpipe 1f1b zero_bubble] [--steps 25]
 
 The model is one of ``bench_holdout.py``'s planner-quality models (or ``tier``: the GPT of the
-timing tier, ``tests/jobs/predict.py``), on pp=2 x dp=world/2. Each schedule is compiled, run
+timing tier, ``tests/jobs/predict.py``; or a hold-out grid model), on pp=--pp x dp=world/pp. Each schedule is compiled, run
 3 steps, then ``--steps`` steps each after a barrier; per rank, the medians of the step, of the
 time before its first action ("pre"), from its first action's start to its last one's end
 ("sched") and after ("post"), and of each kind's summed action time; then the last step's
-actions (ms from the step's start). The estimate's line gives its replay's spans of pp ranks 0
-and 1 (each standing for its dp replicas).
+actions (ms from the step's start). The estimate's line gives its replay's spans of each pp
+rank (each standing for its dp replicas).
 """
 from __future__ import annotations
 
@@ -61,8 +61,10 @@ def _job(spec, batch, plans, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wide-shallow", help="a planner-quality model's first word, or 'tier'")
+    ap.add_argument("--model", default="wide-shallow",
+                    help="a planner-quality model's first word, a hold-out grid model (e.g. 'gpt h64 L2 s16'), or 'tier'")
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages (dp = world / pp)")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zero_bubble"])
     ap.add_argument("--steps", type=int, default=25)
@@ -78,8 +80,11 @@ def main():
         from jobs.predict import PREDICT_BATCH, PREDICT_CONFIG
         key, spec, batch = "tier", ("gpt", dataclasses.asdict(PREDICT_CONFIG)), PREDICT_BATCH
     else:
-        key, spec, batch = next(q for q in bh.QUALITY_MODELS if q[0].split()[0] == args.model)
-    axes = {"pp": 2, "dp": args.world // 2} if args.world > 2 else {"pp": 2}
+        key, spec, batch = next((q for q in bh.grid_models() if q[0] == args.model), None) or \
+            next(q for q in bh.QUALITY_MODELS if q[0].split()[0] == args.model)
+    if args.world % args.pp:
+        raise SystemExit(f"--pp {args.pp} does not divide --world {args.world}")
+    axes = {"pp": args.pp, "dp": args.world // args.pp} if args.world > args.pp else {"pp": args.pp}
     plans = [(s, axes, {"dp": "ddp", "pp_schedule": s, "microbatches": args.microbatches}) for s in args.schedules]
     measured = run(_job, args.world, spec, batch, plans, args.steps, timeout=1800)
     model, cfg = build(spec)

@@ -188,14 +188,21 @@ def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     (world / p of them) run in lockstep, and the cores are dealt out by stage: with p >= cores,
     consecutive stages share a core (a stage's bubble frees its core for its neighbours, not for
     the other stages); with fewer stages, each has cores / p of them (the placement that
-    reproduces BENCHMARKS.md's measured pipeline steps on the local preset). ``slowdown(k)`` is the measured slowdown of k processes computing at once
-    (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
+    reproduces BENCHMARKS.md's measured pipeline steps on the local preset). A pipeline without
+    replicas (world = p) is one group of all the cores: the kernel runs whichever of its ranks
+    compute on whichever core is free, so a fill or drain with fewer ranks computing than cores
+    runs each at full speed (zero-bubble on pp=4, 4 processes, 2 cores, the mean of its rows'
+    pred/meas in hold-out runs 36-40 re-predicted: 1.21-1.31 with a core per pair of stages,
+    1.10-1.19 as one group; BENCHMARKS.md). ``slowdown(k)`` is the measured slowdown of k processes
+    computing at once (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
     the speed of a busy process is its part beyond the fair share, for the processes busy at
     that moment: a stage computing alone in another's bubble runs as fast as it would alone."""
     replicas = world / p
 
     def speed(k: float) -> float:
         return max(1.0, k / cores) / slowdown(max(1, round(k)))
+    if p >= cores and replicas == 1:
+        return speed, [(0, float(cores), 1.0) for r in range(p)]
     if p >= cores:
         return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
     return speed, [(r, cores / p, replicas) for r in range(p)]

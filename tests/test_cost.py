@@ -19,7 +19,7 @@ import sympy as sp
 import autopar
 from autopar.sizes import ring_bytes
 from autopar.cost.comm import ALGORITHMS, NBYTES, P, bytes_per_rank_expr, collective_time
-from autopar.cost.cluster import Link, get_cluster
+from autopar.cost.cluster import PRESETS, Link, get_cluster
 from autopar.cost.formulas import N, PSI, evaluate
 from autopar.cost.memory import MIXED_PRECISION, activation_bytes_per_layer, model_state_bytes
 from autopar.sizes import inflight_microbatches
@@ -118,6 +118,27 @@ def test_a_tied_table_costs_one_exchange_after_the_pipeline():
     assert tied and len(set(tied)) == 1, tied
     link = cluster.intra                      # 2 GPUs of one node
     assert tied[0] == pytest.approx(link.latency + 64 * 32 * cluster.device.dtype_bytes / link.bandwidth)
+
+
+def test_ranks_sharing_cores_exchange_after_the_pipeline_on_the_uncontended_link():
+    """Ranks sharing cores (the local preset, world above the cores): inside the schedule a
+    pipeline's messages ride the ``shared`` link, measured among ranks that all computed just
+    before; past it the ranks wait rather than compute, so the tied table's exchange and the
+    loss broadcast (a binomial tree over the p ranks) ride the link measured with a core per
+    rank: alpha + bytes / bandwidth each, written here on that link, not on the shared one."""
+    c = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=4, max_seq=8)
+    x, _ = gpt_batch(c, 8)
+    own = Link("own-core", 1e9, 2e-4)
+    base = PRESETS["dgx-h100"]
+    cluster = base.with_(name="local", gpus_per_node=2, intra=own, inter=own, contention=((2, 1.0), (4, 2.0)),
+                         shared=Link("shared", 5e8, 3e-3))
+    e = evaluate_plan(Profiles(TinyGPT(c), (x,)), {"pp": 4}, autopar.Plan(pp_schedule="gpipe", microbatches=2),
+                      cluster, 8)
+    spans = {label: end - start for _, _, label, start, end in e.timeline if label in ("tied gradients",
+                                                                                        "loss broadcast")}
+    dtype = cluster.device.dtype_bytes
+    assert spans["tied gradients"] == pytest.approx(own.latency + 64 * 32 * dtype / own.bandwidth)
+    assert spans["loss broadcast"] == pytest.approx(2 * (own.latency + 4 / own.bandwidth))
 
 
 # ---- memory: published figures ------------------------------------------------------------------------

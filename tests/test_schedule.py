@@ -262,6 +262,32 @@ def test_shared_replay_slows_only_while_ranks_compute_together():
     assert alone < shared < throughout
 
 
+def test_a_pipeline_without_replicas_shares_every_core():
+    """Four stages of one rank each on two cores (pp=4 on 4 processes) are one group of two
+    cores: the kernel runs whichever ranks compute on whichever core is free, so GPipe with two
+    micro-batches, which never computes on more than two ranks at once, replays as if each rank
+    had a core of its own; 1F1B with eight, four computing at once in its steady state, is
+    slower than that. Stages with replicas keep a core of their own per pair of stages. (The
+    slowdown of k processes computing at once: time-sharing alone, k / 2 beyond two.)"""
+    speed, place = pipeline_placement(4, 4, 2, lambda k: max(1.0, k / 2))
+    assert place == [(0, 2.0, 1.0)] * 4
+    dur = {"F": 1.0, "B": 2.0}
+    lat = lambda a: 0.1      # noqa: E731
+    two = build_schedule("gpipe", 4, 2)
+    alone = simulate(two, duration=lambda a: dur[a.kind], latency=lat)
+    busy = [sum(b <= t < e for evs in alone.events for _, b, e in evs) for t in
+            sorted({b for evs in alone.events for _, b, _ in evs})]
+    assert max(busy) == 2       # the premise, read off the replay with a core each
+    assert simulate_shared(two, duration=lambda a: dur[a.kind], latency=lat, placement=place,
+                           speed=speed).makespan == pytest.approx(alone.makespan)
+    eight = build_schedule("1f1b", 4, 8)
+    assert simulate_shared(eight, duration=lambda a: dur[a.kind], latency=lat, placement=place,
+                           speed=speed).makespan > simulate(eight, duration=lambda a: dur[a.kind],
+                                                            latency=lat).makespan * 1.2
+    assert pipeline_placement(4, 8, 2, lambda k: max(1.0, k / 2))[1] == [(0, 1.0, 2.0), (0, 1.0, 2.0), (1, 1.0, 2.0),
+                                                              (1, 1.0, 2.0)]
+
+
 def test_rendezvous_moves_a_message_sent_before_its_receive_only_on_a_free_processor():
     """Gloo sends an unbound buffer once the receiver's notice that its receive is posted has
     arrived; a send issued first is written later by the sender's event-loop thread, which needs
