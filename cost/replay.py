@@ -202,7 +202,7 @@ def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     def speed(k: float) -> float:
         return max(1.0, k / cores) / slowdown(max(1, round(k)))
     if p >= cores and replicas == 1:
-        return speed, [(0, float(cores), 1.0) for r in range(p)]
+        return speed, [(0, float(cores), 1.0)] * p
     if p >= cores:
         return speed, [(r * cores // p, 1.0, replicas) for r in range(p)]
     return speed, [(r, cores / p, replicas) for r in range(p)]
