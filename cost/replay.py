@@ -193,10 +193,11 @@ def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:
     compute on whichever core is free, so a fill or drain with fewer ranks computing than cores
     runs each at full speed (zero-bubble on pp=4, 4 processes, 2 cores, the mean of its rows'
     pred/meas in hold-out runs 36-40 re-predicted: 1.21-1.31 with a core per pair of stages,
-    1.10-1.19 as one group; BENCHMARKS.md). ``slowdown(k)`` is the measured slowdown of k processes
-    computing at once (``Cluster.slowdown``: the shared caches and memory, and beyond the cores the time-sharing);
-    the speed of a busy process is its part beyond the fair share, for the processes busy at
-    that moment: a stage computing alone in another's bubble runs as fast as it would alone."""
+    1.10-1.19 as one group; BENCHMARKS.md). ``slowdown(k)`` is the measured slowdown of k
+    processes computing at once (``Cluster.slowdown``: the shared caches and memory, and beyond
+    the cores the time-sharing); the speed of a busy process is its part beyond the fair share,
+    for the processes busy at that moment: a stage computing alone in another's bubble runs as
+    fast as it would alone."""
     replicas = world / p
 
     def speed(k: float) -> float:
