@@ -553,10 +553,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             tail_t = [copies[s].up_tail(dp_time_tail[s]) for s in range(S)]
         after = [reduce_t[s] + opt_time[s] + tail_t[s] + sync[s] for s in range(S)]
         per_rank_after = [sum(after[s] for s in range(S) if s % p == r) for r in range(p)]
-        # ranks sharing cores: past its schedule a pipeline's ranks wait in these exchanges
-        # rather than compute, so they ride the link as measured with a core per rank (the
+        # past its schedule a pipeline's ranks wait in these exchanges rather than compute, so
+        # where ranks share cores they too ride the link as measured with a core per rank (the
         # shared link's fits are of ranks that all computed just before)
-        link_tail = c.axis_link(axes, "pp") if shared else link_pp
+        link_tail = c.axis_link(axes, "pp")
         tied_t = tied_exchange_time(tied_bytes, link_tail)
         # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
         loss_t = loss_broadcast_time(p, link_tail)

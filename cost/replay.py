@@ -101,10 +101,11 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
                                     post(b)
                         break
                     if a.kind.startswith("SEND"):
-                        if not rendezvous or matching_recv(a) in posted:
+                        recv = matching_recv(a)
+                        if not rendezvous or recv in posted:
                             arrival[a] = now + travel(a)
                         else:
-                            waiting[matching_recv(a)] = a
+                            waiting[recv] = a
                     elif r in resume:
                         if resume[r] > now + eps:
                             break
