@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["cache_path", "load_local", "store_local", "problem"]
 
-FORMAT_VERSION = 34
+FORMAT_VERSION = 35
 
 
 def cache_path() -> str:

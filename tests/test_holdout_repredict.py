@@ -83,7 +83,27 @@ def test_passes_summary_and_rows_with_the_passes_column(tmp_path, capsys):
     assert (f"3 passes: a pass's step from the rows' median: mean {sum(spread) / 6:.1%}, worst {max(spread):.1%}; "
             f"each pass alone, step time mean (worst): {each[0]:.1%}") in out
     assert f", {each[2]:.1%} (" in out
+    level = [(5.5 / 4 + 9 / 10) / 2, (5.5 / 5 + 9 / 12) / 2, (5.5 / 6 + 9 / 9) / 2]     # medians of two
+    assert ("each pass's median pred/meas (the machine's pace against its calibration): "
+            + ", ".join(f"{x:.3f}" for x in level)) in out
     log = tmp_path / "grid.log"
     log.write_text(GRID.splitlines()[0] + "\n" + "gpt h32 L2 s16   ddp                112,512    112,512 |    0.674   "
                    "0.690  1.02 |      5.1     4.3  0.84 | 4.9 5.1 5.6\n")
     assert bench_holdout.parse_grid(str(log)) == {(2, "gpt h32 L2 s16", "ddp"): (5.1, 4.3)}
+
+
+def test_a_rows_step_is_the_slowest_ranks_mean_and_the_summary_gives_the_median_beside_it(capsys):
+    """A pass's step of a row: the slowest rank's mean of its timed steps (``--statistic mean``,
+    the default) or median; the other statistic's error is printed beside the grid's."""
+    per_rank = [{("m", "ddp"): {"times": [3.0, 3.0, 3.0, 9.0]}},      # mean 4.5, median 3.0
+                {("m", "ddp"): {"times": [4.0, 4.0, 4.0, 4.0]}}]      # mean 4.0, median 4.0
+    assert bench_holdout._step(per_rank, ("m", "ddp")) == 4.5
+    assert bench_holdout._step(per_rank, ("m", "ddp"), "median") == 4.0
+    rows = [dict(world=2, model="gpt h32 L2 s16", plan="ddp", step=4.5, step_other=4.0, step_pred=5.0),
+            dict(world=2, model="llama", plan="tp", step=10.0, step_other=8.0, step_pred=11.0)]
+    bench_holdout.other_summary(rows, "world 2", "median")
+    out = capsys.readouterr().out
+    err = [abs(5.0 / 4.0 - 1), abs(11.0 / 8.0 - 1)]
+    assert (f"world 2 by the slowest rank's median step instead: step time |pred/meas - 1| mean "
+            f"{sum(err) / 2:.1%}, worst {max(err):.1%} (llama, tp, world 2), 1 within 25%; measured median / "
+            f"measured by the grid's statistic: {(4.0 / 4.5 + 8.0 / 10.0) / 2:.3f} on average") in out

@@ -81,7 +81,9 @@ def test_memory_within_ten_percent(measured, predicted, name):
 
 
 def _step(measured, name):
-    return max(statistics.median(r["times"]) for r in measured[name])
+    """The slowest rank's mean step, as benchmarks/bench_holdout.py measures a row (its
+    ``_step`` says why the mean)."""
+    return max(statistics.mean(r["times"]) for r in measured[name])
 
 
 def test_planner_pick_is_within_ten_percent_of_the_fastest_hand_plan(measured, pick):
@@ -107,7 +109,7 @@ SHORT, LONG = 0.5, 1.75
 
 @pytest.mark.parametrize("name", NAMES)
 def test_step_time(measured, predicted, name):
-    """Each plan's predicted step time against its measurement (the slowest rank's median):
+    """Each plan's predicted step time against its measurement (the slowest rank's mean):
     the ratio within [``SHORT``, ``LONG``]."""
     step = _step(measured, name)
     ratio = predicted[name].step_time_s / step

@@ -349,7 +349,8 @@ def _pipeline_probe(steps: int = 12) -> float:
     rank // (world / 2), its peer the same replica of the other stage), _PIPE_M micro-batches
     whose F and B are _PIPE_F and _PIPE_B seconds of matmuls on a core of one's own; each step's
     receives posted up front and 16 KiB messages sent as each action ends, as autopar's pipeline
-    runtime does. Median over ``steps`` (after a barrier each)."""
+    runtime does. The mean over ``steps`` (after a barrier each), as ``_op_overhead_probe``
+    takes its schedules'."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     half = world // 2
@@ -378,7 +379,7 @@ def _pipeline_probe(steps: int = 12) -> float:
             w.wait()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 def _pipeline_replay(world: int, cores: int, contention: tuple, hop: float, wake: float = 0.0,
@@ -662,9 +663,17 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     per pipeline (thread CPU seconds of this
     rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
     profile counts in its stage per micro-batch; CPU seconds per send or receive action;
-    {kind: median thread CPU seconds of one action of that kind}; the median wall seconds of
+    {kind: median thread CPU seconds of one action of that kind}; the mean wall seconds of
     the step's schedule, ``train_step``'s own timer; this rank's pipeline index). The
-    interleaved schedule runs 2 stages a rank."""
+    interleaved schedule runs 2 stages a rank.
+
+    The schedule's mean, not its median: the hop fitted to it is a latency the estimate adds to
+    every step, and a run takes the sum of its steps. On this machine a message's latency is
+    heavy-tailed (2026-12-05: a step of gloo p2p or collectives after a barrier has a median
+    well under its mean, 2.7 and 5.1 ms for five 100 KB all-reduces), so a median fits the hop
+    of the usual step and the estimate misses the slow ones (the hold-out's 1F1B read
+    0.87-0.92 of its measured means by plan in runs 41-43; ``bench_holdout._step``).
+    The actions' CPU times stay medians: they are the work, which the tail does not add to."""
     torch.set_num_threads(1)
     m = 4
     spent = {"compute": 0.0, "message": 0.0, "F": 0.0, "B": 0.0, "W": 0.0}
@@ -727,7 +736,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
                 g["schedule"].append(schedule)
     dist.barrier()
     return [(statistics.median(g["compute"]), ops, statistics.median(g["message"]),
-             {kind: statistics.median(g[kind]) for kind in ("F", "B", "W")}, statistics.median(g["schedule"]), stage)
+             {kind: statistics.median(g[kind]) for kind in ("F", "B", "W")}, statistics.mean(g["schedule"]), stage)
             for g, (_, ops, stage) in zip(got, runs)]
 
 
@@ -1021,7 +1030,8 @@ def _measure_local() -> Cluster:
         f"hop: the message latency at which the model's replay of autopar's own 2-stage 1F1B pipelines "
         f"(4 micro-batches, GPTs of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == '1f1b')} "
         f"layers, run with the op_overhead probe; each stage's measured F and B action CPU times plus a message's, "
-        f"the contention of 2 ranks; a send moving once its receive is posted) lasts their measured schedules, "
+        f"the contention of 2 ranks; a send moving once its receive is posted) lasts their measured schedules "
+        f"(each the mean of its steps), "
         f"the median: {gloo.hop * 1e3:.2f} ms on "
         f"{_GLOO_WORLD} processes; hop_interleaved: the same for the interleaved schedule (2 stages a rank, GPTs "
         f"of h=16 with {' and '.join(str(x[0]) for x in _HOP_PIPELINES if x[1] == 'interleaved')} layers): "
