@@ -14,8 +14,9 @@ against every plan it could have picked.
    census plus the profiler's peak, step time as the slowest rank's mean of ``--steps``
    steps (``--statistic``: the median in runs 5-43; ``_step`` says why). ``--measure alone``
    (default): each plan alone in the processes, as a training job runs it: compiled, 3
-   untimed steps, then its steps one after another, freed before the next plan is compiled. ``--measure rounds``: all plans of a model resident and timed in rounds,
-   each plan a block of ``--block`` consecutive steps a round, the first not timed (the way of
+   untimed steps, then its steps one after another, freed before the next plan is compiled.
+   ``--measure rounds``: all plans of a model resident and timed in rounds, each plan a block
+   of ``--block`` consecutive steps a round, the first not timed (the way of
    runs 22-27; on 2 processes plans beside each other measured slower, ddp 1.18x and
    zero-bubble 1.14x their step alone: BENCHMARKS.md, runs 26-28).
    ``jobs.holdout.measured_cases`` measures either way. ``--passes K``: the whole grid measured
