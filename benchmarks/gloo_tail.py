@@ -59,15 +59,12 @@ def _row(key: str, plan: str, world: int, steps: int) -> list:
     """This rank's ``steps`` step times of the hold-out row (``key``, ``plan``), measured alone."""
     import torch
     import bench_holdout
-    from jobs.holdout import prepared
+    from jobs.holdout import _timed_alone, prepared
     torch.set_num_threads(1)
     _, spec, batch = next(m for m in bench_holdout.grid_models() if m[0] == key)
     _, axes, kw = next(p for p in bench_holdout.plans(world) if p[0] == plan)
     step, *_ = prepared(spec, batch, axes, kw)
-    from autopar.tuning import timed_rounds
-    for _ in range(2):
-        step()
-    return timed_rounds({"row": step}, steps, block=steps + 1)["row"]
+    return _timed_alone(step, steps)
 
 
 def main():

@@ -672,7 +672,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     heavy-tailed (2026-12-05: a step of gloo p2p or collectives after a barrier has a median
     well under its mean, 2.7 and 5.1 ms for five 100 KB all-reduces), so a median fits the hop
     of the usual step and the estimate misses the slow ones (the hold-out's 1F1B read
-    0.87-0.92 of its measured means by plan in runs 41-43; ``bench_holdout._step``).
+    0.87-0.92 of its measured steps by plan in runs 41-43; ``bench_holdout._step``).
     The actions' CPU times stay medians: they are the work, which the tail does not add to."""
     torch.set_num_threads(1)
     m = 4
