@@ -324,9 +324,9 @@ def compare(*paths: str) -> None:
 
 
 def with_fields(cluster, sets=()):
-    """``cluster`` with ``LINK.FIELD=VALUE`` settings applied: a number of its ``device`` or of
-    a link (``intra``, ``inter``, ``shared``; ``intra`` also sets ``inter`` where the two are
-    one link, as on the local preset)."""
+    """``cluster`` with ``LINK.FIELD=VALUE`` settings applied: a number (numbers joined by commas
+    for a tuple, as ``tail``) of its ``device`` or of a link (``intra``, ``inter``, ``shared``;
+    ``intra`` also sets ``inter`` where the two are one link, as on the local preset)."""
     for item in sets:
         key, _, value = item.partition("=")
         part, _, name = key.partition(".")
@@ -339,7 +339,11 @@ def with_fields(cluster, sets=()):
                              f"has one, where ranks outnumber cores)")
         if not hasattr(target, name):
             raise SystemExit(f"--set {item!r}: the cluster's {part} has no field {name!r}")
-        new = dataclasses.replace(target, **{name: float(value)})
+        try:      # a number, or numbers joined by commas for a tuple field (e.g. intra.tail=0.0002,0.3)
+            number = tuple(float(x) for x in value.split(",")) if "," in value else float(value)
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: {value!r} is not a number (or numbers joined by commas)") from None
+        new = dataclasses.replace(target, **{name: number})
         changes = {part: new}
         if part == "intra" and cluster.inter == cluster.intra:
             changes["inter"] = new

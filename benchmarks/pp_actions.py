@@ -111,10 +111,13 @@ def main():
         x, _ = gpt_batch(c, 8)
         e = evaluate_plan(Profiles(model, (x,)), {"pp": 2}, autopar.Plan(**kw), cluster, 8)
         parts = collections.defaultdict(float)
+        span = 0.0
         for r, lane, name, t0, t1 in e.timeline:
             hit = re.fullmatch(r"(\d+)([FBW])(\d+)", name)
             parts[(r, f"{hit.group(2)}" if hit else name)] += t1 - t0
-        print(f"\n{key}: predicted step {e.step_time_s * 1e3:.2f}")
+            if hit:
+                span = max(span, t1)
+        print(f"\n{key}: predicted step {e.step_time_s * 1e3:.2f}, schedule {span * 1e3:.2f}")
         for r in sorted({r for r, _ in parts}):
             print(f"  predicted rank {r}: F {parts[(r, 'F')] * 1e3:.2f}, B {parts[(r, 'B')] * 1e3:.2f}, "
                   f"tied gradients {parts[(r, 'tied gradients')] * 1e3:.2f}, loss broadcast "
@@ -123,8 +126,9 @@ def main():
             m = rr[key]
             acts = "; ".join(f"{k} cpu {m.get(k + ' cpu', 0) * 1e3:.2f} wall {m.get(k + ' wall', 0) * 1e3:.2f} "
                              f"(x{m.get(k + ' n', 0):.0f})" for k in ("F", "B", "W", "msg") if m.get(k + " n"))
+            pre = m['step'] - m['schedule'] - m['after'] - m['optimizer wall']
             print(f"  measured stage {m['stage']}: step {m['step'] * 1e3:.2f}, schedule {m['schedule'] * 1e3:.2f}, "
-                  f"after {m['after'] * 1e3:.2f}, optimizer {m['optimizer wall'] * 1e3:.2f}; {acts}")
+                  f"before it {pre * 1e3:.2f}, after {m['after'] * 1e3:.2f}, optimizer {m['optimizer wall'] * 1e3:.2f}; {acts}")
 
 
 if __name__ == "__main__":

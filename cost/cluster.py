@@ -69,6 +69,10 @@ class Link:
     #                      follows that much compute on every rank, round after round with no
     #                      barrier to line them up (ranks drift apart, the more so when they share
     #                      cores and the longer they compute), which replaces the fit's alpha
+    tail: tuple = ()     # measured links: (seconds, seconds per second): what the exchanges after a
+    #                      pipeline's schedule (the tied gradients', the loss broadcast) cost the rank
+    #                      that finishes it last beyond their p2p time, as a + b x how long the other
+    #                      ranks had waited for it (fitted on autopar's own 1F1B pipelines); (): none
     overlap_loss: float = 0.0   # measured links: the fraction of the communication that overlapping it
     #                      with compute does not hide (on CPU cores the collectives' own threads take
     #                      turns with the compute): the step moves that far from the overlapped one
@@ -82,6 +86,9 @@ class Link:
         if not (self.latency >= 0 and math.isfinite(self.latency)):
             raise ValueError(f"Link {self.name!r}: latency must be a non-negative finite number of "
                              f"seconds, got {self.latency!r}")
+        if self.tail and not (len(self.tail) == 2 and all(math.isfinite(x) and x >= 0 for x in self.tail)):
+            raise ValueError(f"Link {self.name!r}: tail must be (seconds, seconds per second of waiting), both "
+                             f"finite and >= 0, or (); got {self.tail!r}")
         if not 0.0 <= self.overlap_loss <= 1.0:
             raise ValueError(f"Link {self.name!r}: overlap_loss must be a fraction in [0, 1], got "
                              f"{self.overlap_loss!r}")
@@ -233,6 +240,7 @@ class Cluster:
                 link = dict(d[level])
                 link["fits"] = tuple(tuple(f) for f in link.get("fits", ()))
                 link["skew"] = tuple(tuple(f) for f in link.get("skew", ()))
+                link["tail"] = tuple(link.get("tail", ()))
                 d[level] = Link(**link)
         d["contention"] = tuple(tuple(x) for x in d.get("contention", ()))
         d["citations"] = tuple(tuple(x) for x in d.get("citations", ()))

@@ -322,6 +322,28 @@ def tied_exchange_time(nbytes: float, link) -> float:
     return collective_time("p2p", nbytes, 2, link) if nbytes else 0.0
 
 
+def schedule_wait(timeline: list, p: int, Bs: list, hop: list) -> float:
+    """How long the first of a pipeline's ``p`` ranks to end its schedule waits for the last:
+    from the replay's ``timeline`` (its compute actions, numbered as ``pipeline_time`` numbers
+    them), else (no replay) the first stage's final backward after the last stage's, ``Bs[0]`` and
+    a message."""
+    ends = {}
+    for r, lane, name, _, t1 in timeline:
+        if lane == "compute" and name[:1].isdigit():
+            ends[r] = max(ends.get(r, 0.0), t1)
+    if len(ends) == p:
+        return max(ends.values()) - min(ends.values())
+    return Bs[0] + (hop[0] if hop else 0.0)
+
+
+def schedule_tail_time(link, wait: float) -> float:
+    """What the exchanges after a pipeline's schedule cost the rank that ends it last beyond
+    their p2p time, the other ranks having waited ``wait`` seconds for it: ``Link.tail``'s
+    a + b x wait where measured (local preset), else 0."""
+    tail = getattr(link, "tail", ())
+    return tail[0] + tail[1] * wait if tail else 0.0
+
+
 def loss_broadcast_time(p: int, link) -> float:
     """The mean loss broadcast from the last stage over the pipeline's ``p`` ranks (a
     binomial tree of one-value messages)."""
@@ -560,12 +582,21 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         tied_t = tied_exchange_time(tied_bytes, link_tail)
         # the mean loss broadcast from the last stage over the pipeline's ranks (a binomial tree)
         loss_t = loss_broadcast_time(p, link_tail)
-        step = pipe + max(per_rank_after) + tied_t + loss_t
+        # the rank that ends the schedule last meets the others after they waited for it, and
+        # those exchanges then cost it more (measured, local preset: Link.tail)
+        wait = schedule_wait(timeline, p, Bs, hop)
+        late_t = schedule_tail_time(link_tail, wait)
+        step = pipe + max(per_rank_after) + tied_t + loss_t + late_t
+        if late_t:
+            a, b = link_tail.tail
+            formulas.append(("pipeline schedule tail", "late = a + b x the other ranks' wait for the last",
+                             f"{a * 1e3:.3g} ms + {b:.3g} x {wait * 1e3:.3g} ms = {late_t * 1e3:.3g} ms"))
         for r in range(p):      # after the schedule: the deferred reduction, the optimizer, the gathers
             mine = [s for s in range(S) if s % p == r]
             t0 = pipe
             up = "params up + all_gather" if plan.offload == "optimizer" else "all_gather params"
             for label, lane, dur in (("dp reduction (deferred)", "comm", sum(reduce_t[s] + sync[s] for s in mine)),
+                                     ("schedule tail", "comm", late_t),
                                      ("tied gradients", "comm", tied_t),
                                      ("loss broadcast", "comm", loss_t),
                                      ("optimizer", "compute", sum(opt_time[s] for s in mine)),
@@ -575,7 +606,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     t0 += dur
         tp_exposed = m * max(sum(tpf[a:b]) + sum(tpb[a:b]) for a, b in bounds)
         compute = busy - tp_exposed
-        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + tied_t + loss_t
+        exposed = tp_exposed + max(per_rank_after) - min(opt_time) + tied_t + loss_t + late_t
         worst_r = max(range(p), key=lambda r: per_rank_after[r])
         host_exposed = tuple(sum(x[s] - y[s] for s in range(S) if s % p == worst_r)
                              for x, y in ((reduce_t, [sum(r) for r in dp_bwd_reduce]), (tail_t, dp_time_tail)))

@@ -33,7 +33,8 @@ from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import group_time
 from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
-                       optimizer_time, padded_sum, replica_gathers, saved_bytes, sync_time, tied_exchange_time)
+                       optimizer_time, padded_sum, replica_gathers, saved_bytes, schedule_tail_time, sync_time,
+                       tied_exchange_time)
 from .memory import FP32, MIXED_PRECISION, persistent_bytes
 from .profile import GroupCost, Profile
 from .replay import closed_form_pipeline
@@ -237,7 +238,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         pipe += 2 * (p - 1) * hop
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
         tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
-        step = pipe + red + opt + tail + tied_exchange_time(tied, lpp) + loss_broadcast_time(p, lpp)
+        step = pipe + red + opt + tail + tied_exchange_time(tied, lpp) + loss_broadcast_time(p, lpp) + \
+            schedule_tail_time(lpp, mid * Bl + Bp + hop)   # the first stage's last backward after the last's
     # ---- memory (the busiest rank)
     flight = inflight_microbatches(plan.pp_schedule, p, m, v, 0)
 

@@ -200,9 +200,81 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
                              schedule="interleaved") == pytest.approx(5e-4 + 1e-6)
 
 
+def test_the_schedule_tail_is_a_line_through_the_probes_excess_by_the_wait():
+    """``_tails`` pairs the two ranks' steps of each 1F1B probe pipeline: the wait is how long
+    the first rank to end its schedule waited for the last, the time past the schedule the last
+    one's. ``_fit_tail`` fits a + b x wait through each pipeline's mean time past less the
+    estimate's own p2p time of the tied exchange (its vocab x h embedding) and the loss
+    broadcast; a falling line is flat at the mean, a negative intercept goes through 0."""
+    from autopar.cost.calibration import local
+    from autopar.cost.estimate import loss_broadcast_time, tied_exchange_time
+    pipes = ((2, "1f1b", 16), (4, "interleaved", 16), (4, "1f1b", 128, 24), (8, "1f1b", 80, 40))
+    # per rank, per pipeline: 7 fields, the last the steps' (schedule end, time past it)
+    steps = {0: [(10.0, 5e-4), (20.0, 6e-4)], 2: [(30.0, 1e-3), (40.0, 1e-3)], 3: [(50.0, 2e-3), (60.0, 3e-3)]}
+    other = {0: [(10.0 - 1e-3, 9.0), (20.0 - 2e-3, 9.0)], 2: [(30.0 - 2e-3, 9.0), (40.0 - 4e-3, 9.0)],
+             3: [(50.0 + 5e-3, 1e-3), (60.0 + 3e-3, 1e-3)]}
+    per_rank = [[(0,) * 6 + (steps.get(k, []),) for k in range(4)], [(0,) * 6 + (other.get(k, []),) for k in range(4)]]
+    tails = local._tails(pipes, per_rank)
+    assert [t[0] for t in tails] == [pipes[0], pipes[2], pipes[3]]       # 1F1B only
+    expect = [(1.5e-3, 5.5e-4), (3e-3, 1e-3), (4e-3, 1e-3)]       # third: the other rank ended last
+    for (_, wait, past), (w, t) in zip(tails, expect):
+        assert wait == pytest.approx(w) and past == pytest.approx(t)
+    link = Link("gloo", 1e9, 1e-4, fits=(("p2p", 2, 1e-4, 1e-9),))
+
+    def excess(pipe, past):
+        vocab = pipe[5] if len(pipe) > 5 else 16
+        return past - tied_exchange_time(4.0 * vocab * pipe[2], link) - loss_broadcast_time(2, link)
+
+    xs = [w for w, _ in expect]
+    ys = [excess(p, t) for p, (_, t) in zip((pipes[0], pipes[2], pipes[3]), expect)]
+    mx, my = sum(xs) / 3, sum(ys) / 3
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a, slope = local._fit_tail(tails, link)
+    assert slope == pytest.approx(b) and a == pytest.approx(my - b * mx) and b > 0 and a > 0
+    falling = [(pipes[0], 1e-3, 3e-3), (pipes[2], 3e-3, 1e-3)]
+    a, slope = local._fit_tail(falling, link)
+    assert slope == 0.0 and a == pytest.approx((excess(pipes[0], 3e-3) + excess(pipes[2], 1e-3)) / 2)
+    modeled = [p - excess(q, p) for q, p in ((pipes[0], 0.0), (pipes[2], 0.0))]     # the estimate's p2p
+    steep = [(pipes[0], 1e-3, modeled[0] + 1e-4), (pipes[2], 3e-3, modeled[1] + 2e-3)]   # crosses 0 at 0.9 ms
+    a, slope = local._fit_tail(steep, link)
+    assert a == 0.0 and slope == pytest.approx((1e-3 * 1e-4 + 3e-3 * 2e-3) / (1e-3 ** 2 + 3e-3 ** 2))
+    assert local._fit_tail(tails[:1], link) == ()
+
+
+def test_a_pipeline_step_adds_the_measured_tail_at_its_replayed_wait():
+    """A link's ``tail`` (a, b) adds a + b x wait to a pipeline plan's step, the wait being how
+    long the first pp rank to end the estimate's replayed schedule waits for the last (read
+    here off the estimate's own timeline); plans without a pipeline are unchanged."""
+    import autopar
+    from autopar.cost.estimate import Profiles, evaluate_plan
+    from autopar.models import GPTConfig, TinyGPT, gpt_batch
+    c = GPTConfig(vocab=32, seq=8, dim=16, heads=2, layers=2, max_seq=8)
+    torch_x, _ = gpt_batch(c, 8)
+    prof = Profiles(TinyGPT(c), (torch_x,))
+    base = get_cluster("dgx-a100-80gb")
+    a, b = 3e-4, 0.25
+    tailed = base.with_(intra=dataclasses.replace(base.intra, tail=(a, b)),
+                        inter=dataclasses.replace(base.inter, tail=(a, b)))
+    plan = autopar.Plan(pp_schedule="1f1b", microbatches=4)
+    without, with_tail = (evaluate_plan(prof, {"pp": 2}, plan, cl, 8) for cl in (base, tailed))
+    ends = {}
+    for r, lane, name, _, t1 in without.timeline:
+        if lane == "compute" and name[:1].isdigit():
+            ends[r] = max(ends.get(r, 0.0), t1)
+    wait = max(ends.values()) - min(ends.values())
+    assert len(ends) == 2 and wait > 0
+    assert with_tail.step_time_s - without.step_time_s == pytest.approx(a + b * wait, rel=1e-6)
+    assert any(name == "pipeline schedule tail" for name, *_ in with_tail.formulas)
+    dp = [evaluate_plan(prof, {"dp": 2}, autopar.Plan(), cl, 8).step_time_s for cl in (base, tailed)]
+    assert dp[0] == dp[1]
+
+
 def test_invalid_numbers_are_refused():
     with pytest.raises(ValueError, match="bandwidth"):
         Link("nvlink", 0.0, 1e-6)
+    for bad in ((1e-3,), (-1e-3, 0.1), (1e-3, float("nan"))):
+        with pytest.raises(ValueError, match="tail"):
+            Link("gloo", 1e9, 1e-4, tail=bad)
     with pytest.raises(ValueError, match="matmul_efficiency"):
         dataclasses.replace(PRESETS["dgx-h100"].device, matmul_efficiency=1.5)
 
@@ -247,6 +319,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert c.shared is None or c.shared.hop == c.intra.hop
     assert 0.0 <= c.intra.hop_interleaved < 1e-2 and "hop_interleaved" in c.source
     assert c.shared is None or c.shared.hop_interleaved == c.intra.hop_interleaved
+    # what the exchanges after a pipeline's schedule cost the rank that ends it last
+    assert len(c.intra.tail) == 2 and all(0 <= x < 1e-1 for x in c.intra.tail) and "tail:" in c.source
+    assert c.shared is None or c.shared.tail == c.intra.tail
     assert 1e-6 <= c.intra.latency <= 1e-2
     assert 1e7 <= c.intra.bandwidth <= 1e11
     assert c.host == Link("host-memory", d.mem_bandwidth, 1e-7)

@@ -33,7 +33,7 @@ from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank
 from ..drift import fingerprint
-from ..estimate import Profiles, partition
+from ..estimate import Profiles, loss_broadcast_time, partition, tied_exchange_time
 from ..replay import pipeline_placement, simulate_shared
 
 log = logging.getLogger("autopar")
@@ -543,9 +543,10 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. These four
     pipelines and the ``_HOP_PIPELINES`` are stepped in turn in one job (``_op_overhead_probe``).
     Last, per hop pipeline, what its replay needs (``_fit_runtime_hop``): each stage's median F,
-    B and W action and message CPU times, and the step's schedule as the slowest rank timed it."""
+    B and W action and message CPU times, and the step's schedule as the slowest rank timed it;
+    and per 1F1B hop or ``_TAIL_PIPELINES`` pipeline what ``_fit_tail`` fits (``_tails``)."""
     points, forward, backward, messages, split = [], [], [], [], []
-    pipelines = _OP_PIPELINES + _HOP_PIPELINES
+    pipelines = _OP_PIPELINES + _HOP_PIPELINES + _TAIL_PIPELINES
     per_rank = ranks(_op_overhead_probe, 2, pipelines, timeout=240)     # a list per rank
     for per_pipeline in per_rank:
         got = dict(zip(pipelines, per_pipeline))
@@ -569,7 +570,51 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     if split_op <= 0:
         split_op, split_pass = max(0.0, sum(y for _, y in split) / sum(x for x, _ in split)), 0.0
     return (per_op, max(per_pass, 0.0), ratio, share, statistics.median(messages), max(split_pass, 0.0), split_op,
-            replays)
+            replays, _tails(pipelines, per_rank))
+
+
+def _tails(pipelines: tuple, per_rank: list) -> list:
+    """Per 1F1B pipeline among the ``_HOP_PIPELINES`` and ``_TAIL_PIPELINES`` of
+    ``_op_overhead_probe``'s results: (the pipeline, the mean over steps of how long the rank
+    that ended its schedule first waited for the other, the mean of the last one's wall time from
+    its schedule's end to ``train_step``'s return: the tied gradients' exchange and the loss
+    broadcast as they ran)."""
+    out = []
+    for k, pipeline in enumerate(pipelines):
+        if pipeline[1] != "1f1b" or pipeline not in _HOP_PIPELINES + _TAIL_PIPELINES:
+            continue
+        steps = zip(*(per_rank[r][k][6] for r in range(len(per_rank))))
+        pairs = [(max(e for e, _ in ranks) - min(e for e, _ in ranks), max(ranks)[1]) for ranks in steps]
+        out.append((pipeline, statistics.mean(w for w, _ in pairs), statistics.mean(t for _, t in pairs)))
+    return out
+
+
+def _fit_tail(tails: list, link: Link) -> tuple:
+    """``Link.tail``: (a, b) of the line a + b x wait through the probe pipelines' ``_tails``,
+    each one's time past its schedule less what the estimate already gives those exchanges there
+    (``tied_exchange_time`` of its tied embedding, ``loss_broadcast_time`` over 2 ranks, on
+    ``link``), against how long the other rank waited; a and b at least 0.
+
+    Why (2026-12-05, this machine, 2 processes): the rank that ends a 1F1B schedule last (its
+    final backward runs while the other waits) took 0.6-1.5 ms (median) and 1.4-2.5 ms (mean)
+    from its schedule's end to the step's loss, against the estimate's 0.6 ms of p2p time, and
+    the longer the other rank had waited, the longer: probe GPTs waited 0.6-3.3 ms; the
+    hold-out grid's gpt h96 L4 s48 (not a probe) waited 2.5 ms and took 2.05 ms. Bare, the same
+    exchange after a peer idle 0.2-8 ms took 0.13-0.19 ms (median): the cost is the pipeline's,
+    not the link's, and is measured as such, not explained."""
+    points = []
+    for (layers, _, dim, *rest), wait, past in tails:
+        vocab = rest[1] if len(rest) > 1 else 16
+        modeled = tied_exchange_time(4.0 * vocab * dim, link) + loss_broadcast_time(2, link)
+        points.append((wait, past - modeled))
+    if len(points) < 2:
+        return ()
+    slope, intercept = _fit_line(points)
+    if slope < 0:
+        slope, intercept = 0.0, statistics.mean(y for _, y in points)
+    if intercept < 0:       # through the origin instead
+        slope, intercept = max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)), 0.0
+    return (intercept, slope)
 
 
 def _replays(pipelines: tuple, per_rank: list) -> list:
@@ -654,17 +699,23 @@ def _fit_line(points: list) -> tuple[float, float]:
 
 _OP_PIPELINES = ((2, "1f1b", 8), (2, "zero_bubble", 8), (10, "1f1b", 8), (10, "zero_bubble", 8))   # (layers, schedule, h)
 _HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16), (4, "interleaved", 16))    # those _fit_runtime_hop replays
+# (layers, schedule, h, seq): with the 1F1B hop pipelines, those _fit_tail fits (the other rank
+# waiting longer at the end: longer actions; widths and lengths none of the hold-out grid's)
+_TAIL_PIPELINES = ((4, "1f1b", 128, 24), (8, "1f1b", 80, 40))
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
-    """On each rank of 2-stage pipelines (2 processes; micro-batches of 2 sequences of 8 tokens)
-    of GPTs of ``(layers, schedule, h)`` each, all compiled first, then stepped in turn, round
+    """On each rank of 2-stage pipelines (2 processes; micro-batches of 2 sequences of 8 tokens,
+    or of ``seq``) of GPTs of ``(layers, schedule, h[, seq[, vocab, heads]])`` each (vocabulary 16,
+    2 heads unless given), all compiled first, then stepped in turn, round
     after round, each step after a barrier (a disturbance of the machine falls on all alike):
     per pipeline (thread CPU seconds of this
     rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
     profile counts in its stage per micro-batch; CPU seconds per send or receive action;
     {kind: median thread CPU seconds of one action of that kind}; the mean wall seconds of
-    the step's schedule, ``train_step``'s own timer; this rank's pipeline index). The
+    the step's schedule, ``train_step``'s own timer; this rank's pipeline index; per step, the
+    wall time its schedule's last action ended and the seconds from then to ``train_step``'s
+    return, for ``_tails``). The
     interleaved schedule runs 2 stages a rank.
 
     The schedule's mean, not its median: the hop fitted to it is a latency the estimate adds to
@@ -682,8 +733,8 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     def loss(out, target):
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    def prepared(layers, schedule, dim):
-        c = GPTConfig(vocab=16, seq=8, dim=dim, heads=2, layers=layers, max_seq=8)
+    def prepared(layers, schedule, dim, seq=8, vocab=16, heads=2):
+        c = GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=heads, layers=layers, max_seq=seq)
         torch.manual_seed(0)
         x, t = gpt_batch(c, 8)
         dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
@@ -710,8 +761,10 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         def step():
             opt.zero_grad(set_to_none=True)
             dm.train_step(lx, lt, loss)
+            done = time.time()
             opt.step()
-            return dm.step_time
+            end = max((b for _, _, b in dm.timeline), default=done)     # the schedule's last action's end
+            return dm.step_time, end, done - end
 
         groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
         cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
@@ -720,13 +773,13 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         return step, float(sum(g.ops for g in mine)), stage
 
     runs = [prepared(*pipeline) for pipeline in pipelines]
-    got = [{k: [] for k in ("compute", "message", "F", "B", "W", "schedule")} for _ in runs]
+    got = [{k: [] for k in ("compute", "message", "F", "B", "W", "schedule", "tail")} for _ in runs]
     for i in range(steps + 3):
         for k, (step, _, _) in enumerate(runs):
             spent.update(compute=0.0, message=0.0, F=0.0, B=0.0, W=0.0)
             count.update(message=0, F=0, B=0, W=0)
             dist.barrier()
-            schedule = step()
+            schedule, end, past = step()
             if i >= 3:
                 g = got[k]
                 g["compute"].append(spent["compute"] / m)
@@ -734,9 +787,11 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
                 for kind in ("F", "B", "W"):
                     g[kind].append(spent[kind] / max(count[kind], 1))      # one action's
                 g["schedule"].append(schedule)
+                g["tail"].append((end, past))
     dist.barrier()
     return [(statistics.median(g["compute"]), ops, statistics.median(g["message"]),
-             {kind: statistics.median(g[kind]) for kind in ("F", "B", "W")}, statistics.mean(g["schedule"]), stage)
+             {kind: statistics.median(g[kind]) for kind in ("F", "B", "W")}, statistics.mean(g["schedule"]), stage,
+             g["tail"])
             for g, (_, ops, stage) in zip(got, runs)]
 
 
@@ -959,7 +1014,7 @@ def _measure_local() -> Cluster:
         attention, attention_overhead = _measure_attention(flops)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
-        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, replays = \
+        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, replays, tails = \
             _measure_op_overhead(ranks)
         sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead * (1 + ratio))
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
@@ -977,9 +1032,10 @@ def _measure_local() -> Cluster:
     contention = _slowdowns(alone, loops)
     synthetic_hop = _fit_hop(pipe_alone, _GLOO_WORLD, cores, contention)
     gloo = dataclasses.replace(gloo, hop=_fit_runtime_hop(replays, cores, contention, ("1f1b",)),
-                               hop_interleaved=_fit_runtime_hop(replays, cores, contention, ("interleaved",)))
+                               hop_interleaved=_fit_runtime_hop(replays, cores, contention, ("interleaved",)),
+                               tail=_fit_tail(tails, gloo))
     if shared is not None:
-        shared = dataclasses.replace(shared, hop=gloo.hop, hop_interleaved=gloo.hop_interleaved,
+        shared = dataclasses.replace(shared, hop=gloo.hop, hop_interleaved=gloo.hop_interleaved, tail=gloo.tail,
                                      wake=_fit_hop(pipe_shared, 2 * cores, cores, contention, hop=gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
@@ -1040,6 +1096,13 @@ def _measure_local() -> Cluster:
         f"receives posted before the step, fits {synthetic_hop * 1e3:.2f} ms)"
         + (f"; on {2 * cores} (shared) that hop, and a woken rank's wait for a core when all are taken, "
            f"fitted on the synthetic pipeline given that hop: wake {shared.wake * 1e3:.2f} ms" if shared else ""),
+        f"tail: the 1F1B probe pipelines (those of hop, and GPTs of (layers, h, tokens) "
+        f"{', '.join(str((x[0], x[2], x[3])) for x in _TAIL_PIPELINES)}), each step's last rank to end its "
+        f"schedule, its wall time from then to train_step's return less the estimate's p2p time of those "
+        f"exchanges, fitted as a + b x how long the other rank waited (means over steps): "
+        + (f"a {gloo.tail[0] * 1e3:.2f} ms, b {gloo.tail[1]:.3f}" if gloo.tail else "none")
+        + f" (points: " + ", ".join(f"{w * 1e3:.2f} ms waited, {t * 1e3:.2f} ms past" for _, w, t in tails) + ")"
+        + ("; the same on the shared link" if shared else ""),
         f"overlap_loss: a 1 MiB all-reduce issued asynchronously before ~2 ms of matmuls and waited on after, "
         f"against each alone, every rank at once, {_OVERLAP_REPS} rounds in turn, slowest rank; median over rounds "
         f"of (both - longer) / shorter: {gloo.overlap_loss:.2f} on {_GLOO_WORLD} processes"
