@@ -320,7 +320,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert 0.0 <= c.intra.hop_interleaved < 1e-2 and "hop_interleaved" in c.source
     assert c.shared is None or c.shared.hop_interleaved == c.intra.hop_interleaved
     # what the exchanges after a pipeline's schedule cost the rank that ends it last
-    assert len(c.intra.tail) == 2 and all(0 <= x < 1e-1 for x in c.intra.tail) and "tail:" in c.source
+    # (a: seconds, b: seconds per second waited)
+    assert len(c.intra.tail) == 2 and 0 <= c.intra.tail[0] < 1e-2 and 0 <= c.intra.tail[1] < 2.0
+    assert "tail:" in c.source
     assert c.shared is None or c.shared.tail == c.intra.tail
     assert 1e-6 <= c.intra.latency <= 1e-2
     assert 1e7 <= c.intra.bandwidth <= 1e11
