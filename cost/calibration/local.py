@@ -603,7 +603,7 @@ def _fit_tail(tails: list, link: Link) -> tuple:
     exchange after a peer idle 0.2-8 ms took 0.13-0.19 ms (median): the cost is the pipeline's,
     not the link's, and is measured as such, not explained."""
     points = []
-    for (layers, _, dim, *rest), wait, past in tails:
+    for (_, _, dim, *rest), wait, past in tails:
         vocab = rest[1] if len(rest) > 1 else 16
         modeled = tied_exchange_time(4.0 * vocab * dim, link) + loss_broadcast_time(2, link)
         points.append((wait, past - modeled))
