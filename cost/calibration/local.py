@@ -604,7 +604,7 @@ def _fit_tail(tails: list, link: Link) -> tuple:
     not the link's, and is measured as such, not explained."""
     points = []
     for (_, _, dim, *rest), wait, past in tails:
-        vocab = rest[1] if len(rest) > 1 else 16
+        vocab = rest[1] if len(rest) > 1 else _PROBE_VOCAB
         modeled = tied_exchange_time(4.0 * vocab * dim, link) + loss_broadcast_time(2, link)
         points.append((wait, past - modeled))
     if len(points) < 2:
@@ -702,6 +702,7 @@ _HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16), (4, "interleaved", 16))    #
 # (layers, schedule, h, seq): with the 1F1B hop pipelines, those _fit_tail fits (the other rank
 # waiting longer at the end: longer actions; widths and lengths none of the hold-out grid's)
 _TAIL_PIPELINES = ((4, "1f1b", 128, 24), (8, "1f1b", 80, 40))
+_PROBE_VOCAB = 16       # the probe GPTs' vocabulary unless a pipeline gives one (its tied embedding)
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
@@ -733,7 +734,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     def loss(out, target):
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
-    def prepared(layers, schedule, dim, seq=8, vocab=16, heads=2):
+    def prepared(layers, schedule, dim, seq=8, vocab=_PROBE_VOCAB, heads=2):
         c = GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=heads, layers=layers, max_seq=seq)
         torch.manual_seed(0)
         x, t = gpt_batch(c, 8)
