@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--calibrations each|once] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
     python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
 
@@ -25,9 +25,16 @@ against every plan it could have picked.
    printed beside it, with how far the passes are apart. One pass (runs 5-34) read each row in
    one stretch of about half a second: on this machine a pass's steps ran 0.88-1.10x their
    rows' medians together, and a row's step moved 7.1-10.2% on average beyond that
-   (BENCHMARKS.md, runs 35-37).
-   Predicted by ``evaluate_plan`` on the
-   ``local`` preset. Prints a row per (world, model, plan) and the
+   (BENCHMARKS.md, runs 35-37). The passes go round the worlds (pass 1 of world 2, of world 4,
+   then pass 2 ...). Predicted by ``evaluate_plan`` on the ``local`` preset. ``--calibrations
+   each`` (default): every pass after the first is preceded by a calibration of its own (its
+   preset printed and kept beside the cache), and is predicted from it: each pass is a whole
+   hold-out trial (calibrate on the probes, predict, measure) and a row's ratio is the median
+   of its trials' predicted / measured. Three calibrations of the same machine within 80
+   minutes moved a row's prediction by 11% on average and 27% at most (ZeRO-1/2 on 2
+   processes by 21%: BENCHMARKS.md, run 50), as much as the passes' measurements move; one
+   calibration for every pass carries its error into every pass alike. ``--calibrations
+   once``: every pass predicted from the one preset (runs 5-49). Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
    are exact.
 2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
@@ -116,7 +123,7 @@ def _step(per_rank, k, statistic: str = "mean") -> float:
 
     The mean since run 44. A training run takes the sum of its steps, and the published step
     times bench_plan.py is checked against are averages over a logging interval. The local
-    calibration's collective latencies are block averages (``_excess_per_round``: a block's
+    calibration's collective latencies are block averages (``_excess_block``: a block's
     span over its rounds), so a prediction carries the communication's slow tail. On these 2
     cores a gloo collective's time is heavy-tailed (five 100 KB all-reduces after a barrier:
     median 2.7 ms, mean 5.1, 90th percentile 11.9; 2026-12-05), and a small plan's steps fall
@@ -126,47 +133,87 @@ def _step(per_rank, k, statistic: str = "mean") -> float:
     return max(STATISTICS[statistic](r[k]["times"]) for r in per_rank)
 
 
+def trial_cluster(i: int):
+    """A calibration of its own for trial ``i`` (> 0) of ``--calibrations each``, measured now and
+    kept beside the local preset's cache as ``local_cluster.trial{i}.json`` (the cache itself,
+    trial 0's, is left as it was)."""
+    from autopar.cost import cache
+    from autopar.cost.calibration import calibrate_local
+    path = os.path.join(os.path.dirname(cache.cache_path()), f"local_cluster.trial{i}.json")
+    c = calibrate_local(force=True, cache_path=path)
+    print(f"\ntrial {i}: local preset measured again (kept in {path}):\n  " + c.source.replace("\n", "\n  "),
+          flush=True)
+    return c
+
+
+def trial_ratio(preds, measured) -> float:
+    """A row's predicted / measured: the median over its passes of each pass's prediction (its
+    trial's calibration's) over that pass's measurement; with one calibration for every pass,
+    the prediction over the passes' median (an odd number of them)."""
+    return statistics.median(p / m for p, m in zip(preds, measured))
+
+
 def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = True, passes: int = 1,
-         statistic: str = "mean") -> list:
+         statistic: str = "mean", recalibrate: bool = False) -> list:
+    """The hold-out grid, ``passes`` passes over every world's rows, one pass after another.
+    ``recalibrate``: each pass is a trial of its own, the machine calibrated before it (the first
+    on ``cluster``, the others by ``trial_cluster``) and its rows predicted from that calibration;
+    a row's ratio is the median of its trials' predicted / measured. Otherwise every pass is
+    predicted from ``cluster`` and a row's ratio is its prediction over its passes' median."""
     from autopar.testing import run
     from jobs.holdout import measured_cases
     if passes < 1:
         raise SystemExit(f"--passes {passes}: expected at least one pass over the grid")
     models = grid_models()
+    plan_lists = {w: [p for p in plans(w) if not only or any(o in p[0] for o in only)] for w in worlds}
+    clusters, measured, seconds = [], {w: [] for w in worlds}, dict.fromkeys(worlds, 0.0)
+    for i in range(passes):
+        clusters.append(trial_cluster(i) if recalibrate and i > 0 else cluster)
+        for world in worlds:       # pass i of every world, then pass i + 1: the worlds share the machine's drift
+            t0 = time.perf_counter()
+            cases = [(k, spec, b, plan_lists[world]) for k, spec, b in models]
+            # pass 1 measures bytes and memory too; every pass compiles and times each plan again
+            measured[world].append(run(measured_cases, world, cases, steps, i == 0, block, alone, timeout=3600))
+            seconds[world] += time.perf_counter() - t0
     rows = []
     for world in worlds:
-        plan_list = [p for p in plans(world) if not only or any(o in p[0] for o in only)]
-        pred = predictions(models, plan_list, cluster)
-        t0 = time.perf_counter()
-        cases = [(k, spec, b, plan_list) for k, spec, b in models]
-        # pass 1 measures bytes and memory too; every pass compiles and times each plan again
-        measured = [run(measured_cases, world, cases, steps, i == 0, block, alone, timeout=3600)
-                    for i in range(passes)]
-        per_rank = measured[0]
+        plan_list = plan_lists[world]
+        preds = [predictions(models, plan_list, c) for c in (clusters if recalibrate else clusters[:1])]
+        preds += [preds[0]] * (passes - len(preds))
+        per_rank = measured[world][0]
+        trials = recalibrate and passes > 1
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
-              f"plans, measured in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} cores"
+              f"plans, measured in {seconds[world]:.0f} s on {os.cpu_count()} cores"
               + f"; step: the slowest rank's {statistic} of its {steps} timed steps"
-              + (f", the median of {passes} passes'" if passes > 1 else ""))
+              + (f", the median of {passes} passes'" if passes > 1 else "")
+              + (f"; {passes} trials, each pass predicted from a calibration of its own taken just before it: pred "
+                 f"the median of the trials' predictions, ratio the median of the trials' pred/meas" if trials else ""))
         print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
-              f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}" + (" | passes' steps" if passes > 1 else ""))
+              f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}" + (" | passes' steps" if passes > 1 else "")
+              + (" | trials' predictions" if trials else ""))
         for key, _, _ in models:
             for name, _, _ in plan_list:
                 k = (key, name)
                 rs = [r[k] for r in per_rank]
                 b = max(r["bytes"] for r in rs)
                 peak = max(r["peak"] for r in rs)
-                each = [_step(m, k, statistic) for m in measured]
+                each = [_step(m, k, statistic) for m in measured[world]]
+                others = [_step(m, k, OTHER[statistic]) for m in measured[world]]
+                each_pred = [p[k].step_time_s for p in preds]
                 step = statistics.median(each)
-                other = statistics.median(_step(m, k, OTHER[statistic]) for m in measured)
-                e = pred[k]
+                e = preds[0][k]
                 axes_ok = all(max(r["by_axis"][a] for r in rs) == v for a, v in e.comm_bytes_by_axis.items())
+                ratio = trial_ratio(each_pred, each)
                 rows.append(dict(world=world, model=key, plan=name, bytes=b, bytes_pred=e.comm_bytes,
                                  exact=b == e.comm_bytes and axes_ok, peak=peak, peak_pred=e.memory_bytes,
-                                 step=step, step_pred=e.step_time_s, passes=each, step_other=other))
+                                 step=step, step_pred=statistics.median(each_pred), ratio=ratio, passes=each,
+                                 preds=each_pred, ratio_other=trial_ratio(each_pred, others),
+                                 step_other=statistics.median(others)))
                 print(f"{key:16s} {name:15s} {b:>10,.0f} {e.comm_bytes:>10,.0f} | {peak / 1e6:>8.3f} "
                       f"{e.memory_bytes / 1e6:>7.3f} {e.memory_bytes / peak:>5.2f} | {step * 1e3:>8.1f} "
-                      f"{e.step_time_s * 1e3:>7.1f} {e.step_time_s / step:>5.2f}"
-                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each) if passes > 1 else ""))
+                      f"{statistics.median(each_pred) * 1e3:>7.1f} {ratio:>5.2f}"
+                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each) if passes > 1 else "")
+                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each_pred) if trials else ""))
         summary([r for r in rows if r["world"] == world], f"world {world}")
         other_summary([r for r in rows if r["world"] == world], f"world {world}", OTHER[statistic])
     if len(worlds) > 1:
@@ -180,8 +227,8 @@ OTHER = {"mean": "median", "median": "mean"}
 
 def other_summary(rows, label: str, statistic: str) -> None:
     """The step time's error had each pass's step been the slowest rank's ``statistic`` instead."""
-    st = [abs(r["step_pred"] / r["step_other"] - 1) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["step_pred"] / r["step_other"] - 1))
+    st = [abs(r["ratio_other"] - 1) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["ratio_other"] - 1))
     print(f"  {label} by the slowest rank's {statistic} step instead: step time |pred/meas - 1| mean "
           f"{statistics.mean(st):.1%}, worst {max(st):.1%} ({worst['model']}, {worst['plan']}, world {worst['world']}), "
           f"{sum(x <= 0.25 for x in st)} within 25%; measured {statistic} / measured by the grid's statistic: "
@@ -189,9 +236,9 @@ def other_summary(rows, label: str, statistic: str) -> None:
 
 
 def summary(rows, label: str) -> None:
-    st = [abs(r["step_pred"] / r["step"] - 1) for r in rows]
+    st = [abs(r["ratio"] - 1) for r in rows]
     mem = [abs(r["peak_pred"] / r["peak"] - 1) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["step_pred"] / r["step"] - 1))
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     worst_m = max(rows, key=lambda r: abs(r["peak_pred"] / r["peak"] - 1))
     print(f"{label}: {len(rows)} rows; step time |pred/meas - 1| mean {statistics.mean(st):.1%}, worst {max(st):.1%} "
           f"({worst['model']}, {worst['plan']}, world {worst['world']}), {sum(x <= 0.25 for x in st)} within 25%; "
@@ -201,8 +248,8 @@ def summary(rows, label: str) -> None:
     k = min(len(r.get("passes", ())) for r in rows)
     if k > 1:      # how far the passes measured a row apart, and what each pass alone would have read
         spread = [abs(x / r["step"] - 1) for r in rows for x in r["passes"]]
-        alone = [[abs(r["step_pred"] / r["passes"][i] - 1) for r in rows] for i in range(k)]
-        level = [statistics.median(r["step_pred"] / r["passes"][i] for r in rows) for i in range(k)]
+        alone = [[abs(r["preds"][i] / r["passes"][i] - 1) for r in rows] for i in range(k)]
+        level = [statistics.median(r["preds"][i] / r["passes"][i] for r in rows) for i in range(k)]
         print(f"  {k} passes: a pass's step from the rows' median: mean {statistics.mean(spread):.1%}, worst "
               f"{max(spread):.1%}; each pass alone, step time mean (worst): "
               + ", ".join(f"{statistics.mean(a):.1%} ({max(a):.1%})" for a in alone)
@@ -210,7 +257,7 @@ def summary(rows, label: str) -> None:
               + ", ".join(f"{x:.3f}" for x in level))
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault(r["plan"], []).append(r["step_pred"] / r["step"])
+        by_plan.setdefault(r["plan"], []).append(r["ratio"])
     print("  step time pred/meas by plan (mean, min..max): " + "; ".join(
         f"{p} {statistics.mean(v):.2f} ({min(v):.2f}..{max(v):.2f})" for p, v in by_plan.items()))
 
@@ -398,6 +445,10 @@ def main():
     ap.add_argument("--passes", type=int, default=3,
                     help="times the grid is measured, one pass after another, each compiling and timing every plan "
                          "again; a row's step is the median of the passes' (one pass: runs 5-34)")
+    ap.add_argument("--calibrations", choices=("each", "once"), default="each",
+                    help="each (default, run 50 on): every pass a trial of its own, predicted from a calibration "
+                         "taken just before it, a row's ratio the median of its trials'; once: every pass predicted "
+                         "from the one calibration taken (or cached) before the grid (runs 5-49)")
     ap.add_argument("--statistic", choices=tuple(STATISTICS), default="mean",
                     help="a pass's step of a row: the slowest rank's mean (default; runs 44 on) or median (runs 5-43) "
                          "of its timed steps; the summary also prints the error by the other")
@@ -427,7 +478,8 @@ def main():
     c = calibrate_local()
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
-        grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone", args.passes, args.statistic)
+        grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone", args.passes, args.statistic,
+             args.calibrations == "each")
     if args.quality:
         quality(args.quality_steps, c, block=args.block)
 

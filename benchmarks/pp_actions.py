@@ -43,7 +43,7 @@ def _timed(record, label, f, cpu=False):
     return g
 
 
-def measured(cases, steps: int) -> dict:
+def measured(cases, steps: int, pp: int = 2) -> dict:
     """On every rank: {model key: {part: median seconds, "stage": this rank's stage}}."""
     import torch
     import torch.distributed as dist
@@ -52,7 +52,7 @@ def measured(cases, steps: int) -> dict:
     cur = collections.defaultdict(float)
     runs = []
     for key, spec, kw in cases:
-        step, _, dm, opt = prepared(spec, 8, {"pp": 2}, kw)
+        step, _, dm, opt = prepared(spec, 8, {"pp": pp}, kw)
         run_action = dm._run
 
         def action(a, *args, _run=run_action, **kwargs):
@@ -87,6 +87,7 @@ def main():
     ap.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="bench_holdout grid model keys")
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "interleaved", "zero_bubble"))
     ap.add_argument("--steps", type=int, default=21)
+    ap.add_argument("--pp", type=int, default=2, help="stages, one process each (the world-4 grid's zero-bubble: 4)")
     args = ap.parse_args()
 
     import autopar
@@ -104,12 +105,12 @@ def main():
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}: expected keys of bench_holdout's grid, e.g. {list(specs)[:3]}")
     cases = [(m, specs[m], kw) for m in args.models]
-    per_rank = run(measured, 2, cases, args.steps, timeout=1800)
-    print(f"pipeline {args.schedule} on pp = 2, 4 micro-batches, global batch 8; ms, medians of {args.steps} steps")
+    per_rank = run(measured, args.pp, cases, args.steps, args.pp, timeout=1800)
+    print(f"pipeline {args.schedule} on pp = {args.pp}, 4 micro-batches, global batch 8; ms, medians of {args.steps} steps")
     for key, spec, _ in cases:
         model, c = build(spec)
         x, _ = gpt_batch(c, 8)
-        e = evaluate_plan(Profiles(model, (x,)), {"pp": 2}, autopar.Plan(**kw), cluster, 8)
+        e = evaluate_plan(Profiles(model, (x,)), {"pp": args.pp}, autopar.Plan(**kw), cluster, 8)
         parts = collections.defaultdict(float)
         span = 0.0
         for r, lane, name, t0, t1 in e.timeline:

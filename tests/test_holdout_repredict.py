@@ -72,9 +72,9 @@ def test_passes_summary_and_rows_with_the_passes_column(tmp_path, capsys):
     the summary says how far each pass's step is from that median and what each pass alone would
     have read, and the printed rows with the passes' column still parse."""
     rows = [dict(world=2, model="gpt h32 L2 s16", plan="ddp", bytes=1, bytes_pred=1, exact=True, peak=1.0,
-                 peak_pred=1.0, step=5.0, step_pred=5.5, passes=[4.0, 5.0, 6.0]),
+                 peak_pred=1.0, step=5.0, step_pred=5.5, passes=[4.0, 5.0, 6.0], preds=[5.5] * 3, ratio=5.5 / 5),
             dict(world=2, model="gpt h32 L2 s16", plan="tp", bytes=1, bytes_pred=1, exact=True, peak=1.0,
-                 peak_pred=1.0, step=10.0, step_pred=9.0, passes=[10.0, 12.0, 9.0])]
+                 peak_pred=1.0, step=10.0, step_pred=9.0, passes=[10.0, 12.0, 9.0], preds=[9.0] * 3, ratio=9 / 10)]
     bench_holdout.summary(rows, "world 2")
     out = capsys.readouterr().out
     spread = [1 / 5, 0, 1 / 5, 0, 2 / 10, 1 / 10]
@@ -92,6 +92,21 @@ def test_passes_summary_and_rows_with_the_passes_column(tmp_path, capsys):
     assert bench_holdout.parse_grid(str(log)) == {(2, "gpt h32 L2 s16", "ddp"): (5.1, 4.3)}
 
 
+def test_each_trial_is_predicted_from_its_own_calibration_and_a_row_reads_their_median_ratio(capsys):
+    """--calibrations each: pass i is predicted from calibration i; a row's ratio is the median of
+    its trials' pred/meas (not the median prediction over the median measurement), and each
+    trial alone is read against its own prediction."""
+    preds, passes = [6.0, 4.0, 5.0], [5.0, 5.0, 4.0]      # ratios 1.2, 0.8, 1.25
+    assert bench_holdout.trial_ratio(preds, passes) == pytest.approx(1.2)
+    assert bench_holdout.trial_ratio([5.5] * 3, [4.0, 5.0, 6.0]) == pytest.approx(5.5 / 5.0)   # one calibration
+    rows = [dict(world=4, model="llama", plan="zero3", bytes=1, bytes_pred=1, exact=True, peak=1.0, peak_pred=1.0,
+                 step=5.0, step_pred=5.0, passes=passes, preds=preds, ratio=bench_holdout.trial_ratio(preds, passes))]
+    bench_holdout.summary(rows, "world 4")
+    out = capsys.readouterr().out
+    assert "step time |pred/meas - 1| mean 20.0%, worst 20.0% (llama, zero3, world 4)" in out
+    assert "each pass alone, step time mean (worst): 20.0% (20.0%), 20.0% (20.0%), 25.0% (25.0%)" in out
+
+
 def test_a_rows_step_is_the_slowest_ranks_mean_and_the_summary_gives_the_median_beside_it(capsys):
     """A pass's step of a row: the slowest rank's mean of its timed steps (``--statistic mean``,
     the default) or median; the other statistic's error is printed beside the grid's."""
@@ -99,8 +114,9 @@ def test_a_rows_step_is_the_slowest_ranks_mean_and_the_summary_gives_the_median_
                 {("m", "ddp"): {"times": [4.0, 4.0, 4.0, 4.0]}}]      # mean 4.0, median 4.0
     assert bench_holdout._step(per_rank, ("m", "ddp")) == 4.5
     assert bench_holdout._step(per_rank, ("m", "ddp"), "median") == 4.0
-    rows = [dict(world=2, model="gpt h32 L2 s16", plan="ddp", step=4.5, step_other=4.0, step_pred=5.0),
-            dict(world=2, model="llama", plan="tp", step=10.0, step_other=8.0, step_pred=11.0)]
+    rows = [dict(world=2, model="gpt h32 L2 s16", plan="ddp", step=4.5, step_other=4.0, step_pred=5.0,
+                 ratio_other=5.0 / 4.0),
+            dict(world=2, model="llama", plan="tp", step=10.0, step_other=8.0, step_pred=11.0, ratio_other=11.0 / 8.0)]
     bench_holdout.other_summary(rows, "world 2", "median")
     out = capsys.readouterr().out
     err = [abs(5.0 / 4.0 - 1), abs(11.0 / 8.0 - 1)]
