@@ -123,7 +123,7 @@ def _step(per_rank, k, statistic: str = "mean") -> float:
 
     The mean since run 44. A training run takes the sum of its steps, and the published step
     times bench_plan.py is checked against are averages over a logging interval. The local
-    calibration's collective latencies are block averages (``_excess_block``: a block's
+    calibration's collective latencies are block averages (``_excess_per_round``: a block's
     span over its rounds), so a prediction carries the communication's slow tail. On these 2
     cores a gloo collective's time is heavy-tailed (five 100 KB all-reduces after a barrier:
     median 2.7 ms, mean 5.1, 90th percentile 11.9; 2026-12-05), and a small plan's steps fall

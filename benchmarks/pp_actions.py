@@ -3,10 +3,11 @@ and wall time, the messages', the schedule, the parts of ``train_step`` after it
 optimizer step, measured on every rank, beside the estimate's F and B per micro-batch and its
 after-schedule phases (local preset).
 
-    python benchmarks/pp_actions.py [--models "gpt h32 L2 s16" ...] [--schedule 1f1b] [--steps 21]
+    python benchmarks/pp_actions.py [--models "gpt h32 L2 s16" ...] [--schedule 1f1b] [--pp 2] [--steps 21]
 
 The models are ``bench_holdout.py``'s grid models, under its world-2 pipeline plan (pp = 2,
-4 micro-batches, global batch 8), all compiled first, then stepped in turn after a barrier, round
+4 micro-batches, global batch 8; ``--pp 4``: the same on 4 stages, one process each, as the
+world-4 grid's zero-bubble plan), all compiled first, then stepped in turn after a barrier, round
 after round; medians over ``--steps`` steps after 3. A stage's "F cpu" is the summed thread CPU
 time of its 4 F actions (its "wall" adds what the action waited, e.g. for a receive it needs);
 "msg" is every send/receive post. "after" is ``train_step``'s wall time outside the schedule's

@@ -137,32 +137,6 @@ def test_contention_keeps_the_median_of_its_readings():
     assert got[4] == pytest.approx(2.2) and got[2] == pytest.approx(1.1)
 
 
-def test_the_skew_points_are_measured_in_turn_block_after_block(monkeypatch):
-    """Each point of the skew table is the median of its blocks, and the blocks go round the
-    points (a, b, c, a, b, c, ...), so a slow stretch of the machine lands on one block of
-    every point, where the median drops it, not on all the blocks of one point."""
-    from autopar.cost.calibration import local
-    calls, clock = [], iter(range(1000))
-
-    def fake_probe(kind, g, t):      # (compute, exchange, rounds, per message) of the point
-        return (kind, g, t), None, 1, 0.5 if kind == "p2p" else 1.0
-
-    def fake_block(compute, exchange, rounds):
-        calls.append(compute)
-        i = next(clock)
-        return 9.0 if i in (3, 4, 5) else 1e-3 * (1 + len(calls) % 3)   # blocks 3-5: a slow stretch
-
-    monkeypatch.setattr(local, "_exchange_probe", fake_probe)
-    monkeypatch.setattr(local, "_excess_block", fake_block)
-    points = [("all_reduce", 2, 2e-4), ("all_gather", 2, 1e-3), ("p2p", 2, 4e-3)]
-    got = local._skew_table(points, 5)
-    assert calls == points * 5
-    # each point's five blocks: one of them 9.0 (the slow stretch), the others its own 1e-3 x (1..3)
-    for k, pt in enumerate(points):
-        values = sorted(9.0 if 3 <= i < 6 else 1e-3 * (1 + (i + 1) % 3) for i in range(k, 15, 3))
-        assert got[pt] == pytest.approx(values[2] * (0.5 if pt[0] == "p2p" else 1.0))
-        assert got[pt] < 1.0
-
 def test_skew_table_sets_the_latency_by_the_compute_before():
     """A link of ranks sharing cores takes a small collective's latency from its table at the
     compute that preceded it: linear between the measured lengths, flat beyond them, 1 ms

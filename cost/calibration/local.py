@@ -73,9 +73,7 @@ _CONTENTION_SECONDS = 1.5
 _CONTENTION_READINGS = 3               # readings per number of processes, the median kept
 _CONTENTION_READING_SECONDS = 0.5      # each reading's loop: the three take what one reading did
 _SKEW_COMPUTE = (2e-4, 1e-3, 4e-3)     # compute seconds before a collective, for Link.skew
-_SKEW_BLOCKS = 7                       # blocks of rounds per skew point, their median taken: 7, not 3, as
-                                       # with 3 the same machine's points moved by 1.7-2x on average (up to
-                                       # 4x) between calibrations (BENCHMARKS.md, runs 29-30)
+_SKEW_BLOCKS = 7                       # blocks of rounds per skew point, their median taken
 
 
 def _timed_median(op, seconds: float, warmup: int = 3, min_reps: int = 5) -> float:
@@ -197,22 +195,24 @@ def _fit_alpha_beta(moved: list[float], seconds: list[float]) -> tuple[float, fl
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
-def _excess_block(compute, exchange, rounds: int) -> float:
-    """Seconds ``exchange(i)`` adds to a round of ``compute()`` in one block: every rank runs
-    ``rounds`` rounds of compute alone, then ``rounds`` of the exchange (compute and the
-    collective), both timed with all ranks at once (so ranks sharing cores slow the compute
-    alike in both)."""
-    spans = []
-    for with_exchange in (False, True):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for i in range(rounds):
-            if with_exchange:
-                exchange(i)
-            else:
-                compute()
-        spans.append(time.perf_counter() - t0)
-    return max(spans[1] - spans[0], 0.0) / rounds
+def _excess_per_round(compute, exchange, rounds: int, blocks: int = 3) -> float:
+    """Seconds ``exchange()`` adds to a round of ``compute()``; every rank runs ``rounds`` rounds
+    of compute alone, then ``rounds`` of compute + exchange, both timed with all ranks at once
+    (so ranks sharing cores slow the compute alike in both); the median over ``blocks``."""
+    out = []
+    for _ in range(blocks):
+        spans = []
+        for with_exchange in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                if with_exchange:
+                    exchange(i)
+                else:
+                    compute()
+            spans.append(time.perf_counter() - t0)
+        out.append(max(spans[1] - spans[0], 0.0) / rounds)
+    return statistics.median(out)
 
 
 _MS_WORK: dict = {}     # this process's (world size, shape) -> _about_a_millisecond's count
@@ -232,16 +232,14 @@ def _about_a_millisecond(a) -> int:
     return _MS_WORK[key]
 
 
-def _exchange_probe(kind: str, group_size: int, compute_s: float):
-    """(compute, exchange, rounds, per message) of one point of the skew table: the seconds one
-    small exchange adds when ranks are busy. Every rank computes about ``compute_s`` (of matmuls,
-    timed on a free core) then exchanges within its group of ``group_size`` consecutive ranks —
-    a 4 KiB collective, or a p2p round trip of the pair (``per message``: 1/2) — round after
-    round, as a training step's layers do. A block's excess over the same compute without the
-    exchanges, per exchange (``_excess_block``), is the exchange's latency among busy ranks: a
-    woken rank waits for a core as much as for the wire, and peers drift apart within their time
-    slices the longer they compute. Every rank calls it for the same points in the same order
-    (it makes the groups)."""
+def _exchange_probe(kind: str, group_size: int, compute_s: float) -> float:
+    """Seconds one small exchange adds when ranks outnumber cores: every rank computes about
+    ``compute_s`` (of matmuls, timed on a free core) then exchanges within its group of
+    ``group_size`` consecutive ranks — a 4 KiB collective, or a p2p round trip of the pair —
+    round after round, as a training step's layers do. The excess over the same compute
+    without the exchanges, per exchange, is the exchange's latency among busy ranks: a woken
+    rank waits for a core as much as for the wire, and peers drift apart within their time
+    slices the longer they compute."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     g = 2 if kind == "p2p" else group_size
@@ -261,23 +259,11 @@ def _exchange_probe(kind: str, group_size: int, compute_s: float):
         compute()
         op()
 
-    return compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)), 0.5 if kind == "p2p" else 1.0
-
-
-def _skew_table(points: list, blocks: int) -> dict:
-    """{point: latency} of ``_exchange_probe`` points (kind, group size, compute seconds): the
-    median of ``blocks`` blocks each, the points in turn block after block, so that each point's
-    blocks are spread over the whole probe (half a minute) and a slow stretch of the machine
-    falls on one block of every point instead of on every block of one. (Measured one point
-    after another, 7 blocks in about a second each, the same machine's table moved by up to
-    1.6x between calibrations, and ZeRO-1/2's predicted steps on 2 processes by 21% on
-    average: BENCHMARKS.md, run 50.)"""
-    probes = {pt: _exchange_probe(*pt) for pt in points}
-    got = {pt: [] for pt in points}
-    for _ in range(blocks):
-        for pt, (compute, exchange, rounds, per) in probes.items():
-            got[pt].append(_excess_block(compute, exchange, rounds) * per)
-    return {pt: statistics.median(v) for pt, v in got.items()}
+    # 7 blocks, not 3: the step's collectives take these as their latency, and with 3 the same
+    # machine's points moved by 1.7-2x on average (up to 4x) between calibrations (BENCHMARKS.md,
+    # runs 29-30)
+    excess = _excess_per_round(compute, exchange, max(6, round(24 * (1e-3 / compute_s) ** 0.5)), blocks=_SKEW_BLOCKS)
+    return excess / 2 if kind == "p2p" else excess      # p2p: per message of the round trip
 
 
 def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
@@ -293,10 +279,10 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
     groups = sorted({2, world})
     out = {(kind, g): _gloo_probe(sizes, warmup, reps, kind, g, busy=True) for kind in _KINDS for g in groups
            if not (kind == "p2p" and g != 2)}
-    # every world: a training step's collectives follow compute, unaligned
-    points = [(kind, g, t) for kind in _KINDS for g in ([2] if kind == "p2p" else groups) for t in _SKEW_COMPUTE]
-    for pt, latency in _skew_table(points, _SKEW_BLOCKS).items():
-        out[("skew",) + pt] = latency
+    for kind in _KINDS:     # every world: a training step's collectives follow compute, unaligned
+        for g in ([2] if kind == "p2p" else groups):
+            for t in _SKEW_COMPUTE:
+                out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
     out[("pipeline",)] = _pipeline_probe()
     out[("overlap",)] = _overlap_probe()
     return out
@@ -1074,8 +1060,7 @@ def _measure_local() -> Cluster:
         "fitted below zero: the three smallest messages' median excess over bytes_moved/bandwidth); "
         f"times {[float(f'{s:.3g}') for s in seconds]} s; its skew: each kind's latency after "
         f"{[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round with no barrier "
-        f"(excess over the same compute alone, the median of {_SKEW_BLOCKS} blocks of rounds, the points in turn "
-        "block after block), which a step's "
+        f"(excess over the same compute alone, the median of {_SKEW_BLOCKS} blocks of rounds), which a step's "
         "collectives take as their alpha",
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
