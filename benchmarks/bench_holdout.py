@@ -32,7 +32,7 @@ against every plan it could have picked.
    hold-out trial (calibrate on the probes, predict, measure) and a row's ratio is the median
    of its trials' predicted / measured. Three calibrations of the same machine within 80
    minutes moved a row's prediction by 11% on average and 27% at most (ZeRO-1/2 on 2
-   processes by 21%: BENCHMARKS.md, run 50), as much as the passes' measurements move; one
+   processes by 21%: BENCHMARKS.md, runs 50-51), as much as the passes' measurements move; one
    calibration for every pass carries its error into every pass alike. ``--calibrations
    once``: every pass predicted from the one preset (runs 5-49). Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
