@@ -200,18 +200,18 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
                 each = [_step(m, k, statistic) for m in measured[world]]
                 others = [_step(m, k, OTHER[statistic]) for m in measured[world]]
                 each_pred = [p[k].step_time_s for p in preds]
-                step = statistics.median(each)
+                step, pred_step = statistics.median(each), statistics.median(each_pred)
                 e = preds[0][k]
                 axes_ok = all(max(r["by_axis"][a] for r in rs) == v for a, v in e.comm_bytes_by_axis.items())
                 ratio = trial_ratio(each_pred, each)
                 rows.append(dict(world=world, model=key, plan=name, bytes=b, bytes_pred=e.comm_bytes,
                                  exact=b == e.comm_bytes and axes_ok, peak=peak, peak_pred=e.memory_bytes,
-                                 step=step, step_pred=statistics.median(each_pred), ratio=ratio, passes=each,
+                                 step=step, ratio=ratio, passes=each,
                                  preds=each_pred, ratio_other=trial_ratio(each_pred, others),
                                  step_other=statistics.median(others)))
                 print(f"{key:16s} {name:15s} {b:>10,.0f} {e.comm_bytes:>10,.0f} | {peak / 1e6:>8.3f} "
                       f"{e.memory_bytes / 1e6:>7.3f} {e.memory_bytes / peak:>5.2f} | {step * 1e3:>8.1f} "
-                      f"{statistics.median(each_pred) * 1e3:>7.1f} {ratio:>5.2f}"
+                      f"{pred_step * 1e3:>7.1f} {ratio:>5.2f}"
                       + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each) if passes > 1 else "")
                       + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each_pred) if trials else ""))
         summary([r for r in rows if r["world"] == world], f"world {world}")
