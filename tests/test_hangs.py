@@ -90,15 +90,17 @@ def test_ranks_that_issue_different_collectives_all_raise():
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_pipeline_rank_that_dies_mid_step_makes_its_peer_raise():
+    """Rank 0 waits for stage 1's gradients, which travel to the lower rank over the pipeline's
+    second group (``pp:down``, PipelineModule._p2p_group); rank 1 dies before sending them."""
     with pytest.raises(RuntimeError, match="rank 0 of 2 failed") as info:
         run(hangs.pipeline_killed_rank, 2, TIMEOUT, timeout=60)
     msg = str(info.value)
-    m = re.search(r"CollectiveError: rank 0: recv #(\d+) from rank 1 on pp \(ranks \[0, 1\]\) "
+    m = re.search(r"CollectiveError: rank 0: recv #(\d+) from rank 1 on pp:down \(ranks \[0, 1\]\) "
                   r"'gradients for 0B1 \[0\]' \(\d+ B\) failed", msg)
     assert m, msg
     seq = int(m.group(1))
     assert "rank 1 (last heard" in msg
-    assert f"did not issue send #{seq} to rank 0 on pp: its last there is #{seq - 1}" in msg
+    assert f"did not issue send #{seq} to rank 0 on pp:down: its last there is #{seq - 1}" in msg
     assert _after(msg) < hangs.PUBLISHED + TIMEOUT / 2
     _dump_of(msg)
 

@@ -293,3 +293,24 @@ def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
     with pytest.raises(RuntimeError, match="train_step"):
         pm(tok)
     assert "pipeline: " in pm.explain()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,kw", [(2, dict(pp_schedule="1f1b", microbatches=4)),
+                                      (2, dict(pp_schedule="interleaved", microbatches=4, virtual_stages=2))])
+def test_transfers_each_way_between_two_ranks_travel_over_a_group_of_their_own(ranks, world, kw):
+    """On gloo a pipeline's transfers to a higher rank go over the pp group and those to a lower
+    rank over a second group of the same ranks (``pp:down``): 1F1B's activations out and
+    gradients back, the interleaved schedule's activations wrapping from the last rank to the
+    first, and the tied gradients' exchange never share a connection each way. Every transfer
+    issued is received over the same group, and both groups are used."""
+    per_rank = ranks(pipeline_jobs.pp_directions, world, kw, timeout=90)
+    sends = sorted(tuple(e[1:]) for seen in per_rank for e in seen if e[0] == "send")
+    recvs = sorted(tuple(e[1:]) for seen in per_rank for e in seen if e[0] == "recv")
+    assert sends == recvs and sends, (sends, recvs)
+    for group, src, dst in sends:
+        assert group == ("pp" if src < dst else "pp:down"), (group, src, dst)
+    assert {g for g, _, _ in sends} == {"pp", "pp:down"}
+    # the interleaved schedule's wrap-around: activations from the last rank to the first
+    if kw["pp_schedule"] == "interleaved":
+        assert ("pp:down", world - 1, 0) in sends

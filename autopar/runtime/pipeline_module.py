@@ -49,6 +49,9 @@ class PipelineModule(DistributedModule):
         self.stages = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
         self.p, self.pp_index = self.mesh.axis_size("pp"), self.mesh.coordinate("pp")
         self._pp_group = self.mesh.group("pp") if "pp" in self.mesh.axes else None
+        self._pp_down = self._pp_group       # the group of the transfers to a lower rank: see _p2p_group
+        if self._pp_group is not None and self.p > 1 and dist.get_backend(self._pp_group) == "gloo":
+            self._pp_down = self.mesh.group("pp", "down")
         names = list(self.mesh.axes)
         self._pp_stride = math.prod(list(self.mesh.axes.values())[names.index("pp") + 1:]) if "pp" in names else 1
         lowered = lower(schedule)
@@ -70,6 +73,18 @@ class PipelineModule(DistributedModule):
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
         return self.mesh.rank + (stage % self.p - self.pp_index) * self._pp_stride
+
+    def _p2p_group(self, src: int, dst: int):
+        """The group a transfer from global rank ``src`` to ``dst`` goes over: on gloo, the pp
+        group to a higher rank and a second group over the same ranks (``pp:down``) to a lower
+        one, so that the two directions between two ranks never share a connection. On one gloo
+        pair, transfers that cross (1F1B's steady state: a stage's activations out while its
+        next stage's gradients come back; the tied gradients' exchange) wait on each other:
+        on 2 processes, 24 KB each way at once after 5 ms of compute took 2.7 ms (median of
+        60), the send call itself up to 6.7 ms, against 0.2 ms one way; over the two groups,
+        0.2 ms each way (benchmarks/gloo_crossing.py; BENCHMARKS.md). NCCL's transfers each way do not
+        queue so: one group."""
+        return self._pp_group if src < dst else self._pp_down
 
     def _tag(self, kind: int, stage: int, mb: int, j: int) -> int:
         if j >= 64:
@@ -293,7 +308,8 @@ class PipelineModule(DistributedModule):
         bufs = [torch.empty(sh, dtype=dt, device=self._device()) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
         what = f"{'activations' if kind == 0 else 'gradients'} for {Action(a.stage, 'FB'[kind], a.mb)}"
-        works = [flight.irecv(b, src, self._pp_group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
+        group = self._p2p_group(src, self.mesh.rank)
+        works = [flight.irecv(b, src, group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
                  for j, b in enumerate(bufs)]
         return bufs, self._traced(works, f"recv[pp] {'activations' if kind == 0 else 'gradients'} {a}")
 
@@ -303,7 +319,8 @@ class PipelineModule(DistributedModule):
         self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
                                sum(t.numel() * t.element_size() for t in tensors))
         what = f"{'activations' if kind == 0 else 'gradients'} for {target}"
-        return self._traced([flight.isend(t, dst, self._pp_group, f"{what} [{j}]",
+        group = self._p2p_group(self.mesh.rank, dst)
+        return self._traced([flight.isend(t, dst, group, f"{what} [{j}]",
                                           self._tag(kind, target.stage, target.mb, j))
                              for j, t in enumerate(tensors)], f"send[pp] {what}")
 
@@ -415,11 +432,12 @@ class PipelineModule(DistributedModule):
                 if r == self.pp_index:
                     continue
                 peer = self._rank_of_stage(r)
-                works.append(flight.isend(local.contiguous(), peer, self._pp_group, f"tied gradient {name}",
+                works.append(flight.isend(local.contiguous(), peer, self._p2p_group(self.mesh.rank, peer),
+                                          f"tied gradient {name}",
                                           9_000_000 + r))
                 self.comm_stats.record("pp", "send", "tied", local.numel() * local.element_size())
                 buf = torch.empty_like(local)
-                works.append(flight.irecv(buf, peer, self._pp_group, f"tied gradient {name}",
+                works.append(flight.irecv(buf, peer, self._p2p_group(peer, self.mesh.rank), f"tied gradient {name}",
                                           9_000_000 + self.pp_index))
                 bufs.append(buf)
             for w in works:

@@ -185,3 +185,32 @@ def pipeline_timeline(out_dir):
     tl = pm.timelines[dist.get_rank()]
     return {"names": sorted({name.split(" ")[0] for k, name, *_ in tl.events if k == "comm"}),
             "n": len(pm.timelines), "files": [os.path.basename(f) for f in files]}
+
+
+def pp_directions(plan_kwargs):
+    """(group, source, destination) of every transfer this rank issued in one training step of
+    a GPT (tied embedding and head: their gradients exchanged after the schedule) pipelined
+    over every rank under ``plan_kwargs``, as ``flight.isend`` / ``flight.irecv`` were called."""
+    from autopar.runtime import flight
+    torch.set_num_threads(1)
+    c = GPTConfig(layers=4)
+    x, t = gpt_batch(c, 8)
+    me, seen = dist.get_rank(), []
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(pp=dist.get_world_size()), example_inputs=(x,),
+                         plan=autopar.Plan(**plan_kwargs))
+    send, recv = flight.isend, flight.irecv
+
+    def isend(tensor, peer, group, *args, **kwargs):
+        seen.append(("send", group.group_desc, me, peer))
+        return send(tensor, peer, group, *args, **kwargs)
+
+    def irecv(tensor, peer, group, *args, **kwargs):
+        seen.append(("recv", group.group_desc, peer, me))
+        return recv(tensor, peer, group, *args, **kwargs)
+
+    flight.isend, flight.irecv = isend, irecv
+    try:
+        dm.train_step((x,), t, lm_loss)
+    finally:
+        flight.isend, flight.irecv = send, recv
+    return seen
