@@ -99,8 +99,9 @@ def grid_models() -> list:
     return out + [("llama", ("llama", {}), BATCH)]
 
 
-def predictions(models, plan_list, cluster) -> dict:
-    """(model key, plan name) -> Estimate, by ``evaluate_plan`` on ``cluster``."""
+def predictions(models, plan_list, cluster, per_model=None) -> dict:
+    """(model key, plan name) -> Estimate, by ``evaluate_plan`` on ``cluster`` (or on
+    ``per_model[model key]`` where given)."""
     import autopar
     from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import gpt_batch
@@ -110,9 +111,27 @@ def predictions(models, plan_list, cluster) -> dict:
         model, c = build(spec)
         x, _ = gpt_batch(c, batch)
         profiles = Profiles(model, (x,))
+        c = (per_model or {}).get(key, cluster)
         for name, axes, kw in plan_list:
-            out[(key, name)] = evaluate_plan(profiles, axes, autopar.Plan(**kw), cluster, batch)
+            out[(key, name)] = evaluate_plan(profiles, axes, autopar.Plan(**kw), c, batch)
     return out
+
+
+def live_slowdown(per_rank) -> float:
+    """The slowdown of ``jobs.holdout.live_contention``'s readings (per rank: (alone or None,
+    crowded)): the ranks' harmonic mean crowded over rank 0's alone, at least 1, as the
+    calibration makes each of its readings (``calibration.local._reading``)."""
+    from autopar.cost.calibration.local import _reading
+    alone = next(a for a, _ in per_rank if a is not None)
+    return max(1.0, _reading([c for _, c in per_rank], alone))
+
+
+def with_contention(cluster, processes: int, slowdown: float):
+    """``cluster`` with its contention of ``processes`` processes set to ``slowdown`` (the other
+    counts as calibrated)."""
+    table = dict(cluster.contention)
+    table[processes] = slowdown
+    return cluster.with_(contention=tuple(sorted(table.items())))
 
 
 STATISTICS = {"mean": statistics.mean, "median": statistics.median}
@@ -154,12 +173,16 @@ def trial_ratio(preds, measured) -> float:
 
 
 def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = True, passes: int = 1,
-         statistic: str = "mean", recalibrate: bool = False) -> list:
+         statistic: str = "mean", recalibrate: bool = False, contention_seconds: float = 0.0) -> list:
     """The hold-out grid, ``passes`` passes over every world's rows, one pass after another.
     ``recalibrate``: each pass is a trial of its own, the machine calibrated before it (the first
     on ``cluster``, the others by ``trial_cluster``) and its rows predicted from that calibration;
     a row's ratio is the median of its trials' predicted / measured. Otherwise every pass is
-    predicted from ``cluster`` and a row's ratio is its prediction over its passes' median."""
+    predicted from ``cluster`` and a row's ratio is its prediction over its passes' median.
+    ``contention_seconds`` > 0: before each model's plans in every pass the calibration's
+    contention probe is read again (``jobs.holdout.live_contention``), and each row is also
+    predicted with its pass's calibration carrying that reading as its contention of ``world``
+    processes (``ratio_live``; printed as a summary of its own)."""
     from autopar.testing import run
     from jobs.holdout import measured_cases
     if passes < 1:
@@ -173,13 +196,22 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
             t0 = time.perf_counter()
             cases = [(k, spec, b, plan_lists[world]) for k, spec, b in models]
             # pass 1 measures bytes and memory too; every pass compiles and times each plan again
-            measured[world].append(run(measured_cases, world, cases, steps, i == 0, block, alone, timeout=3600))
+            measured[world].append(run(measured_cases, world, cases, steps, i == 0, block, alone, contention_seconds,
+                                       timeout=3600))
             seconds[world] += time.perf_counter() - t0
     rows = []
     for world in worlds:
         plan_list = plan_lists[world]
         preds = [predictions(models, plan_list, c) for c in (clusters if recalibrate else clusters[:1])]
         preds += [preds[0]] * (passes - len(preds))
+        live = []        # per pass: the predictions with the contention read before each model's plans
+        if contention_seconds > 0:
+            for i, m in enumerate(measured[world]):
+                c = clusters[i] if recalibrate else clusters[0]
+                per_model = {key: with_contention(c, world, live_slowdown([r[("contention", key)] for r in m]))
+                             for key, _, _ in models}
+                live.append((predictions(models, plan_list, c, per_model),
+                             {key: dict(per_model[key].contention)[world] for key in per_model}))
         per_rank = measured[world][0]
         trials = recalibrate and passes > 1
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
@@ -187,7 +219,8 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
               + f"; step: the slowest rank's {statistic} of its {steps} timed steps"
               + (f", the median of {passes} passes'" if passes > 1 else "")
               + (f"; {passes} trials, each pass predicted from a calibration of its own taken just before it: pred "
-                 f"the median of the trials' predictions, ratio the median of the trials' pred/meas" if trials else ""))
+                 f"the median of the trials' predictions, ratio the median of the trials' pred/meas" if trials else "")
+              + ("; live: each pass's prediction with the contention read before the model's plans" if live else ""))
         print(f"{'model':16s} {'plan':15s} {'bytes meas':>10s} {'pred':>10s} | {'peak MB':>8s} {'pred':>7s} "
               f"{'ratio':>5s} | {'step ms':>8s} {'pred':>7s} {'ratio':>5s}" + (" | passes' steps" if passes > 1 else "")
               + (" | trials' predictions" if trials else ""))
@@ -209,16 +242,23 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
                                  step=step, ratio=ratio, passes=each,
                                  preds=each_pred, ratio_other=trial_ratio(each_pred, others),
                                  step_other=statistics.median(others)))
+                if live:
+                    rows[-1].update(preds_live=[p[k].step_time_s for p, _ in live],
+                                    contention_live=[c[key] for _, c in live])
+                    rows[-1]["ratio_live"] = trial_ratio(rows[-1]["preds_live"], each)
                 print(f"{key:16s} {name:15s} {b:>10,.0f} {e.comm_bytes:>10,.0f} | {peak / 1e6:>8.3f} "
                       f"{e.memory_bytes / 1e6:>7.3f} {e.memory_bytes / peak:>5.2f} | {step * 1e3:>8.1f} "
                       f"{pred_step * 1e3:>7.1f} {ratio:>5.2f}"
                       + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each) if passes > 1 else "")
-                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each_pred) if trials else ""))
+                      + (" | " + " ".join(f"{x * 1e3:.1f}" for x in each_pred) if trials else "")
+                      + (" | live " + " ".join(f"{x * 1e3:.1f}" for x in rows[-1]["preds_live"]) if live else ""))
         summary([r for r in rows if r["world"] == world], f"world {world}")
         other_summary([r for r in rows if r["world"] == world], f"world {world}", OTHER[statistic])
+        live_summary([r for r in rows if r["world"] == world], f"world {world}")
     if len(worlds) > 1:
         summary(rows, "all worlds")
         other_summary(rows, "all worlds", OTHER[statistic])
+        live_summary(rows, "all worlds")
     return rows
 
 
@@ -233,6 +273,23 @@ def other_summary(rows, label: str, statistic: str) -> None:
           f"{statistics.mean(st):.1%}, worst {max(st):.1%} ({worst['model']}, {worst['plan']}, world {worst['world']}), "
           f"{sum(x <= 0.25 for x in st)} within 25%; measured {statistic} / measured by the grid's statistic: "
           f"{statistics.mean(r['step_other'] / r['step'] for r in rows):.3f} on average")
+
+
+def live_summary(rows, label: str) -> None:
+    """The step time's error had each pass's rows been predicted with the contention read just
+    before their model's plans (``grid``'s ``contention_seconds``); nothing without it."""
+    if not rows or "ratio_live" not in rows[0]:
+        return
+    st = [abs(r["ratio_live"] - 1) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["ratio_live"] - 1))
+    read = [x for r in rows for x in r["contention_live"]]
+    by_plan: dict = {}
+    for r in rows:
+        by_plan.setdefault(r["plan"], []).append(r["ratio_live"])
+    print(f"  {label} predicted with the contention read before each model's plans ({min(read):.2f}-{max(read):.2f}): "
+          f"step time |pred/meas - 1| mean {statistics.mean(st):.1%}, worst {max(st):.1%} ({worst['model']}, "
+          f"{worst['plan']}, world {worst['world']}), {sum(x <= 0.25 for x in st)} within 25%; by plan: " + "; ".join(
+              f"{p} {statistics.mean(v):.2f}" for p, v in by_plan.items()))
 
 
 def summary(rows, label: str) -> None:
@@ -452,6 +509,10 @@ def main():
     ap.add_argument("--statistic", choices=tuple(STATISTICS), default="mean",
                     help="a pass's step of a row: the slowest rank's mean (default; runs 44 on) or median (runs 5-43) "
                          "of its timed steps; the summary also prints the error by the other")
+    ap.add_argument("--live-contention", type=float, default=0.5, metavar="SECONDS",
+                    help="before each model's plans in every pass, read the calibration's contention probe again "
+                         "(SECONDS alone, twice that crowded; 0: not) and print the error had each row been "
+                         "predicted with that reading as its contention (run 53 on)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--plans", nargs="+", metavar="PART",
                     help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
@@ -479,7 +540,7 @@ def main():
     print("local preset:\n  " + c.source.replace("\n", "\n  "))
     if not args.skip_grid:
         grid(args.worlds, args.steps, c, args.plans, args.block, args.measure == "alone", args.passes, args.statistic,
-             args.calibrations == "each")
+             args.calibrations == "each", args.live_contention)
     if args.quality:
         quality(args.quality_steps, c, block=args.block)
 

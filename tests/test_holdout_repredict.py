@@ -123,3 +123,30 @@ def test_a_rows_step_is_the_slowest_ranks_mean_and_the_summary_gives_the_median_
     assert (f"world 2 by the slowest rank's median step instead: step time |pred/meas - 1| mean "
             f"{sum(err) / 2:.1%}, worst {max(err):.1%} (llama, tp, world 2), 1 within 25%; measured median / "
             f"measured by the grid's statistic: {(4.0 / 4.5 + 8.0 / 10.0) / 2:.3f} on average") in out
+
+
+def test_the_contention_read_before_a_models_plans_replaces_the_calibrations_for_its_world(capsys):
+    """--live-contention: the readings (per rank: rank 0's loop alone, every rank's loop crowded)
+    make a slowdown as the calibration does (the ranks' harmonic mean over alone, at least 1);
+    it replaces the preset's contention of that many processes only, and a row predicted with
+    it reads slower where the reading is higher; the summary reads the rows' live ratios."""
+    per_rank = [(2e-3, 3e-3), (None, 6e-3)]         # harmonic mean of 3 and 6 ms: 4 ms, over 2 ms alone
+    assert bench_holdout.live_slowdown(per_rank) == pytest.approx(2.0)
+    assert bench_holdout.live_slowdown([(2e-3, 1.8e-3), (None, 1.9e-3)]) == 1.0      # never below 1
+    # a GPU preset named local: its contention table is read (no calibration needed here)
+    c = get_cluster("dgx-a100-80gb").with_(name="local", contention=((2, 1.1), (4, 2.3)))
+    live = bench_holdout.with_contention(c, 2, 1.5)
+    assert dict(live.contention) == {2: 1.5, 4: 2.3} and live.slowdown(2) == 1.5 and live.slowdown(4) == 2.3
+    key, spec, batch = next(m for m in bench_holdout.grid_models() if m[0] == "gpt h32 L2 s16")
+    _, axes, kw = next(p for p in bench_holdout.plans(2) if p[0] == "ddp")
+    got = bench_holdout.predictions([(key, spec, batch)], [("ddp", axes, kw)], c, {key: live})
+    base = bench_holdout.predictions([(key, spec, batch)], [("ddp", axes, kw)], c)
+    assert got[(key, "ddp")].step_time_s > base[(key, "ddp")].step_time_s
+    rows = [dict(world=2, model=key, plan="ddp", ratio_live=1.3, contention_live=[1.0, 1.5, 1.2]),
+            dict(world=2, model="llama", plan="tp", ratio_live=0.9, contention_live=[1.1, 1.1, 1.1])]
+    bench_holdout.live_summary(rows, "world 2")
+    out = capsys.readouterr().out
+    assert ("world 2 predicted with the contention read before each model's plans (1.00-1.50): step time "
+            "|pred/meas - 1| mean 20.0%, worst 30.0% (gpt h32 L2 s16, ddp, world 2), 1 within 25%") in out
+    bench_holdout.live_summary([dict(world=2, model=key, plan="ddp", ratio=1.0)], "world 2")
+    assert capsys.readouterr().out == ""

@@ -42,7 +42,22 @@ def prepared(spec, batch, axes, kw):
     return step, body, dm, opt
 
 
-def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = common.BLOCK, alone: bool = False) -> dict:
+def live_contention(seconds: float) -> tuple:
+    """(seconds per loop alone or None, seconds per loop crowded) of this rank for the local
+    calibration's contention probe read now: the synthetic stack's forward + backward
+    (``calibration.local._stack_seconds``) looped ``seconds`` by rank 0 alone (the others
+    waiting in a barrier, which takes no core), then by every rank at once for twice as long.
+    ``bench_holdout.live_slowdown`` makes the slowdown of it as the calibration does (the ranks'
+    harmonic mean over alone)."""
+    from autopar.cost.calibration.local import _stack_seconds
+    dist.barrier()
+    alone = _stack_seconds(seconds) if dist.get_rank() == 0 else None
+    dist.barrier()
+    return alone, _stack_seconds(2 * seconds, dist.barrier)
+
+
+def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = common.BLOCK, alone: bool = False,
+                   contention_seconds: float = 0.0) -> dict:
     """{(model key, plan name): {bytes, by_axis, peak, times}} on this rank for ``cases``, a list
     of (model key, spec, batch, [(plan name, mesh axes, plan kwargs), ...]). A model's plans
     are compiled one after another, each one's bytes (the counters, after two warm-up steps)
@@ -54,7 +69,9 @@ def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = comm
     model's plans are timed in rounds, so that a disturbance of the machine falls on all of
     them alike: each round runs every plan for ``block`` consecutive steps and times all but the
     first, until each plan has at least ``steps`` times; then they are dropped before the next
-    model. ``memory=False``: step times only (no counters, no census).
+    model. ``memory=False``: step times only (no counters, no census). ``contention_seconds``
+    > 0: before each model's plans, the calibration's contention probe read again
+    (``live_contention``), kept as ``out[("contention", model key)]``.
 
     Blocks, not one step each in turn: see ``common.timed_rounds``. Alone, not in rounds: on 2
     processes, with a model's 9 plans resident and timed in rounds, ddp measured 1.18x its step
@@ -63,6 +80,8 @@ def measured_cases(cases, steps: int = 7, memory: bool = True, block: int = comm
     torch.set_num_threads(1)
     out = {}
     for key, spec, batch, plans in cases:
+        if contention_seconds > 0:
+            out[("contention", key)] = live_contention(contention_seconds)
         runners = {}
         for name, axes, kw in plans:
             before = steady_live_bytes(3) if memory else 0    # collects garbage first
