@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--calibrations each|once] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--calibrations each|once] [--live-contention 0] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
     python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
 
@@ -34,7 +34,15 @@ against every plan it could have picked.
    minutes moved a row's prediction by 11% on average and 27% at most (ZeRO-1/2 on 2
    processes by 21%: BENCHMARKS.md, runs 50-51), as much as the passes' measurements move; one
    calibration for every pass carries its error into every pass alike. ``--calibrations
-   once``: every pass predicted from the one preset (runs 5-49). Prints a row per (world, model, plan) and the
+   once``: every pass predicted from the one preset (runs 5-49). ``--live-contention SECONDS``
+   (default 0: off): before each model's plans in every pass, the calibration's contention
+   probe (the synthetic stack looped alone, then by every rank at once) is read again in the
+   grid's processes, and the summary also prints the error had each row been predicted with
+   that reading as its preset's contention of the world's processes. The contention of 2
+   processes read 1.00-1.49 in calibrations minutes apart (BENCHMARKS.md, runs 50-53), and it
+   scales every world-2 prediction; but read before each model (run 53, 0.5 s) it predicted
+   no better than the calibrations' own (mean 9.5% against 8.7%, worst 34.2% against 33.7%).
+   Prints a row per (world, model, plan) and the
    mean and worst |predicted/measured - 1| of step time and memory, and how many rows' bytes
    are exact.
 2. ``--quality``: on 4 processes, for four models of different shapes (wide and shallow,
@@ -509,10 +517,11 @@ def main():
     ap.add_argument("--statistic", choices=tuple(STATISTICS), default="mean",
                     help="a pass's step of a row: the slowest rank's mean (default; runs 44 on) or median (runs 5-43) "
                          "of its timed steps; the summary also prints the error by the other")
-    ap.add_argument("--live-contention", type=float, default=0.5, metavar="SECONDS",
+    ap.add_argument("--live-contention", type=float, default=0.0, metavar="SECONDS",
                     help="before each model's plans in every pass, read the calibration's contention probe again "
-                         "(SECONDS alone, twice that crowded; 0: not) and print the error had each row been "
-                         "predicted with that reading as its contention (run 53 on)")
+                         "(SECONDS alone, twice that crowded; 0, the default: not) and print the error had each row "
+                         "been predicted with that reading as its contention (run 53 read 0.5: no better than the "
+                         "calibrations' own; BENCHMARKS.md)")
     ap.add_argument("--skip-grid", action="store_true", help="skip the hold-out grid")
     ap.add_argument("--plans", nargs="+", metavar="PART",
                     help="the grid's plans whose name contains one of these (e.g. pp: the pipelines only)")
