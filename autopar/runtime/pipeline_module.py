@@ -80,10 +80,9 @@ class PipelineModule(DistributedModule):
         one, so that the two directions between two ranks never share a connection. On one gloo
         pair, transfers that cross (1F1B's steady state: a stage's activations out while its
         next stage's gradients come back; the tied gradients' exchange) wait on each other:
-        on 2 processes, 24 KB each way at once after 5 ms of compute took 2.7 ms (median of
-        60), the send call itself up to 6.7 ms, against 0.2 ms one way; over the two groups,
-        0.2 ms each way (benchmarks/gloo_crossing.py; BENCHMARKS.md). NCCL's transfers each way do not
-        queue so: one group."""
+        on 2 processes, 24 KB each way at once after 5 ms of compute took 2.69 ms (median of
+        60; the send call itself up to 7 ms) on one group and 0.29 ms over the two, as long as
+        one way (benchmarks/gloo_crossing.py; BENCHMARKS.md). NCCL keeps one group."""
         return self._pp_group if src < dst else self._pp_down
 
     def _tag(self, kind: int, stage: int, mb: int, j: int) -> int:
