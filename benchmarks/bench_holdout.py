@@ -119,9 +119,9 @@ def predictions(models, plan_list, cluster, per_model=None) -> dict:
         model, c = build(spec)
         x, _ = gpt_batch(c, batch)
         profiles = Profiles(model, (x,))
-        c = (per_model or {}).get(key, cluster)
+        on = (per_model or {}).get(key, cluster)
         for name, axes, kw in plan_list:
-            out[(key, name)] = evaluate_plan(profiles, axes, autopar.Plan(**kw), c, batch)
+            out[(key, name)] = evaluate_plan(profiles, axes, autopar.Plan(**kw), on, batch)
     return out
 
 
@@ -216,10 +216,9 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
         if contention_seconds > 0:
             for i, m in enumerate(measured[world]):
                 c = clusters[i] if recalibrate else clusters[0]
-                per_model = {key: with_contention(c, world, live_slowdown([r[("contention", key)] for r in m]))
-                             for key, _, _ in models}
-                live.append((predictions(models, plan_list, c, per_model),
-                             {key: dict(per_model[key].contention)[world] for key in per_model}))
+                read = {key: live_slowdown([r[("contention", key)] for r in m]) for key, _, _ in models}
+                per_model = {key: with_contention(c, world, x) for key, x in read.items()}
+                live.append((predictions(models, plan_list, c, per_model), read))
         per_rank = measured[world][0]
         trials = recalibrate and passes > 1
         print(f"\n## hold-out grid: world {world}, global batch {BATCH}, {len(models)} models x {len(plan_list)} "
@@ -273,10 +272,15 @@ def grid(worlds, steps: int, cluster, only=None, block: int = 4, alone: bool = T
 OTHER = {"mean": "median", "median": "mean"}
 
 
+def _errors(rows, field: str) -> tuple:
+    """(|ratio - 1| of each row, the row furthest off) by the rows' ``field`` ratio."""
+    st = [abs(r[field] - 1) for r in rows]
+    return st, rows[st.index(max(st))]
+
+
 def other_summary(rows, label: str, statistic: str) -> None:
     """The step time's error had each pass's step been the slowest rank's ``statistic`` instead."""
-    st = [abs(r["ratio_other"] - 1) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["ratio_other"] - 1))
+    st, worst = _errors(rows, "ratio_other")
     print(f"  {label} by the slowest rank's {statistic} step instead: step time |pred/meas - 1| mean "
           f"{statistics.mean(st):.1%}, worst {max(st):.1%} ({worst['model']}, {worst['plan']}, world {worst['world']}), "
           f"{sum(x <= 0.25 for x in st)} within 25%; measured {statistic} / measured by the grid's statistic: "
@@ -288,8 +292,7 @@ def live_summary(rows, label: str) -> None:
     before their model's plans (``grid``'s ``contention_seconds``); nothing without it."""
     if not rows or "ratio_live" not in rows[0]:
         return
-    st = [abs(r["ratio_live"] - 1) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["ratio_live"] - 1))
+    st, worst = _errors(rows, "ratio_live")
     read = [x for r in rows for x in r["contention_live"]]
     by_plan: dict = {}
     for r in rows:
@@ -301,9 +304,8 @@ def live_summary(rows, label: str) -> None:
 
 
 def summary(rows, label: str) -> None:
-    st = [abs(r["ratio"] - 1) for r in rows]
+    st, worst = _errors(rows, "ratio")
     mem = [abs(r["peak_pred"] / r["peak"] - 1) for r in rows]
-    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     worst_m = max(rows, key=lambda r: abs(r["peak_pred"] / r["peak"] - 1))
     print(f"{label}: {len(rows)} rows; step time |pred/meas - 1| mean {statistics.mean(st):.1%}, worst {max(st):.1%} "
           f"({worst['model']}, {worst['plan']}, world {worst['world']}), {sum(x <= 0.25 for x in st)} within 25%; "
