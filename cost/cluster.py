@@ -124,6 +124,8 @@ class Device:
     split_pass_overhead: float = 0.0   # host seconds a zero-bubble schedule's separate weight-gradient (W)
     #                            action adds per micro-batch and stage, beyond its matmuls (local CPU)
     split_op_overhead: float = 0.0     # the same, per forward op of the stage (local CPU; GPU presets: 0)
+    split_forward_share: float = 0.0   # the part of that growth the F actions take (the autograd function
+    #                            that defers a matmul's weight gradient is called in the forward; local CPU)
     sync_overhead: tuple = ()  # ((dp mode, seconds), ...): host work of the data-parallel runtime per
     #                            parameter tensor and step under each mode (bucket flattening, ZeRO's
     #                            chunks and replicas, ZeRO-3's gathers and hooks; measured on the local
@@ -317,6 +319,8 @@ def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tu
         ("device.message_overhead", _NO_HOST),
         ("device.split_pass_overhead", _NO_HOST),
         ("device.split_op_overhead", _NO_HOST),
+        ("device.split_forward_share", "0 on GPU presets: the share of split_pass_overhead and split_op_overhead, "
+                                       "which are 0 there (the host runs ahead)"),
         ("device.collective_overhead", _NO_HOST),
         ("device.sync_overhead", "none on GPU presets: the data-parallel runtime's host work per tensor hides "
                                  "under kernels as the host runs ahead; measured only on the local preset"),

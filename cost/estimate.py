@@ -555,10 +555,15 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
               for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
         if plan.split_backward:     # splitting W out of backward costs host work of its own (measured on
-            #                         the local preset: per W action, and per forward op of the stage)
+            #                         the local preset: per W action, and per forward op of the stage), part of
+            #                         it in the forward (each deferring matmul's autograd function), the rest in
+            #                         B and W
             split = [(dev.split_pass_overhead + dev.split_op_overhead * sum(g.ops for g in stage_groups[s])) * cslow
                      for s in range(S)]
-            Bs, Ws = [b + x for b, x in zip(Bs, split)], [w + x for w, x in zip(Ws, split)]
+            ahead = [x * dev.split_forward_share for x in split]
+            Fs = [f + x for f, x in zip(Fs, ahead)]
+            Bs = [b + x - y for b, x, y in zip(Bs, split, ahead)]
+            Ws = [w + x - y for w, x, y in zip(Ws, split, ahead)]
         if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]

@@ -359,6 +359,35 @@ def test_collective_overhead_is_charged_once_per_runtime_tp_collective(sp_on):
     assert added[3] - added[2] == pytest.approx(per_layer * 1e-3, rel=1e-6)
 
 
+
+def test_the_split_backwards_host_work_goes_to_the_forward_by_its_measured_share():
+    """Splitting W out of the backward costs host work per stage (``split_pass_overhead`` +
+    ``split_op_overhead`` x the stage's ops); ``split_forward_share`` of it lands in every F
+    action (each deferring matmul's autograd function runs in the forward), the rest in B + W.
+    The replayed actions, a share of 0 against 0.4: F grows by 0.4 of the split's work, B + W
+    shrink by as much, per micro-batch and stage, and a 1F1B plan does not move."""
+    cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
+    x, _ = gpt_batch(cfg, 8)
+    prof = Profiles(TinyGPT(cfg), (x,))
+    base = get_cluster("dgx-a100-80gb")
+    per_stage = 1e-3
+
+    def actions(schedule, share):
+        c = base.with_(device=dataclasses.replace(base.device, split_pass_overhead=per_stage, split_op_overhead=0.0,
+                                                  split_forward_share=share))
+        e = evaluate_plan(prof, {"pp": 2}, autopar.Plan(pp_schedule=schedule, microbatches=4), c, 8)
+        took = {}
+        for r, lane, name, t0, t1 in e.timeline:
+            if lane == "compute" and name[-2:-1] in "FBW" and name[:-2].isdigit():
+                took[name[-2]] = took.get(name[-2], 0.0) + t1 - t0
+        return took, e.step_time_s
+
+    (none, _), (some, _) = actions("zero_bubble", 0.0), actions("zero_bubble", 0.4)
+    moved = 0.4 * per_stage * 2 * 4        # 2 stages, 4 micro-batches
+    assert some["F"] - none["F"] == pytest.approx(moved, rel=1e-6)
+    assert (none["B"] + none["W"]) - (some["B"] + some["W"]) == pytest.approx(moved, rel=1e-6)
+    assert actions("1f1b", 0.0)[1] == actions("1f1b", 0.4)[1]
+
 _ESTIMATE_IN_A_PROCESS = """
 import dataclasses
 import autopar

@@ -527,9 +527,9 @@ def _measure_step_overhead() -> float:
 
 def _measure_op_overhead(ranks: _Ranks) -> tuple:
     """(seconds per forward op, seconds per stage pass, backward's per-op time over the forward's,
-    backward's share of the pass, seconds per message, and a zero-bubble W action's seconds per
-    pass and per op) of framework time as autopar's compiled modules run
-    them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
+    backward's share of the pass, seconds per message, a zero-bubble W action's seconds per
+    pass and per op, and the part of those the F actions take) of framework time as autopar's
+    compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
     and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
     processes. The thread CPU time of each rank's forward actions, against the ops the cost
     model's profile counts in its stage, is fitted as pass + ops x per-op, and its backward
@@ -540,23 +540,27 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     machine falls back to pass + 3 x ops x per-op over F + B, split as the arithmetic is.) A send
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
-    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs. These four
+    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs, and the F
+    actions' part of that growth its forward share (each matmul whose weight gradient W defers
+    runs through an autograd function of its own in the forward too). These four
     pipelines and the ``_HOP_PIPELINES`` are stepped in turn in one job (``_op_overhead_probe``).
     Last, per hop pipeline, what its replay needs (``_fit_runtime_hop``): each stage's median F,
     B and W action and message CPU times, and the step's schedule as the slowest rank timed it;
     and per 1F1B hop or ``_TAIL_PIPELINES`` pipeline what ``_fit_tail`` fits (``_tails``)."""
-    points, forward, backward, messages, split = [], [], [], [], []
+    points, forward, backward, messages, split, split_forward = [], [], [], [], [], []
     pipelines = _OP_PIPELINES + _HOP_PIPELINES + _TAIL_PIPELINES
     per_rank = ranks(_op_overhead_probe, 2, pipelines, timeout=240)     # a list per rank
     for per_pipeline in per_rank:
         got = dict(zip(pipelines, per_pipeline))
         for layers in (2, 10):
-            (fb, ops, msg, kinds, *_), (fbw, *_) = got[(layers, "1f1b", 8)], got[(layers, "zero_bubble", 8)]
+            (fb, ops, msg, kinds, *_), (fbw, _, _, zb_kinds, *_) = got[(layers, "1f1b", 8)], \
+                got[(layers, "zero_bubble", 8)]
             points.append((3 * ops, fb))
             forward.append((ops, kinds["F"]))
             backward.append((ops, kinds["B"]))
             messages.append(msg)
             split.append((ops, fbw - fb))
+            split_forward.append(zb_kinds["F"] - kinds["F"])
     replays = _replays(pipelines, per_rank)
     (op_f, pass_f), (op_b, pass_b) = _fit_line(forward), _fit_line(backward)
     if op_f > 0 and op_b > 0 and pass_f >= 0 and pass_b >= 0 and pass_f + pass_b > 0:
@@ -569,8 +573,10 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     split_op, split_pass = _fit_line(split)
     if split_op <= 0:
         split_op, split_pass = max(0.0, sum(y for _, y in split) / sum(x for x, _ in split)), 0.0
+    grown = sum(y for _, y in split)
+    split_share = min(1.0, max(0.0, sum(split_forward) / grown)) if grown > 0 else 0.0
     return (per_op, max(per_pass, 0.0), ratio, share, statistics.median(messages), max(split_pass, 0.0), split_op,
-            replays, _tails(pipelines, per_rank))
+            split_share, replays, _tails(pipelines, per_rank))
 
 
 def _tails(pipelines: tuple, per_rank: list) -> list:
@@ -1015,7 +1021,7 @@ def _measure_local() -> Cluster:
         attention, attention_overhead = _measure_attention(flops)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
-        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, replays, tails = \
+        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
             _measure_op_overhead(ranks)
         sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead * (1 + ratio))
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
@@ -1071,7 +1077,8 @@ def _measure_local() -> Cluster:
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
         f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + ops x op: "
-        f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per op",
+        f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per op; split_forward_share: the F "
+        f"actions' growth over that, summed over the pipelines' ranks: {split_share:.2f}",
         f"sync_overhead: thread CPU time of training steps of a synthetic stack (blocks of 2 x (LayerNorm, "
         f"Linear d->2d, GeLU, Linear 2d->d), {_TENSORS_PER_BLOCK} tensors a block, d={_SYNC_DIM}) of "
         f"{' and '.join(map(str, _SYNC_BLOCKS))} blocks compiled on dp={_GLOO_WORLD} under each mode, "
@@ -1120,7 +1127,7 @@ def _measure_local() -> Cluster:
                     attention_efficiency=attention, attention_overhead=attention_overhead,
                     pass_overhead=pass_overhead, backward_op_ratio=ratio, backward_pass_share=share,
                     message_overhead=message_overhead, sync_overhead=sync,
-                    split_pass_overhead=split_pass, split_op_overhead=split_op,
+                    split_pass_overhead=split_pass, split_op_overhead=split_op, split_forward_share=split_share,
                     collective_overhead=collective_overhead)
     # the reference workload timed at the start and at the end, each part's mean (cost.drift)
     last_print = dict(fingerprint())
