@@ -529,8 +529,8 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     """(seconds per forward op, seconds per stage pass, backward's per-op time over the forward's,
     backward's share of the pass, seconds per message, a zero-bubble W action's seconds per
     pass and per op, and the part of those the F actions take) of framework time as autopar's
-    compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8, 2 x 8 tokens) of 2
-    and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
+    compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8,
+    2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
     processes. The thread CPU time of each rank's forward actions, against the ops the cost
     model's profile counts in its stage, is fitted as pass + ops x per-op, and its backward
     actions' likewise: the per-op slopes are the dispatch (the FX module's Python and the aten
