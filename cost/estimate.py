@@ -560,10 +560,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             #                         B and W
             split = [(dev.split_pass_overhead + dev.split_op_overhead * sum(g.ops for g in stage_groups[s])) * cslow
                      for s in range(S)]
-            ahead = [x * dev.split_forward_share for x in split]
-            Fs = [f + x for f, x in zip(Fs, ahead)]
-            Bs = [b + x - y for b, x, y in zip(Bs, split, ahead)]
-            Ws = [w + x - y for w, x, y in zip(Ws, split, ahead)]
+            share = dev.split_forward_share
+            Fs = [f + x * share for f, x in zip(Fs, split)]
+            Bs, Ws = [b + x * (1 - share) for b, x in zip(Bs, split)], [w + x * (1 - share) for w, x in zip(Ws, split)]
         if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]

@@ -359,7 +359,6 @@ def test_collective_overhead_is_charged_once_per_runtime_tp_collective(sp_on):
     assert added[3] - added[2] == pytest.approx(per_layer * 1e-3, rel=1e-6)
 
 
-
 def test_the_split_backwards_host_work_goes_to_the_forward_by_its_measured_share():
     """Splitting W out of the backward costs host work per stage (``split_pass_overhead`` +
     ``split_op_overhead`` x the stage's ops); ``split_forward_share`` of it lands in every F
@@ -387,6 +386,7 @@ def test_the_split_backwards_host_work_goes_to_the_forward_by_its_measured_share
     assert some["F"] - none["F"] == pytest.approx(moved, rel=1e-6)
     assert (none["B"] + none["W"]) - (some["B"] + some["W"]) == pytest.approx(moved, rel=1e-6)
     assert actions("1f1b", 0.0)[1] == actions("1f1b", 0.4)[1]
+
 
 _ESTIMATE_IN_A_PROCESS = """
 import dataclasses
