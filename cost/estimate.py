@@ -458,7 +458,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         shapes = {name: prof.shapes[name] for name in names}
         psi = sum(math.prod(shp) for shp in shapes.values())
         pad = padded_sum(shapes, n)
-        read = padded_sum({x: shapes[x] for x in set().union(*(g.read_by_backward for g in gs))}, n)
+        units = _zero3_units(gs, shapes, n, pbytes, plan.bucket_bytes) if mode == "zero3" else []
+        read = sum(u.elements for u in units if u.backward is not None)     # backward re-gathers whole units
         if mode == "ddp":
             by = {"backward all_reduce": ring_bytes("all_reduce", psi * pbytes, n)}
         elif mode in ("zero1", "zero2"):
@@ -475,15 +476,14 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         if plan.offload == "optimizer":
             off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes))
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
-        fwd_g = [collective_time("all_gather", padded_sum(g.params, n) * pbytes, n, link_dp, after=f)
-                 for g, f in zip(gs, f_stage[s])]
-        bwd_g = [collective_time("all_gather", padded_sum({x: g.params[x] for x in g.read_by_backward
-                                                           if x in g.params}, n) * pbytes, n, link_dp, after=2 * f)
-                 for g, f in zip(gs, f_stage[s])]
-        red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
-                            lead=0.0 if mode == "zero3" else sum(f_stage[s]) * m)
-        dp_fwd_gather.append(fwd_g if mode == "zero3" else [0.0] * len(gs))
-        dp_bwd_gather.append(bwd_g if mode == "zero3" else [0.0] * len(gs))
+        if mode == "zero3":
+            fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m)
+        else:
+            fwd_g, bwd_g = [0.0] * len(gs), [0.0] * len(gs)
+            red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
+                                lead=sum(f_stage[s]) * m)
+        dp_fwd_gather.append(fwd_g)
+        dp_bwd_gather.append(bwd_g)
         dp_bwd_reduce.append(red)
         # ZeRO-1/2's replica gathers after the step, a bucket at a time (bytes, timed below)
         dp_tail_buckets.append([sum(padded_numel(shapes[x], n) for x in b) * pbytes
@@ -777,17 +777,62 @@ def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> l
     return [list(reversed(u)) for u in reversed(units)]
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One of ZeRO-3's gather units (``_zero3_units``): its padded ``elements``, and the group
+    indices where the runtime moves it: ``forward``, its gather before the first group that
+    reads a member; ``backward``, its re-gather before the last group whose backward reads a
+    member (None: backward reads none); ``reduce``, its gradients' reduce-scatter after the
+    first group that reads a member (backward runs in reverse: that member's gradient is the
+    unit's last)."""
+    names: tuple
+    elements: int
+    forward: int
+    backward: Optional[int]
+    reduce: int
+
+
+def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[Unit]:
+    """A stage's ZeRO-3 units as the collectives pass makes them (``_unit_buckets``: one per
+    numbered layer, the other parameters one root unit, each cut at ``bucket_bytes``), in order
+    of first use, each placed on the groups whose work moves it. The root unit (embeddings,
+    final norm, head) is gathered once in forward, before the embedding, and once in backward,
+    before the head, and reduced once, after the embedding's backward: one collective each,
+    not one per group."""
+    out = []
+    for members in reversed(_unit_buckets(gs, shapes, n, nbytes, bucket_bytes)):
+        u = set(members)
+        readers = [i for i, g in enumerate(gs) if (g.reads | g.params.keys()) & u] or [0]
+        back = [i for i, g in enumerate(gs) if g.read_by_backward & u]
+        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), min(readers),
+                        max(back) if back else None, min(readers)))
+    return out
+
+
+def _unit_times(units: list[Unit], groups: int, n: int, pbytes: int, link, forward: list, m: int) -> tuple:
+    """(forward gathers, backward gathers, reduce-scatters): seconds per group of a stage's
+    ZeRO-3 ``units`` (``_zero3_units``), each collective after the compute of the group it
+    precedes or follows (``forward``: each group's forward compute; backward twice it, over
+    ``m`` micro-batches for the reductions, which a pipeline defers to its flush), shared among
+    the units that group moves."""
+    out = {"forward": [0.0] * groups, "backward": [0.0] * groups, "reduce": [0.0] * groups}
+    for lane, kind, scale in (("forward", "all_gather", 1), ("backward", "all_gather", 2),
+                              ("reduce", "reduce_scatter", 2 * m)):
+        at = [getattr(u, lane) for u in units]
+        for u, i in zip(units, at):
+            if i is not None:
+                out[lane][i] += collective_time(kind, u.elements * pbytes, n, link, after=scale * forward[i] / at.count(i))
+    return out["forward"], out["backward"], out["reduce"]
+
+
 def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -> list:
-    """Seconds of the gradient reductions each group's backward completes: ZeRO-3 reduces each
-    layer's unit; the other modes the buckets of ``_grad_buckets`` (ddp unpadded), each once its
+    """Seconds of the gradient reductions each group's backward completes (ZeRO-3's:
+    ``_unit_times``): the buckets of ``_grad_buckets`` (ddp unpadded), each once its
     last gradient is ready. ``backward``: each group's backward compute; ``lead``: the compute
     before backward since the ranks last synchronised (what the first reduction follows)."""
     out = [0.0] * len(gs)
     if n <= 1:
         return out
-    if mode == "zero3":
-        return [collective_time("reduce_scatter", padded_sum(g.params, n) * pbytes, n, link, after=b)
-                for g, b in zip(gs, backward)]
     kind, shard = ("all_reduce", 1) if mode == "ddp" else ("reduce_scatter", n)
     shapes = {x: shp for g in gs for x, shp in g.params.items()}
     group_of = {x: i for i, g in enumerate(gs) for x in g.params}
@@ -806,11 +851,10 @@ def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -
 
 def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_bytes: int) -> list:
     """(group completing it, this rank's elements) of each gradient bucket in launch order, for
-    the host link's copies: ZeRO-3 a unit per layer group (as ``_bucket_times``), the others
+    the host link's copies: ZeRO-3 its units, last first (``_zero3_units``), the others
     ``_grad_buckets`` (ZeRO: each member's padded share; a parameter of no group: group 0)."""
     if mode == "zero3":
-        return [(i, padded_sum({x: shapes[x] for x in gs[i].params if x in shapes}, n) / n)
-                for i in reversed(range(len(gs)))]
+        return [(u.reduce, u.elements / n) for u in reversed(_zero3_units(gs, shapes, n, nbytes, bucket_bytes))]
     share = 1 if mode == "ddp" else n
     group_of = {x: i for i, g in enumerate(gs) for x in g.params}
     return [(min(group_of.get(x, 0) for x in b), sum(padded_numel(shapes[x], share) for x in b) / share)

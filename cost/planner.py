@@ -210,17 +210,19 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         parts = replica_gathers([first, rest] if k else [first], n, ldp, c, opt / slow, slow)
         tail = parts[0] + k * (parts[1] if k else 0.0)
     if S == 1:
-        if mode == "zero3":
-            fwd = collective_time("all_gather", (pre_pad + post_pad) * pb, n, ldp) + \
-                Fp + Fo + ch.L * max(Fl, unit_g)
+        if mode == "zero3":    # the root unit (embeddings, final norm, head; a tied table once) is
+            #                    gathered before the embedding and again before the head's backward
+            root_g = collective_time("all_gather", ends[0][1] * pb, n, ldp)
+            fwd = root_g + Fp + Fo + ch.L * max(Fl, unit_g)
             red_l = collective_time("reduce_scatter", lay_pad * gbytes, n, ldp)   # shares the stream
-            bwd = Bp + Bo + ch.L * max(Bl, unit_gb + red_l)
+            bwd = root_g + Bp + Bo + ch.L * max(Bl, unit_gb + red_l)
         else:
             fwd, bwd = Fp + ch.L * Fl + Fo, Bp + ch.L * Bl + Bo
         if mode == "zero1":
             red = collective_time("reduce_scatter", pad * gbytes, n, ldp)
-        else:   # the last bucket (the embeddings) is reduced after backward
-            red = collective_time(red_kind, (pre_pad if mode != "ddp" else pre_psi) * gbytes, n, ldp)
+        else:   # the last bucket (the embeddings; ZeRO-3: the root unit) is reduced after backward
+            last = ends[0][1] if mode == "zero3" else pre_pad if mode != "ddp" else pre_psi
+            red = collective_time(red_kind, last * gbytes, n, ldp)
         step = fwd + bwd + red + opt + tail + c.device.pass_overhead * slow
     else:
         hop = pipeline_hop_time(layer.out_bytes, lpp, schedule=plan.pp_schedule) + \

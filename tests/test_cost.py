@@ -306,7 +306,7 @@ def test_overlap_loss_moves_the_step_from_overlapped_to_the_compute_plus_the_bus
     x, _ = gpt_batch(cfg, 8)
     prof = Profiles(TinyGPT(cfg), (x,))
     base = get_cluster("dgx-a100-80gb")
-    slow = dataclasses.replace(base.intra, bandwidth=1e8)     # collectives long enough to hide
+    slow = dataclasses.replace(base.intra, bandwidth=5e7)     # collectives long enough to hide, and to overlap one another
     base = base.with_(device=dataclasses.replace(base.device, op_overhead=5e-6))     # compute to hide them behind
 
     def est(loss, **kw):
@@ -332,6 +332,36 @@ def test_overlap_loss_moves_the_step_from_overlapped_to_the_compute_plus_the_bus
             assert side_by_side and steps[1.0] < serial * 0.99
     with pytest.raises(ValueError, match="overlap_loss"):
         Link("gloo", 1e9, 1e-4, overlap_loss=1.5)
+
+
+@pytest.mark.parametrize("bucket_bytes", [25 << 20, 1 << 13])
+def test_zero3_is_predicted_with_the_collectives_its_compiled_program_issues(bucket_bytes):
+    """ZeRO-3's estimate issues the collectives of the compiled program's units (the
+    collectives pass's: one per layer, the embeddings, final norm and head one root unit, each
+    cut at ``bucket_bytes``): a gather per unit in forward, a re-gather per unit in backward, a
+    reduce-scatter per gradient bucket. The root unit's go once each, not once per group that
+    holds or reads it. On a link of latency alone every collective of a kind takes the same
+    time, so the timeline's time over one collective's is their count."""
+    cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
+    x, _ = gpt_batch(cfg, 8)
+    plan = autopar.Plan(dp="zero3", overlap=False, bucket_bytes=bucket_bytes)
+    dm = autopar.compile(TinyGPT(cfg), autopar.Mesh(dp=4, virtual=True), example_inputs=(x,), plan=plan)
+    units, buckets = dm.ctx.gather_units, dm.ctx.grad_buckets
+    assert (len(units) > 3) == (bucket_bytes < 1 << 20)      # the small bucket cuts the layers
+    link = Link("latency alone", 1e30, 1e-3)
+    c = get_cluster("dgx-a100-80gb").with_(intra=link, inter=link, mixed_precision=False)   # fp32, as compiled
+    e = evaluate_plan(Profiles(TinyGPT(cfg), (x,)), {"dp": 4}, plan, c, 8)
+
+    def count(kind, backward):
+        name = "reduce grads" if kind == "reduce_scatter" else "all_gather unit"
+        spent = sum(t1 - t0 for _, lane, label, t0, t1 in e.timeline
+                    if lane == "comm" and label.startswith(name) and label.endswith("(backward)") == backward)
+        return spent / collective_time(kind, 4096, 4, link)
+
+    assert count("all_gather", False) == pytest.approx(len(units))
+    assert count("reduce_scatter", False) == pytest.approx(len(buckets))
+    if len(units) == 3:     # every unit whole: backward reads each (a cut piece may hold biases alone)
+        assert count("all_gather", True) == pytest.approx(len(units))
 
 
 @pytest.mark.parametrize("sp_on", [False, True])
