@@ -799,13 +799,17 @@ def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> li
     final norm, head) is gathered once in forward, before the embedding, and once in backward,
     before the head, and reduced once, after the embedding's backward: one collective each,
     not one per group."""
+    readers, back_readers = {}, {}
+    for i, g in enumerate(gs):
+        for x in g.reads | g.params.keys():
+            readers.setdefault(x, []).append(i)
+        for x in g.read_by_backward:
+            back_readers.setdefault(x, []).append(i)
     out = []
     for members in reversed(_unit_buckets(gs, shapes, n, nbytes, bucket_bytes)):
-        u = set(members)
-        readers = [i for i, g in enumerate(gs) if (g.reads | g.params.keys()) & u] or [0]
-        back = [i for i, g in enumerate(gs) if g.read_by_backward & u]
-        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), min(readers),
-                        max(back) if back else None, min(readers)))
+        first = min((i for x in members for i in readers.get(x, ())), default=0)
+        back = max((i for x in members for i in back_readers.get(x, ())), default=None)
+        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), first, back, first))
     return out
 
 
