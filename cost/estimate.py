@@ -781,15 +781,13 @@ def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> l
 class Unit:
     """One of ZeRO-3's gather units (``_zero3_units``): its padded ``elements``, and the group
     indices where the runtime moves it: ``forward``, its gather before the first group that
-    reads a member; ``backward``, its re-gather before the last group whose backward reads a
-    member (None: backward reads none); ``reduce``, its gradients' reduce-scatter after the
-    first group that reads a member (backward runs in reverse: that member's gradient is the
-    unit's last)."""
+    reads a member, and its gradients' reduce-scatter after that group's backward (backward
+    runs in reverse: that member's gradient is the unit's last); ``backward``, its re-gather
+    before the last group whose backward reads a member (None: backward reads none)."""
     names: tuple
     elements: int
     forward: int
     backward: Optional[int]
-    reduce: int
 
 
 def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[Unit]:
@@ -809,7 +807,7 @@ def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> li
     for members in reversed(_unit_buckets(gs, shapes, n, nbytes, bucket_bytes)):
         first = min((i for x in members for i in readers.get(x, ())), default=0)
         back = max((i for x in members for i in back_readers.get(x, ())), default=None)
-        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), first, back, first))
+        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), first, back))
     return out
 
 
@@ -820,9 +818,9 @@ def _unit_times(units: list[Unit], groups: int, n: int, pbytes: int, link, forwa
     ``m`` micro-batches for the reductions, which a pipeline defers to its flush), shared among
     the units that group moves."""
     out = {"forward": [0.0] * groups, "backward": [0.0] * groups, "reduce": [0.0] * groups}
-    for lane, kind, scale in (("forward", "all_gather", 1), ("backward", "all_gather", 2),
-                              ("reduce", "reduce_scatter", 2 * m)):
-        at = [getattr(u, lane) for u in units]
+    for lane, place, kind, scale in (("forward", "forward", "all_gather", 1), ("backward", "backward", "all_gather", 2),
+                                     ("reduce", "forward", "reduce_scatter", 2 * m)):
+        at = [getattr(u, place) for u in units]
         for u, i in zip(units, at):
             if i is not None:
                 out[lane][i] += collective_time(kind, u.elements * pbytes, n, link, after=scale * forward[i] / at.count(i))
@@ -858,7 +856,7 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
     the host link's copies: ZeRO-3 its units, last first (``_zero3_units``), the others
     ``_grad_buckets`` (ZeRO: each member's padded share; a parameter of no group: group 0)."""
     if mode == "zero3":
-        return [(u.reduce, u.elements / n) for u in reversed(_zero3_units(gs, shapes, n, nbytes, bucket_bytes))]
+        return [(u.forward, u.elements / n) for u in reversed(_zero3_units(gs, shapes, n, nbytes, bucket_bytes))]
     share = 1 if mode == "ddp" else n
     group_of = {x: i for i, g in enumerate(gs) for x in g.params}
     return [(min(group_of.get(x, 0) for x in b), sum(padded_numel(shapes[x], share) for x in b) / share)
