@@ -474,7 +474,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         n_tensors.append(len(shapes))
         opt_elements.append(offload_elements(mode, psi, pad, n))     # the elements the optimizer steps
         if plan.offload == "optimizer":
-            off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes))
+            off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes, units))
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
         if mode == "zero3":
             fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m)
@@ -763,18 +763,23 @@ def _grad_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> l
             for b in cut_buckets([padded_numel(shapes[x], n) * nbytes for x in ready], bucket_bytes)]
 
 
-def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
-    """ZeRO-3's gradient buckets as the collectives pass makes them: its gather units (one per
-    numbered layer, the other parameters one root unit, each cut where it passes
-    ``bucket_bytes``), last unit first, each unit's members last first."""
+def _gather_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
+    """ZeRO-3's gather units as the collectives pass makes them (one per numbered layer, the
+    other parameters one root unit, each cut where it passes ``bucket_bytes``), in order of
+    first use."""
     order = _first_use(gs, shapes)
     by_key: dict = {}
     for x in order:
         by_key.setdefault(layer_key(x) or "", []).append(x)
     units = [u for members in by_key.values() for u in _cut_names(members, shapes, n, nbytes, bucket_bytes)]
     position = {x: i for i, x in enumerate(order)}
-    units.sort(key=lambda u: position[u[0]])
-    return [list(reversed(u)) for u in reversed(units)]
+    return sorted(units, key=lambda u: position[u[0]])
+
+
+def _unit_buckets(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[list[str]]:
+    """ZeRO-3's gradient buckets: its gather units (``_gather_units``), last unit first, each
+    unit's members last first."""
+    return [list(reversed(u)) for u in reversed(_gather_units(gs, shapes, n, nbytes, bucket_bytes))]
 
 
 @dataclass(frozen=True)
@@ -791,7 +796,7 @@ class Unit:
 
 
 def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> list[Unit]:
-    """A stage's ZeRO-3 units as the collectives pass makes them (``_unit_buckets``: one per
+    """A stage's ZeRO-3 units as the collectives pass makes them (``_gather_units``: one per
     numbered layer, the other parameters one root unit, each cut at ``bucket_bytes``), in order
     of first use, each placed on the groups whose work moves it. The root unit (embeddings,
     final norm, head) is gathered once in forward, before the embedding, and once in backward,
@@ -804,10 +809,10 @@ def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> li
         for x in g.read_by_backward:
             back_readers.setdefault(x, []).append(i)
     out = []
-    for members in reversed(_unit_buckets(gs, shapes, n, nbytes, bucket_bytes)):
+    for members in _gather_units(gs, shapes, n, nbytes, bucket_bytes):
         first = min((i for x in members for i in readers.get(x, ())), default=0)
         back = max((i for x in members for i in back_readers.get(x, ())), default=None)
-        out.append(Unit(tuple(reversed(members)), padded_sum({x: shapes[x] for x in members}, n), first, back))
+        out.append(Unit(tuple(members), padded_sum({x: shapes[x] for x in members}, n), first, back))
     return out
 
 
@@ -851,12 +856,12 @@ def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -
     return out
 
 
-def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_bytes: int) -> list:
+def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_bytes: int, units: list) -> list:
     """(group completing it, this rank's elements) of each gradient bucket in launch order, for
-    the host link's copies: ZeRO-3 its units, last first (``_zero3_units``), the others
+    the host link's copies: ZeRO-3 its ``units`` (``_zero3_units``), last first, the others
     ``_grad_buckets`` (ZeRO: each member's padded share; a parameter of no group: group 0)."""
     if mode == "zero3":
-        return [(u.forward, u.elements / n) for u in reversed(_zero3_units(gs, shapes, n, nbytes, bucket_bytes))]
+        return [(u.forward, u.elements / n) for u in reversed(units)]
     share = 1 if mode == "ddp" else n
     group_of = {x: i for i, g in enumerate(gs) for x in g.params}
     return [(min(group_of.get(x, 0) for x in b), sum(padded_numel(shapes[x], share) for x in b) / share)
