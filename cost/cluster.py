@@ -123,7 +123,8 @@ class Device:
     #                            (local CPU; GPU presets: 0, the copy engines move it)
     split_pass_overhead: float = 0.0   # host seconds a zero-bubble schedule's separate weight-gradient (W)
     #                            action adds per micro-batch and stage, beyond its matmuls (local CPU)
-    split_op_overhead: float = 0.0     # the same, per forward op of the stage (local CPU; GPU presets: 0)
+    split_op_overhead: float = 0.0     # the same, per matmul with a parameter weight in the stage (each
+    #                            one's weight gradient W defers; local CPU; GPU presets: 0)
     split_forward_share: float = 0.0   # the part of that growth the F actions take (the autograd function
     #                            that defers a matmul's weight gradient is called in the forward; local CPU)
     sync_overhead: tuple = ()  # ((dp mode, seconds), ...): host work of the data-parallel runtime per
@@ -133,6 +134,10 @@ class Device:
     collective_overhead: float = 0.0   # host seconds the runtime spends issuing and completing one
     #                            tensor-parallel collective beyond the wire (its autograd function,
     #                            staging copies, the flight recorder; local CPU; GPU presets: 0)
+    op_weights: tuple = ()     # ((op name, forward weight, backward weight), ...): an op's dispatch over
+    #                            the mean of the calibration probe's ops, forward and backward
+    #                            (``cost.compute.dispatch_ops``; local CPU, measured on tiny tensors;
+    #                            GPU presets: none, every op weighs 1 and op_overhead is 0)
 
     @property
     def attention_rate(self) -> float:
@@ -235,8 +240,8 @@ class Cluster:
     def from_dict(cls, d: dict) -> "Cluster":
         """Inverse of ``dataclasses.asdict`` (the cache's JSON form)."""
         d = dict(d)
-        d["device"] = Device(**{**d["device"], "sync_overhead": tuple(
-            tuple(x) for x in d["device"].get("sync_overhead", ()))})
+        d["device"] = Device(**{**d["device"], **{k: tuple(tuple(x) for x in d["device"].get(k, ()))
+                                                  for k in ("sync_overhead", "op_weights")}})
         for level in ("intra", "inter", "host", "shared"):
             if d.get(level):
                 link = dict(d[level])
@@ -322,6 +327,8 @@ def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tu
         ("device.split_forward_share", "0 on GPU presets: the share of split_pass_overhead and split_op_overhead, "
                                        "which are 0 there (the host runs ahead)"),
         ("device.collective_overhead", _NO_HOST),
+        ("device.op_weights", "none on GPU presets: every op weighs 1 and op_overhead, which they multiply, is 0 "
+                              "(the host runs ahead); measured only on the local preset"),
         ("device.sync_overhead", "none on GPU presets: the data-parallel runtime's host work per tensor hides "
                                  "under kernels as the host runs ahead; measured only on the local preset"),
     )

@@ -8,10 +8,21 @@ run one after another, not at once):
     + attention_flops / (peak · attention_efficiency) + slices · attention_overhead
     + pointwise_bytes / (bandwidth · memory_efficiency)
     + ops · op_overhead
+
+where ``ops`` counts each op by its weight (``dispatch_ops``): ops differ in framework time
+(a view is a fraction of a linear's, an attention call several linears'), so a measured
+table, ``Device.op_weights``, weighs each op name by its dispatch over the mean of the
+calibration probe's ops; an op the table lacks weighs 1 (every op on a preset without it).
 """
 from __future__ import annotations
 
-__all__ = ["compute_time", "group_time", "GROUP_TIME_FORMULA"]
+import functools
+
+from autopar.ops import VIEWS
+
+VIEW_OP, OTHER_OP = "<view>", "<op>"     # a weight table's entries for the ops it does not name
+
+__all__ = ["compute_time", "dispatch_ops", "group_time", "GROUP_TIME_FORMULA"]
 
 GROUP_TIME_FORMULA = ("dense/(peak*matmul_eff) + attention/(peak*attention_eff) + slices*attention_setup"
                       " + pointwise_bytes/(bandwidth*memory_eff) + ops*op_overhead")
@@ -25,10 +36,30 @@ def compute_time(flops: float, nbytes: float, c) -> float:
     return max(flops / (d.peak_flops * d.matmul_efficiency), nbytes / (d.mem_bandwidth * d.memory_efficiency))
 
 
+@functools.lru_cache(maxsize=64)
+def _weights(table: tuple) -> tuple:
+    """({op name: forward weight}, {op name: backward weight}) of a ``Device.op_weights`` table."""
+    return {n: f for n, f, _ in table}, {n: b for n, _, b in table}
+
+
+def dispatch_ops(g, d, backward: bool = False) -> float:
+    """Group ``g``'s ops (a ``cost.profile.GroupCost``) in units of ``Device.op_overhead`` on
+    device ``d``: each op of ``g.op_names`` weighed by ``d.op_weights`` (its forward weight, or
+    with ``backward`` its gradient's), an op the table lacks by the table's entry for its class
+    (``VIEW_OP`` for the ops of ``autopar.ops.VIEWS``, ``OTHER_OP`` for the rest) or else 1; a
+    group without names (built by hand) counts ``g.ops``."""
+    if not d.op_weights or not g.op_names:
+        return float(g.ops)
+    w = _weights(d.op_weights)[1 if backward else 0]
+    view, other = w.get(VIEW_OP, 1.0), w.get(OTHER_OP, 1.0)
+    return sum(n * w.get(name, view if name in VIEWS else other) for name, n in g.op_names.items())
+
+
 def group_time(g, c, k: float = 1.0) -> float:
     """Seconds of one group's forward (a ``cost.profile.GroupCost``) at ``k`` times its profiled
     rows on one device of cluster ``c`` (the module docstring's sum)."""
     d = c.device
     return (g.dense_flops * k / (d.peak_flops * d.matmul_efficiency)
             + g.attention_flops * k / d.attention_rate + g.attention_heads * k * d.attention_overhead
-            + g.pointwise_bytes * k / (d.mem_bandwidth * d.memory_efficiency) + g.ops * d.op_overhead)
+            + g.pointwise_bytes * k / (d.mem_bandwidth * d.memory_efficiency)
+            + dispatch_ops(g, d) * d.op_overhead)

@@ -56,7 +56,7 @@ from autopar.trace import ChromeTrace
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
-from .compute import GROUP_TIME_FORMULA, compute_time, group_time
+from .compute import GROUP_TIME_FORMULA, compute_time, dispatch_ops, group_time
 from .formulas import dp_comm_elements, tp_layer_comm_elements
 from .lm_head import head_policy
 from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
@@ -253,7 +253,8 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
     the group's compute spread over its collectives."""
     f = group_time(g, c)
     fc = f * slow
-    ops = g.ops * c.device.op_overhead * slow      # the forward's dispatch; backward's is backward_op_ratio x
+    ops = dispatch_ops(g, c.device) * c.device.op_overhead * slow      # the forward's dispatch
+    ops_b = dispatch_ops(g, c.device, backward=True) * c.device.op_overhead * slow   # backward's: x backward_op_ratio
     host = c.device.collective_overhead * slow if t > 1 else 0.0    # the runtime's work per collective
     tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward))) + host * len(g.tp_forward)
     tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward))) + host * len(g.tp_backward)
@@ -263,7 +264,7 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
             redo = fc + tpf
         elif recompute == "selective":
             redo = g.attention_flops / c.device.attention_rate * slow
-    return (fc + tpf, 2 * (fc - ops) + c.device.backward_op_ratio * ops + tpb + redo,
+    return (fc + tpf, 2 * (fc - ops) + c.device.backward_op_ratio * ops_b + tpb + redo,
             compute_time(g.matmul_flops, 0.0, c) * slow, f, tpf, tpb)
 
 
@@ -555,10 +556,11 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
               for s in range(S)]
         Ws = [stage_sum(W, s) for s in range(S)]
         if plan.split_backward:     # splitting W out of backward costs host work of its own (measured on
-            #                         the local preset: per W action, and per forward op of the stage), part of
-            #                         it in the forward (each deferring matmul's autograd function), the rest in
-            #                         B and W
-            split = [(dev.split_pass_overhead + dev.split_op_overhead * sum(g.ops for g in stage_groups[s])) * cslow
+            #                         the local preset: per W action, and per matmul whose weight gradient W
+            #                         defers), part of it in the forward (each deferring matmul's autograd
+            #                         function), the rest in B and W
+            split = [(dev.split_pass_overhead + dev.split_op_overhead * sum(g.weight_matmuls for g in stage_groups[s]))
+                     * cslow
                      for s in range(S)]
             share = dev.split_forward_share
             Fs = [f + x * share for f, x in zip(Fs, split)]
@@ -655,7 +657,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
     formulas.append(("forward compute / layer / micro-batch",
                      GROUP_TIME_FORMULA + (" (x slowdown of ranks sharing cores)" if slow > 1 else ""),
                      f"{lay.dense_flops:,.0f} FLOP, {lay.attention_flops:,.0f} FLOP, {lay.attention_heads:,.0f} "
-                     f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops -> {group_time(lay, c) * 1e3:.4g} ms"
+                     f"slices, {lay.pointwise_bytes:,.0f} B, {lay.ops} ops"
+                     + (f" (weighing {dispatch_ops(lay, c.device):.1f} by their measured dispatch)"
+                        if c.device.op_weights else "")
+                     + f" -> {group_time(lay, c) * 1e3:.4g} ms"
                      + (f" x {slow:.2f}" if slow > 1 else "")))
     formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'}"
                      f"{', optimizer state on the host' if plan.offload else ''})",

@@ -31,7 +31,7 @@ from autopar.sizes import FIRST_BUCKET_BYTES, batch_split_error, chunk, inflight
 
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
-from .compute import group_time
+from .compute import dispatch_ops, group_time
 from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
                        optimizer_time, padded_sum, replica_gathers, saved_bytes, schedule_tail_time, sync_time,
                        tied_exchange_time)
@@ -141,6 +141,9 @@ def _average(layers: list) -> GroupCost:
               "attention_flops", "out_bytes", "max_value", "final_bytes", "dense_flops", "pointwise_bytes", "attention_heads"):
         setattr(g, f, sum(getattr(x, f) for x in layers) / n)
     g.ops = round(sum(x.ops for x in layers) / n)
+    g.op_names = {name: sum(x.op_names.get(name, 0) for x in layers) / n
+                  for name in dict.fromkeys(k for x in layers for k in x.op_names)}
+    g.weight_matmuls = round(sum(x.weight_matmuls for x in layers) / n)
     g.tp_forward, g.tp_backward = list(layers[0].tp_forward), list(layers[0].tp_backward)
     g.params, g.read_by_backward = dict(layers[0].params), set(layers[0].read_by_backward)
     return g
@@ -484,6 +487,6 @@ def _bound(ch: _Chain, axes: dict, rc: str, c, gb: int) -> float:
     slow = _oversubscription(c, _clean_axes(axes))
     total = 0.0
     for g, mult, is_layer in ((ch.pre, 1, False), (ch.layer, ch.L, True), (ch.post, 1, False)):
-        fc = (group_time(g, c, k) - g.ops * c.device.op_overhead) * slow
+        fc = (group_time(g, c, k) - dispatch_ops(g, c.device) * c.device.op_overhead) * slow
         total += mult * (3 * fc + (fc if is_layer and rc == "full" else 0.0))
     return total / p

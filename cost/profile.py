@@ -93,6 +93,9 @@ class GroupCost:
     w_stash: float = 0.0               # bytes a split backward keeps from B to W: each weight matmul's
                                        # input and output gradient (runtime.wgrad)
     ops: int = 0                       # ops the forward dispatches (views included: each costs a dispatch)
+    op_names: dict = field(default_factory=dict)   # op name -> how many of ``ops`` it is (each op's dispatch is
+                                       # weighed by ``Device.op_weights``: ``cost.compute.dispatch_ops``)
+    weight_matmuls: int = 0            # matmuls with a parameter weight (each a W a zero-bubble schedule defers)
     signature: tuple = ()
 
     def scaled(self, k: float) -> "GroupCost":
@@ -413,12 +416,14 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         split = _split_factor(node, mesh)
         flops = node_flops(node) / split
         g.ops += 1
+        g.op_names[_op(node)] = g.op_names.get(_op(node), 0) + 1
         if _op(node) not in VIEWS:
             g.max_value = max(g.max_value, _nbytes(node, mesh))
         g.flops += flops
         name = _op(node)
         if name in MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
+            g.weight_matmuls += 1
             g.w_stash += _nbytes(node, mesh)          # its output's gradient, kept for W
             for a in node.all_input_nodes:            # and its input (once per tensor)
                 r = _root(a, plan.sp)

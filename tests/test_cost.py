@@ -76,6 +76,60 @@ def test_backward_is_twice_the_arithmetic_and_the_measured_ratio_of_the_dispatch
     assert b == pytest.approx(2 * f)
 
 
+def test_ops_are_weighed_by_their_measured_dispatch():
+    """With ``Device.op_weights``, a group's dispatch is each op's count times its weight (its
+    forward weight in forward, its gradient's in backward), an op the table lacks at its
+    class's entry (views at ``<view>``, others at ``<op>``), and the rest of the roofline
+    unchanged; without a table every op weighs 1. Written out here from the group's op names."""
+    from autopar.cost.compute import dispatch_ops
+    from autopar.cost.estimate import group_passes
+    from autopar.ops import VIEWS
+    cfg = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=2)
+    x, _ = gpt_batch(cfg, 8)
+    g = next(g for g in Profiles(TinyGPT(cfg), (x,)).base.groups if g.name == "blocks.0")
+    assert sum(g.op_names.values()) == g.ops and g.op_names["linear"] == 4 and g.weight_matmuls == 4
+    table = (("linear", 2.0, 3.0), ("transpose", 0.25, 0.5), ("<view>", 0.5, 0.75), ("<op>", 1.5, 1.25))
+    fw = {"linear": 2.0, "transpose": 0.25}
+    bw = {"linear": 3.0, "transpose": 0.5}
+
+    def by_hand(w, view, other):
+        return sum(k * w.get(n, view if n in VIEWS else other) for n, k in g.op_names.items())
+
+    base = get_cluster("dgx-a100-80gb")
+    plain = base.with_(device=dataclasses.replace(base.device, op_overhead=5e-6, backward_op_ratio=1.2))
+    weighed = plain.with_(device=dataclasses.replace(plain.device, op_weights=table))
+    assert dispatch_ops(g, plain.device) == g.ops
+    assert dispatch_ops(g, weighed.device) == pytest.approx(by_hand(fw, 0.5, 1.5))
+    assert dispatch_ops(g, weighed.device, backward=True) == pytest.approx(by_hand(bw, 0.75, 1.25))
+    arithmetic = group_time(g, plain) - g.ops * 5e-6
+    assert group_time(g, weighed) == pytest.approx(arithmetic + by_hand(fw, 0.5, 1.5) * 5e-6)
+    f, b = group_passes(g, weighed, 1, weighed.intra, "none", 1.0)[:2]
+    assert f == pytest.approx(arithmetic + by_hand(fw, 0.5, 1.5) * 5e-6)
+    assert b == pytest.approx(2 * arithmetic + 1.2 * by_hand(bw, 0.75, 1.25) * 5e-6)
+
+
+def test_op_weights_are_relative_to_the_probe_mix_and_a_view_weighs_less_than_a_linear():
+    """The measured table (``cost.calibration.op_weights``, timed here on this machine) weighs
+    a mix of ops so that the mix it is relative to counts what it counts, forward and backward;
+    a view, which only makes an alias, weighs less than a linear layer's matmul; and every
+    sampled op and the two class entries are in it."""
+    from autopar.cost.calibration.op_weights import SAMPLES, measure_op_weights
+    from autopar.cost.compute import OTHER_OP, VIEW_OP, dispatch_ops
+    from autopar.cost.profile import GroupCost
+    mix = {"linear": 4, "layer_norm": 2, "view": 3, "transpose": 4, "add": 2, "gelu": 1,
+           "scaled_dot_product_attention": 1}
+    table = measure_op_weights(mix, rounds=5)
+    assert {n for n, *_ in table} == set(SAMPLES) | {VIEW_OP, OTHER_OP}
+    w = {n: (f, b) for n, f, b in table}
+    assert all(f >= 0 and b >= 0 for f, b in w.values())
+    d = dataclasses.replace(get_cluster("dgx-a100-80gb").device, op_weights=table)
+    g = GroupCost("mix", ops=sum(mix.values()), op_names=mix)
+    assert dispatch_ops(g, d) == pytest.approx(g.ops, rel=1e-3)
+    assert dispatch_ops(g, d, backward=True) == pytest.approx(g.ops, rel=1e-3)
+    assert w["view"][0] < w["linear"][0] and w["transpose"][0] < w["linear"][0]
+    assert w["transpose"][1] < w["linear"][1]
+
+
 # ---- communication ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
@@ -391,19 +445,21 @@ def test_collective_overhead_is_charged_once_per_runtime_tp_collective(sp_on):
 
 def test_the_split_backwards_host_work_goes_to_the_forward_by_its_measured_share():
     """Splitting W out of the backward costs host work per stage (``split_pass_overhead`` +
-    ``split_op_overhead`` x the stage's ops); ``split_forward_share`` of it lands in every F
-    action (each deferring matmul's autograd function runs in the forward), the rest in B + W.
-    The replayed actions, a share of 0 against 0.4: F grows by 0.4 of the split's work, B + W
-    shrink by as much, per micro-batch and stage, and a 1F1B plan does not move."""
+    ``split_op_overhead`` x the stage's matmuls with a parameter weight, whose weight gradients
+    W defers); ``split_forward_share`` of it lands in every F action (each deferring matmul's
+    autograd function runs in the forward), the rest in B + W. The replayed actions, a share of
+    0 against 0.4: F grows by 0.4 of the split's work, B + W shrink by as much, per micro-batch
+    and stage, and a 1F1B plan does not move. Per matmul: the GPT's 2 x 4 layer linears and its
+    head, 9 in all over the stages."""
     cfg = GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=2, max_seq=16)
     x, _ = gpt_batch(cfg, 8)
     prof = Profiles(TinyGPT(cfg), (x,))
     base = get_cluster("dgx-a100-80gb")
     per_stage = 1e-3
 
-    def actions(schedule, share):
-        c = base.with_(device=dataclasses.replace(base.device, split_pass_overhead=per_stage, split_op_overhead=0.0,
-                                                  split_forward_share=share))
+    def actions(schedule, share, per_matmul=0.0):
+        c = base.with_(device=dataclasses.replace(base.device, split_pass_overhead=per_stage,
+                                                  split_op_overhead=per_matmul, split_forward_share=share))
         e = evaluate_plan(prof, {"pp": 2}, autopar.Plan(pp_schedule=schedule, microbatches=4), c, 8)
         took = {}
         for r, lane, name, t0, t1 in e.timeline:
@@ -416,6 +472,9 @@ def test_the_split_backwards_host_work_goes_to_the_forward_by_its_measured_share
     assert some["F"] - none["F"] == pytest.approx(moved, rel=1e-6)
     assert (none["B"] + none["W"]) - (some["B"] + some["W"]) == pytest.approx(moved, rel=1e-6)
     assert actions("1f1b", 0.0)[1] == actions("1f1b", 0.4)[1]
+    per_matmul = 1e-4
+    more = actions("zero_bubble", 1.0, per_matmul)[0]["F"] - actions("zero_bubble", 1.0)[0]["F"]
+    assert more == pytest.approx(per_matmul * (2 * 4 + 1) * 4, rel=1e-6)     # 9 matmuls, 4 micro-batches
 
 
 _ESTIMATE_IN_A_PROCESS = """

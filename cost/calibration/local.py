@@ -32,9 +32,12 @@ from autopar.testing import RankPool
 from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank
+from ..compute import dispatch_ops
 from ..drift import fingerprint
 from ..estimate import Profiles, loss_broadcast_time, partition, tied_exchange_time
+from ..profile import GroupCost
 from ..replay import pipeline_placement, simulate_shared
+from .op_weights import SAMPLES, SHAPE as _OP_WEIGHT_SHAPE, measure_op_weights
 
 log = logging.getLogger("autopar")
 
@@ -525,22 +528,45 @@ def _measure_step_overhead() -> float:
     return _timed_median(opt.step, 0.2) / len(params)
 
 
-def _measure_op_overhead(ranks: _Ranks) -> tuple:
+def _probe_layer_ops() -> dict:
+    """Op name -> count of one layer of the op_overhead probe's GPTs (h = 8): the mix
+    ``Device.op_weights`` are relative to, so the probe's layers weigh what they count."""
+    c = GPTConfig(vocab=_PROBE_VOCAB, seq=8, dim=8, heads=2, layers=2, max_seq=8)
+    x, _ = gpt_batch(c, 2)
+    layer = next(g for g in Profiles(TinyGPT(c), (x,), blocks_once=False).base.groups if g.name.startswith("blocks"))
+    return dict(layer.op_names)
+
+
+class _Weighed:
+    """A stage's (forward, backward) ops weighed by ``Device.op_weights`` (``dispatch_ops``), and
+    its matmuls with a parameter weight, from a probe's op-name counts."""
+
+    def __init__(self, table: tuple):
+        self.device = Device(name="weights", peak_flops=1.0, mem_bandwidth=1.0, memory_bytes=1,
+                             matmul_efficiency=1.0, memory_efficiency=1.0, op_weights=table)
+
+    def __call__(self, names: dict, backward: bool = False) -> float:
+        return dispatch_ops(GroupCost("stage", ops=sum(names.values()), op_names=names), self.device, backward)
+
+
+def _measure_op_overhead(ranks: _Ranks, weighed: _Weighed) -> tuple:
     """(seconds per forward op, seconds per stage pass, backward's per-op time over the forward's,
     backward's share of the pass, seconds per message, a zero-bubble W action's seconds per
     pass and per op, and the part of those the F actions take) of framework time as autopar's
     compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8,
     2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
     processes. The thread CPU time of each rank's forward actions, against the ops the cost
-    model's profile counts in its stage, is fitted as pass + ops x per-op, and its backward
-    actions' likewise: the per-op slopes are the dispatch (the FX module's Python and the aten
+    model's profile counts in its stage (each weighed by ``weighed``, the measured
+    ``Device.op_weights``), is fitted as pass + ops x per-op, and its backward actions' likewise
+    (against the ops' backward weights): the per-op slopes are the dispatch (the FX module's Python and the aten
     ops; backward runs each forward op's gradients, not twice its cost: about 1.2x the forward's
     on this machine), the constants what a stage does per micro-batch besides its ops (its
     call, the runtime's autograd functions and hooks). (A fit that makes no sense on a noisy
     machine falls back to pass + 3 x ops x per-op over F + B, split as the arithmetic is.) A send
     or receive action's CPU time is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
-    1F1B's, fitted as pass + ops x per-op, is what splitting out the W action costs, and the F
+    1F1B's, fitted as pass + matmuls x per-matmul (the matmuls with a parameter weight, whose
+    weight gradients W defers), is what splitting out the W action costs, and the F
     actions' part of that growth its forward share (each matmul whose weight gradient W defers
     runs through an autograd function of its own in the forward too). These four
     pipelines and the ``_HOP_PIPELINES`` are stepped in turn in one job (``_op_overhead_probe``).
@@ -553,13 +579,14 @@ def _measure_op_overhead(ranks: _Ranks) -> tuple:
     for per_pipeline in per_rank:
         got = dict(zip(pipelines, per_pipeline))
         for layers in (2, 10):
-            (fb, ops, msg, kinds, *_), (fbw, _, _, zb_kinds, *_) = got[(layers, "1f1b", 8)], \
+            (fb, (names, matmuls), msg, kinds, *_), (fbw, _, _, zb_kinds, *_) = got[(layers, "1f1b", 8)], \
                 got[(layers, "zero_bubble", 8)]
+            ops, ops_b = weighed(names), weighed(names, backward=True)
             points.append((3 * ops, fb))
             forward.append((ops, kinds["F"]))
-            backward.append((ops, kinds["B"]))
+            backward.append((ops_b, kinds["B"]))
             messages.append(msg)
-            split.append((ops, fbw - fb))
+            split.append((matmuls, fbw - fb))
             split_forward.append(zb_kinds["F"] - kinds["F"])
     replays = _replays(pipelines, per_rank)
     (op_f, pass_f), (op_b, pass_b) = _fit_line(forward), _fit_line(backward)
@@ -777,7 +804,11 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
         stage = min(int(k) for k in dm.stages)      # this rank's pipeline index
         mine = groups[cut:] if stage else groups[:cut]
-        return step, float(sum(g.ops for g in mine)), stage
+        names: dict = {}
+        for g in mine:
+            for name, k in g.op_names.items():
+                names[name] = names.get(name, 0) + k
+        return step, (names, sum(g.weight_matmuls for g in mine)), stage
 
     runs = [prepared(*pipeline) for pipeline in pipelines]
     got = [{k: [] for k in ("compute", "message", "F", "B", "W", "schedule", "tail")} for _ in runs]
@@ -927,7 +958,7 @@ def _compiled_step(model, world: int, mode: str, x):
     return step
 
 
-def _measure_sync_overhead(ranks: _Ranks, op_step: float) -> tuple:
+def _measure_sync_overhead(ranks: _Ranks, weighed: _Weighed, op: float, ratio: float) -> tuple:
     """(((mode, seconds per parameter tensor), ...), seconds per tp collective, tp collectives
     added): the data-parallel runtime's host work per parameter tensor and step under each
     dp mode (flattening gradients into buckets, ZeRO's
@@ -935,15 +966,18 @@ def _measure_sync_overhead(ranks: _Ranks, op_step: float) -> tuple:
     hooks, ZeRO-1/2's copy into the replicas after the step), on 2 processes: the growth of a
     compiled step's thread CPU time from the 2- to the 8-block synthetic stack, less what the
     cost model charges for that growth elsewhere (the added ops' dispatch in forward and
-    backward, ``op_step`` seconds an op; the plain AdamW step's measured growth), over the tensors
+    backward, ``op`` seconds a weighed forward op and ``ratio`` times that a backward one, as
+    ``cost.compute.dispatch_ops`` weighs them; the plain AdamW step's measured growth), over the tensors
     added; the ranks' mean. The tensor-parallel runtime's host work per collective likewise,
     from the same stacks under ``Plan(tp=True)`` (``Device.collective_overhead``)."""
     per_rank = ranks(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
     lo, hi = _SYNC_BLOCKS
-    ops = [sum(g.ops for g in Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),),
-                                       blocks_once=False).base.groups) for b in (lo, hi)]
+    stacks = [Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),), blocks_once=False).base.groups
+              for b in (lo, hi)]
+    step = [sum(op * (weighed(g.op_names) + ratio * weighed(g.op_names, backward=True)) for g in groups)
+            for groups in stacks]
     added = (hi - lo) * _TENSORS_PER_BLOCK
-    charged = (ops[1] - ops[0]) * op_step
+    charged = step[1] - step[0]
 
     def growth(r, key):
         return r[(key, hi)] - r[(key, lo)]
@@ -1019,11 +1053,14 @@ def _measure_local() -> Cluster:
         pointwise = _measure_pointwise_efficiency(mem_bw)
         matmul = _measure_matmul_efficiency(flops)
         attention, attention_overhead = _measure_attention(flops)
+        probe_mix = _probe_layer_ops()
+        op_weights = measure_op_weights(probe_mix)
+        weighed = _Weighed(op_weights)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
         overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
-            _measure_op_overhead(ranks)
-        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, overhead * (1 + ratio))
+            _measure_op_overhead(ranks, weighed)
+        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, weighed, overhead, ratio)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
@@ -1071,14 +1108,20 @@ def _measure_local() -> Cluster:
         "memory_bytes: physical RAM; gpus_per_node: os.cpu_count(); host link: mem_bandwidth, 1e-7 s",
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
         f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
-        f"processes, stepped in turn, the F actions fitted as pass + ops x op, the B actions likewise: "
+        f"processes, stepped in turn, the F actions fitted as pass + ops x op (each op weighed by op_weights), "
+        f"the B actions likewise: "
         f"{overhead * 1e6:.1f} us per op forward, backward_op_ratio {ratio:.2f} x that per op backward, "
         f"{pass_overhead * 1e6:.0f} us per stage pass (backward_pass_share {share:.2f}); message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
-        f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + ops x op: "
-        f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per op; split_forward_share: the F "
+        f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + matmuls x "
+        f"per-matmul (those with a parameter weight): "
+        f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per matmul; split_forward_share: the F "
         f"actions' growth over that, summed over the pipelines' ranks: {split_share:.2f}",
+        f"op_weights: each of {len(SAMPLES)} ops timed alone on {'x'.join(map(str, _OP_WEIGHT_SHAPE))} fp32 "
+        f"(1 thread), chains of 24 less 4 forward and backward, median of rounds through all in turn, over the "
+        f"mean of a probe layer's ops (h=8: {sum(probe_mix.values())} ops): "
+        + ", ".join(f"{n} {f:.2f}/{b:.2f}" for n, f, b in op_weights) + ",",
         f"sync_overhead: thread CPU time of training steps of a synthetic stack (blocks of 2 x (LayerNorm, "
         f"Linear d->2d, GeLU, Linear 2d->d), {_TENSORS_PER_BLOCK} tensors a block, d={_SYNC_DIM}) of "
         f"{' and '.join(map(str, _SYNC_BLOCKS))} blocks compiled on dp={_GLOO_WORLD} under each mode, "
@@ -1128,7 +1171,7 @@ def _measure_local() -> Cluster:
                     pass_overhead=pass_overhead, backward_op_ratio=ratio, backward_pass_share=share,
                     message_overhead=message_overhead, sync_overhead=sync,
                     split_pass_overhead=split_pass, split_op_overhead=split_op, split_forward_share=split_share,
-                    collective_overhead=collective_overhead)
+                    collective_overhead=collective_overhead, op_weights=op_weights)
     # the reference workload timed at the start and at the end, each part's mean (cost.drift)
     last_print = dict(fingerprint())
     prints = tuple((part, (s + last_print[part]) / 2) for part, s in first_print)
