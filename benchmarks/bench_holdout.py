@@ -1,7 +1,7 @@
 """The cost model on models and plans its calibration never ran, and the planner's pick measured
 against every plan it could have picked.
 
-    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 3] [--calibrations each|once] [--live-contention 0] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
+    python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 5] [--calibrations each|once] [--live-contention 0] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
     python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
 
@@ -25,7 +25,9 @@ against every plan it could have picked.
    printed beside it, with how far the passes are apart. One pass (runs 5-34) read each row in
    one stretch of about half a second: on this machine a pass's steps ran 0.88-1.10x their
    rows' medians together, and a row's step moved 7.1-10.2% on average beyond that
-   (BENCHMARKS.md, runs 35-37). The passes go round the worlds (pass 1 of world 2, of world 4,
+   (BENCHMARKS.md, runs 35-37). Five passes by default since run 59 (three in runs 35-58): a
+   row missed when two of its three passes ran slow together (run 58: five rows at world 2, each
+   with two passes 1.5-1.7x the third), and the median of five trials needs three. The passes go round the worlds (pass 1 of world 2, of world 4,
    then pass 2 ...). Predicted by ``evaluate_plan`` on the ``local`` preset. ``--calibrations
    each`` (default): every pass after the first is preceded by a calibration of its own (its
    preset printed and kept beside the cache), and is predicted from it: each pass is a whole
@@ -509,9 +511,10 @@ def main():
     ap.add_argument("--measure", choices=("alone", "rounds"), default="alone",
                     help="the grid's step times: each plan alone in the processes (compiled, --steps consecutive "
                          "steps, freed before the next), or all plans of a model in rounds of --block steps")
-    ap.add_argument("--passes", type=int, default=3,
+    ap.add_argument("--passes", type=int, default=5,
                     help="times the grid is measured, one pass after another, each compiling and timing every plan "
-                         "again; a row's step is the median of the passes' (one pass: runs 5-34)")
+                         "again; a row's step is the median of the passes' (default 5 since run 59; 3 in runs 35-58; "
+                         "one pass: runs 5-34)")
     ap.add_argument("--calibrations", choices=("each", "once"), default="each",
                     help="each (default, run 50 on): every pass a trial of its own, predicted from a calibration "
                          "taken just before it, a row's ratio the median of its trials'; once: every pass predicted "

@@ -22,7 +22,7 @@ from autopar.ops import VIEWS
 
 VIEW_OP, OTHER_OP = "<view>", "<op>"     # a weight table's entries for the ops it does not name
 
-__all__ = ["compute_time", "dispatch_ops", "group_time", "GROUP_TIME_FORMULA"]
+__all__ = ["compute_time", "dispatch_ops", "group_time", "weighed_ops", "GROUP_TIME_FORMULA"]
 
 GROUP_TIME_FORMULA = ("dense/(peak*matmul_eff) + attention/(peak*attention_eff) + slices*attention_setup"
                       " + pointwise_bytes/(bandwidth*memory_eff) + ops*op_overhead")
@@ -42,17 +42,23 @@ def _weights(table: tuple) -> tuple:
     return {n: f for n, f, _ in table}, {n: b for n, _, b in table}
 
 
+def weighed_ops(op_names: dict, table: tuple, backward: bool = False) -> float:
+    """The ops of ``op_names`` (op name -> count) each weighed by ``table`` (a
+    ``Device.op_weights``: its forward weight, or with ``backward`` its gradient's); an op the
+    table lacks by the table's entry for its class (``VIEW_OP`` for the ops of
+    ``autopar.ops.VIEWS``, ``OTHER_OP`` for the rest) or else 1."""
+    w = _weights(table)[1 if backward else 0]
+    view, other = w.get(VIEW_OP, 1.0), w.get(OTHER_OP, 1.0)
+    return sum(n * w.get(name, view if name in VIEWS else other) for name, n in op_names.items())
+
+
 def dispatch_ops(g, d, backward: bool = False) -> float:
     """Group ``g``'s ops (a ``cost.profile.GroupCost``) in units of ``Device.op_overhead`` on
-    device ``d``: each op of ``g.op_names`` weighed by ``d.op_weights`` (its forward weight, or
-    with ``backward`` its gradient's), an op the table lacks by the table's entry for its class
-    (``VIEW_OP`` for the ops of ``autopar.ops.VIEWS``, ``OTHER_OP`` for the rest) or else 1; a
-    group without names (built by hand) counts ``g.ops``."""
+    device ``d``: weighed by ``d.op_weights`` (``weighed_ops``); on a device without the table,
+    or for a group without op names (built by hand), ``g.ops``."""
     if not d.op_weights or not g.op_names:
         return float(g.ops)
-    w = _weights(d.op_weights)[1 if backward else 0]
-    view, other = w.get(VIEW_OP, 1.0), w.get(OTHER_OP, 1.0)
-    return sum(n * w.get(name, view if name in VIEWS else other) for name, n in g.op_names.items())
+    return weighed_ops(g.op_names, d.op_weights, backward)
 
 
 def group_time(g, c, k: float = 1.0) -> float:

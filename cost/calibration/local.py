@@ -32,10 +32,9 @@ from autopar.testing import RankPool
 from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank
-from ..compute import dispatch_ops
+from ..compute import weighed_ops
 from ..drift import fingerprint
 from ..estimate import Profiles, loss_broadcast_time, partition, tied_exchange_time
-from ..profile import GroupCost
 from ..replay import pipeline_placement, simulate_shared
 from .op_weights import SAMPLES, SHAPE as _OP_WEIGHT_SHAPE, measure_op_weights
 
@@ -537,27 +536,15 @@ def _probe_layer_ops() -> dict:
     return dict(layer.op_names)
 
 
-class _Weighed:
-    """A stage's (forward, backward) ops weighed by ``Device.op_weights`` (``dispatch_ops``), and
-    its matmuls with a parameter weight, from a probe's op-name counts."""
-
-    def __init__(self, table: tuple):
-        self.device = Device(name="weights", peak_flops=1.0, mem_bandwidth=1.0, memory_bytes=1,
-                             matmul_efficiency=1.0, memory_efficiency=1.0, op_weights=table)
-
-    def __call__(self, names: dict, backward: bool = False) -> float:
-        return dispatch_ops(GroupCost("stage", ops=sum(names.values()), op_names=names), self.device, backward)
-
-
-def _measure_op_overhead(ranks: _Ranks, weighed: _Weighed) -> tuple:
+def _measure_op_overhead(ranks: _Ranks, op_weights: tuple) -> tuple:
     """(seconds per forward op, seconds per stage pass, backward's per-op time over the forward's,
     backward's share of the pass, seconds per message, a zero-bubble W action's seconds per
-    pass and per op, and the part of those the F actions take) of framework time as autopar's
+    pass and per matmul with a parameter weight, and the part of those the F actions take) of framework time as autopar's
     compiled modules run them: a GPT of negligible arithmetic (autopar.models.TinyGPT, h = 8,
     2 x 8 tokens) of 2 and of 10 layers, each compiled as a two-stage 1F1B pipeline of 4 micro-batches on 2 gloo
     processes. The thread CPU time of each rank's forward actions, against the ops the cost
-    model's profile counts in its stage (each weighed by ``weighed``, the measured
-    ``Device.op_weights``), is fitted as pass + ops x per-op, and its backward actions' likewise
+    model's profile counts in its stage (each weighed by ``op_weights``, the measured
+    ``Device.op_weights``: ``cost.compute.weighed_ops``), is fitted as pass + ops x per-op, and its backward actions' likewise
     (against the ops' backward weights): the per-op slopes are the dispatch (the FX module's Python and the aten
     ops; backward runs each forward op's gradients, not twice its cost: about 1.2x the forward's
     on this machine), the constants what a stage does per micro-batch besides its ops (its
@@ -581,7 +568,7 @@ def _measure_op_overhead(ranks: _Ranks, weighed: _Weighed) -> tuple:
         for layers in (2, 10):
             (fb, (names, matmuls), msg, kinds, *_), (fbw, _, _, zb_kinds, *_) = got[(layers, "1f1b", 8)], \
                 got[(layers, "zero_bubble", 8)]
-            ops, ops_b = weighed(names), weighed(names, backward=True)
+            ops, ops_b = weighed_ops(names, op_weights), weighed_ops(names, op_weights, backward=True)
             points.append((3 * ops, fb))
             forward.append((ops, kinds["F"]))
             backward.append((ops_b, kinds["B"]))
@@ -744,8 +731,9 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     2 heads unless given), all compiled first, then stepped in turn, round
     after round, each step after a barrier (a disturbance of the machine falls on all alike):
     per pipeline (thread CPU seconds of this
-    rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; ops the
-    profile counts in its stage per micro-batch; CPU seconds per send or receive action;
+    rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; (op name ->
+    count of the ops the profile counts in its stage per micro-batch, its matmuls with a
+    parameter weight); CPU seconds per send or receive action;
     {kind: median thread CPU seconds of one action of that kind}; the mean wall seconds of
     the step's schedule, ``train_step``'s own timer; this rank's pipeline index; per step, the
     wall time its schedule's last action ended and the seconds from then to ``train_step``'s
@@ -958,7 +946,7 @@ def _compiled_step(model, world: int, mode: str, x):
     return step
 
 
-def _measure_sync_overhead(ranks: _Ranks, weighed: _Weighed, op: float, ratio: float) -> tuple:
+def _measure_sync_overhead(ranks: _Ranks, op_weights: tuple, op: float, ratio: float) -> tuple:
     """(((mode, seconds per parameter tensor), ...), seconds per tp collective, tp collectives
     added): the data-parallel runtime's host work per parameter tensor and step under each
     dp mode (flattening gradients into buckets, ZeRO's
@@ -967,15 +955,15 @@ def _measure_sync_overhead(ranks: _Ranks, weighed: _Weighed, op: float, ratio: f
     compiled step's thread CPU time from the 2- to the 8-block synthetic stack, less what the
     cost model charges for that growth elsewhere (the added ops' dispatch in forward and
     backward, ``op`` seconds a weighed forward op and ``ratio`` times that a backward one, as
-    ``cost.compute.dispatch_ops`` weighs them; the plain AdamW step's measured growth), over the tensors
+    ``cost.compute.weighed_ops`` weighs them by ``op_weights``; the plain AdamW step's measured growth), over the tensors
     added; the ranks' mean. The tensor-parallel runtime's host work per collective likewise,
     from the same stacks under ``Plan(tp=True)`` (``Device.collective_overhead``)."""
     per_rank = ranks(_sync_probe, _GLOO_WORLD, _SYNC_MODES, _SYNC_STEPS, timeout=180)
     lo, hi = _SYNC_BLOCKS
     stacks = [Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),), blocks_once=False).base.groups
               for b in (lo, hi)]
-    step = [sum(op * (weighed(g.op_names) + ratio * weighed(g.op_names, backward=True)) for g in groups)
-            for groups in stacks]
+    step = [sum(op * (weighed_ops(g.op_names, op_weights) + ratio * weighed_ops(g.op_names, op_weights, backward=True))
+                for g in groups) for groups in stacks]
     added = (hi - lo) * _TENSORS_PER_BLOCK
     charged = step[1] - step[0]
 
@@ -1055,12 +1043,11 @@ def _measure_local() -> Cluster:
         attention, attention_overhead = _measure_attention(flops)
         probe_mix = _probe_layer_ops()
         op_weights = measure_op_weights(probe_mix)
-        weighed = _Weighed(op_weights)
         alone = _stack_seconds(_CONTENTION_SECONDS)
         # then the probes on processes, grouped by world size: each pool starts once
         overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
-            _measure_op_overhead(ranks, weighed)
-        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, weighed, overhead, ratio)
+            _measure_op_overhead(ranks, op_weights)
+        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
