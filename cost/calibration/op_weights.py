@@ -149,7 +149,7 @@ def weights(raw: dict, mix: dict) -> tuple:
         return raw.get(name, default[VIEW_OP if name in VIEWS else OTHER_OP])
 
     count = sum(mix.values())
-    mean = [sum(k * seconds(n)[i] for n, k in mix.items()) / count for i in (0, 1)]
+    mean = [sum(k * seconds(n)[i] for n, k in mix.items()) / max(count, 1) for i in (0, 1)]
     if count == 0 or min(mean) <= 0:
         raise ValueError(f"op weights: the probe's ops {mix} have no measured time ({mean}); expected a layer's ops")
     table = {**raw, **default}
