@@ -12,7 +12,8 @@ run one after another, not at once):
 where ``ops`` counts each op by its weight (``dispatch_ops``): ops differ in framework time
 (a view is a fraction of a linear's, an attention call several linears'), so a measured
 table, ``Device.op_weights``, weighs each op name by its dispatch over the mean of the
-calibration probe's ops; an op the table lacks weighs 1 (every op on a preset without it).
+calibration probe's ops; an op the table lacks weighs its class's median (a view's or
+another op's), and every op weighs 1 on a preset without the table.
 """
 from __future__ import annotations
 

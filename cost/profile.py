@@ -415,12 +415,12 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             continue
         split = _split_factor(node, mesh)
         flops = node_flops(node) / split
+        name = _op(node)
         g.ops += 1
-        g.op_names[_op(node)] = g.op_names.get(_op(node), 0) + 1
-        if _op(node) not in VIEWS:
+        g.op_names[name] = g.op_names.get(name, 0) + 1
+        if name not in VIEWS:
             g.max_value = max(g.max_value, _nbytes(node, mesh))
         g.flops += flops
-        name = _op(node)
         if name in MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
             g.weight_matmuls += 1

@@ -7,6 +7,7 @@ what was measured and how, and stores it in the cache (``autopar.cost.cache``) t
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -792,11 +793,8 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
         stage = min(int(k) for k in dm.stages)      # this rank's pipeline index
         mine = groups[cut:] if stage else groups[:cut]
-        names: dict = {}
-        for g in mine:
-            for name, k in g.op_names.items():
-                names[name] = names.get(name, 0) + k
-        return step, (names, sum(g.weight_matmuls for g in mine)), stage
+        names = sum((collections.Counter(g.op_names) for g in mine), collections.Counter())
+        return step, (dict(names), sum(g.weight_matmuls for g in mine)), stage
 
     runs = [prepared(*pipeline) for pipeline in pipelines]
     got = [{k: [] for k in ("compute", "message", "F", "B", "W", "schedule", "tail")} for _ in runs]
