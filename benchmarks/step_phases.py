@@ -6,8 +6,8 @@ side by side.
 
 The model is one of ``bench_holdout.py``'s planner-quality models (default: the wide and shallow
 GPT, the one whose pick missed there) or of its hold-out grid (``--model "gpt h32 L2 s16"``).
-Plans: ddp, ZeRO-2 and ZeRO-3 on dp = world, and GPipe, 1F1B and zero-bubble on pp = --pp x dp = world / pp with
-2 micro-batches, timed round-robin (one step each per round after a barrier); the slowest
+Plans: ddp, ZeRO-2 and ZeRO-3 on dp = world, tp on tp = world, and GPipe, 1F1B and zero-bubble on pp = --pp x dp =
+world / pp with 2 micro-batches, timed round-robin (one step each per round after a barrier); the slowest
 rank's median of each phase is shown, and the fastest rank's (a rank that reaches an exchange
 last waits for nobody in it: its phase is the exchange alone).
 
@@ -18,6 +18,13 @@ single-stage plan: forward (with the loss), backward with the reductions it wait
 optimizer step. Predicted phases sum to the predicted step (a single stage's backward phase is
 the rest), and the slowest rank's phases need not sum to its step: ranks wait for each other in
 different phases.
+
+Two more rows per plan (``jobs.phases.STEP_PARTS``): the step's collective waits (every
+handle's wait and every synchronous collective, as the runtime's ``flight`` issues them), beside
+the estimate's exposed communication; and the step's thread CPU time, beside the estimate's
+compute. The two pairs are not the same split: the estimate counts each tp collective's host
+work (``Device.collective_overhead``) as communication, the thread's CPU counts it as work, and
+neither measured part holds the time a rank's thread was runnable but off its core.
 """
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-PLANS = {
+PLANS = {       # name -> (the mesh axis the plan needs besides dp, or None; plan keyword arguments)
     "ddp": (None, dict(dp="ddp")),
     "zero2": (None, dict(dp="zero2")),
     "zero3": (None, dict(dp="zero3")),
+    "tp": ("tp", dict(dp="ddp", tp=True)),
     "gpipe": ("pp", dict(dp="ddp", pp_schedule="gpipe", microbatches=2)),
     "1f1b": ("pp", dict(dp="ddp", pp_schedule="1f1b", microbatches=2)),
     "zero_bubble": ("pp", dict(dp="ddp", pp_schedule="zero_bubble", microbatches=2)),
@@ -67,7 +75,8 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages of the pipelined plans (dp = world / pp)")
     ap.add_argument("--steps", type=int, default=21, help="timed rounds (the median is reported)")
-    ap.add_argument("--plans", nargs="+", default=["ddp", "gpipe", "1f1b", "zero_bubble"], choices=list(PLANS))
+    ap.add_argument("--plans", nargs="+", default=["ddp", "gpipe", "1f1b", "zero_bubble"], choices=list(PLANS),
+                    help="tp: Plan(tp=True) on Mesh(tp=--world)")
     args = ap.parse_args()
     if args.world % args.pp:
         raise SystemExit(f"--pp {args.pp} does not divide --world {args.world}")
@@ -77,20 +86,24 @@ def main():
     from autopar.models import gpt_batch
     from autopar.testing import run
     from jobs.holdout import build
-    from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, medians, phase_times
+    from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, medians, phase_times
     c = calibrate_local()
     key, spec, batch = next(m for m in models if m[0] == args.model)
     model, cfg = build(spec)
     x, _ = gpt_batch(cfg, batch)
     cases, pred = [], {}
     for name in args.plans:
-        pp, kw = PLANS[name]
-        axes = (dict(pp=args.pp, dp=args.world // args.pp) if args.world > args.pp else dict(pp=args.pp)) if pp \
-            else dict(dp=args.world)
+        axis, kw = PLANS[name]
+        pp = axis == "pp"
+        if pp:
+            axes = dict(pp=args.pp, dp=args.world // args.pp) if args.world > args.pp else dict(pp=args.pp)
+        else:
+            axes = {axis or "dp": args.world}
         cases.append((name, axes, kw))
         e = autopar.estimate(model, autopar.Mesh(**axes, virtual=True), autopar.Plan(**kw), example_inputs=(x,),
                              cluster=c)
-        pred[name] = (e.step_time_s, predicted_phases(e, bool(pp)))
+        pred[name] = (e.step_time_s, {**predicted_phases(e, pp), "collective waits": e.exposed_comm_s,
+                                      "rank CPU": e.compute_s})
     per_rank = run(phase_times, args.world, spec, batch, cases, args.steps, timeout=1800)
     print(f"## step phases: {key} ({cfg}), global batch {batch}, world {args.world}, {args.steps} rounds; "
           "ms, the slowest rank's median; predicted on the local preset")
@@ -99,7 +112,7 @@ def main():
         meas = medians(per_rank, name)
         least = {k: min(statistics.median(r[name][k]) for r in per_rank) for k in per_rank[0][name]}
         step, phases = pred[name]
-        for phase in (PIPELINE_PHASES if kw.get("pp_schedule") else STAGE_PHASES) + ("step",):
+        for phase in (PIPELINE_PHASES if kw.get("pp_schedule") else STAGE_PHASES) + ("step",) + STEP_PARTS:
             p = step if phase == "step" else phases.get(phase, 0.0)
             m = meas.get(phase, 0.0)
             ratio = f"{p / m:6.2f}" if m else f"{'-':>6s}"

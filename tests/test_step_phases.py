@@ -11,7 +11,7 @@ from autopar.models import gpt_batch
 from autopar.testing import run
 
 from jobs.holdout import build
-from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, phase_times
+from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, phase_times
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import step_phases  # noqa: E402
@@ -19,7 +19,8 @@ import step_phases  # noqa: E402
 SPEC = ("gpt", dict(vocab=32, seq=8, dim=16, heads=2, layers=2, max_seq=8))
 CASES = [("ddp", dict(dp=2), dict(dp="ddp")),
          ("gpipe", dict(pp=2), dict(dp="ddp", pp_schedule="gpipe", microbatches=2)),
-         ("zero2 1f1b", dict(pp=2, dp=2), dict(dp="zero2", pp_schedule="1f1b", microbatches=2))]
+         ("zero2 1f1b", dict(pp=2, dp=2), dict(dp="zero2", pp_schedule="1f1b", microbatches=2)),
+         ("tp", dict(tp=2), dict(dp="ddp", tp=True))]
 
 
 @pytest.mark.parametrize("name, axes, kw", CASES, ids=[c[0] for c in CASES])
@@ -49,8 +50,12 @@ def test_measured_phases_are_recorded_every_round_within_the_step():
         for name, _, kw in cases:
             rounds = out[name]
             names = PIPELINE_PHASES if kw.get("pp_schedule") else STAGE_PHASES
-            assert set(rounds) == set(names) | {"step"}, (rank, name, sorted(rounds))
+            assert set(rounds) == set(names) | {"step"} | set(STEP_PARTS), (rank, name, sorted(rounds))
             for i, step in enumerate(rounds["step"]):
                 parts = [rounds[k][i] for k in names if k != "tied gradients"]
                 assert all(p > 0 for p in parts), (rank, name, i, parts)
                 assert sum(rounds[k][i] for k in names) <= step, (rank, name, i)
+                # both plans wait on collectives every step (ddp's gradient bucket, the pipeline's
+                # messages and loss broadcast); waits and the thread's CPU lie within the step
+                waits, cpu = rounds["collective waits"][i], rounds["rank CPU"][i]
+                assert 0 < waits < step and 0 < cpu <= step * 1.01, (rank, name, i, waits, cpu, step)

@@ -4,7 +4,13 @@ model's predicted step and the measured one part.
 A pipeline's ``train_step`` is its schedule (the module's own ``step_time``: the actions and
 the wait for the last sends), then the deferred data-parallel reduction, the exchange of tied
 gradients and the loss broadcast; a single-stage plan's step is its forward (with the loss),
-its backward (with the gradient reductions it waits for); both end with the optimizer step."""
+its backward (with the gradient reductions it waits for); both end with the optimizer step.
+
+Beside the phases, two parts of every step (``STEP_PARTS``): the seconds the rank spent waiting
+on the runtime's collectives (each asynchronous handle's ``wait`` and each synchronous
+collective, as ``autopar.runtime.flight`` issues them: gradient buckets, tp all-reduces, pipeline
+messages), and the step's thread CPU time (the rank's own work; a wait blocks without it, and
+time its thread was runnable but off the core is in neither)."""
 from __future__ import annotations
 
 import statistics
@@ -20,6 +26,35 @@ from .holdout import build
 
 PIPELINE_PHASES = ("schedule", "dp reduction", "tied gradients", "loss broadcast", "optimizer")
 STAGE_PHASES = ("forward", "backward + reductions", "optimizer")
+STEP_PARTS = ("collective waits", "rank CPU")
+
+_WAITED = [0.0]     # seconds this process has spent in collectives' waits (``_count_waits``)
+
+
+def _count_waits():
+    """Make the runtime's collectives add the seconds their waits block to ``_WAITED``: each
+    asynchronous handle's ``wait`` and each synchronous collective's call (once per process)."""
+    from autopar.runtime import flight
+    if getattr(flight, "_phases_counted", False):
+        return
+    launch, wait = flight.launch, flight.Watched.wait
+
+    def counted_launch(group, kind, label, nbytes, start, *args, **kwargs):
+        t0 = time.perf_counter()
+        handle = launch(group, kind, label, nbytes, start, *args, **kwargs)
+        if handle is None:      # synchronous: the call was the wait
+            _WAITED[0] += time.perf_counter() - t0
+        return handle
+
+    def counted_wait(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return wait(self, *args)
+        finally:
+            _WAITED[0] += time.perf_counter() - t0
+
+    flight.launch, flight.Watched.wait = counted_launch, counted_wait
+    flight._phases_counted = True
 
 
 def _timed(times: dict, label: str, fn):
@@ -36,8 +71,9 @@ def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
     """{plan name: {"step": [s, ...], phase: [s, ...]}} on this rank: each of ``cases``
     ((name, mesh axes, plan kwargs), ...) compiled for the model of ``spec`` on a global batch
     of ``batch`` rows, warmed up 3 steps, then the plans timed round-robin, one step each per
-    round after a barrier, ``steps`` rounds."""
+    round after a barrier, ``steps`` rounds; with each step's ``STEP_PARTS``."""
     torch.set_num_threads(1)
+    _count_waits()
     runners = {}
     for name, axes, kw in cases:
         model, c = build(spec)
@@ -77,9 +113,12 @@ def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
         for name, (step, times) in runners.items():
             dist.barrier()
             times.clear()
+            waited, c0 = _WAITED[0], time.thread_time()
             t0 = time.perf_counter()
             step()
             times["step"] = time.perf_counter() - t0
+            times["rank CPU"] = time.thread_time() - c0
+            times["collective waits"] = _WAITED[0] - waited
             for k, v in times.items():
                 out[name].setdefault(k, []).append(v)
     return out
