@@ -28,7 +28,8 @@ against every plan it could have picked.
    (BENCHMARKS.md, runs 35-37). Five passes by default since run 59 (three in runs 35-58): a
    row missed when two of its three passes ran slow together (run 58: five rows at world 2, each
    with two passes 1.2-2.1x its fastest), and the median of five trials needs three (run 60 measured
-   seven; its first five, read as five, met the same goals: BENCHMARKS.md). The passes go round the worlds (pass 1 of world 2, of world 4,
+   seven; its first five, read as five, met the same goals, where run 61, five passes of the
+   same code, did not: BENCHMARKS.md). The passes go round the worlds (pass 1 of world 2, of world 4,
    then pass 2 ...). Predicted by ``evaluate_plan`` on the ``local`` preset. ``--calibrations
    each`` (default): every pass after the first is preceded by a calibration of its own (its
    preset printed and kept beside the cache), and is predicted from it: each pass is a whole
