@@ -33,7 +33,12 @@ _WAITED = [0.0]     # seconds this process has spent in collectives' waits (``_c
 
 def _count_waits():
     """Make the runtime's collectives add the seconds their waits block to ``_WAITED``: each
-    asynchronous handle's ``wait`` and each synchronous collective's call (once per process)."""
+    asynchronous handle's ``wait`` and each synchronous collective's call (once per process).
+
+    At ``flight``, not through ``dm.record_timeline()``: the timeline traces the collectives of
+    the axes' ``AxisComm`` and the pipeline's messages, not the synchronous ones a pipeline
+    issues itself (the loss broadcast), where GPipe's first stage does its blocking; under it
+    that rank's step read no wait at all (2 processes, tests/test_step_phases.py)."""
     from autopar.runtime import flight
     if getattr(flight, "_phases_counted", False):
         return
