@@ -249,15 +249,18 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
     forward's, the backward tp collectives, and what
     recomputation redoes: a layer's whole forward under ``full``, its attention under
     ``selective``), and W (the weight-gradient matmuls a zero-bubble schedule defers). On a
-    measured link (``Link.skew``) a collective's latency grows with the compute before it:
-    the group's compute spread over its collectives."""
+    measured link (``Link.skew``) a collective's latency grows with the CPU work before it:
+    the group's compute spread over its collectives, plus the runtime's own work for each."""
     f = group_time(g, c)
     fc = f * slow
     ops = dispatch_ops(g, c.device) * c.device.op_overhead * slow      # the forward's dispatch
     ops_b = dispatch_ops(g, c.device, backward=True) * c.device.op_overhead * slow   # backward's: x backward_op_ratio
-    host = c.device.collective_overhead * slow if t > 1 else 0.0    # the runtime's work per collective
-    tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward))) + host * len(g.tp_forward)
-    tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward))) + host * len(g.tp_backward)
+    own = c.device.collective_overhead if t > 1 else 0.0    # the runtime's work per collective, on a core of its own
+    host = own * slow
+    # the CPU work between two collectives, the skew probe's abscissa: the group's compute spread
+    # over them, and the runtime's own work for each (as much a rank's time off the wire as a matmul)
+    tpf = tp_comm_time(g.tp_forward, t, link, after=f / max(1, len(g.tp_forward)) + own) + host * len(g.tp_forward)
+    tpb = tp_comm_time(g.tp_backward, t, link, after=2 * f / max(1, len(g.tp_backward)) + own) + host * len(g.tp_backward)
     redo = 0.0
     if is_layer(g.name):
         if recompute == "full":
@@ -478,7 +481,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes, units))
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
         if mode == "zero3":
-            fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m)
+            fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m,
+                                            host=dict(c.device.sync_overhead).get(mode, 0.0))
         else:
             fwd_g, bwd_g = [0.0] * len(gs), [0.0] * len(gs)
             red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
@@ -821,19 +825,23 @@ def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> li
     return out
 
 
-def _unit_times(units: list[Unit], groups: int, n: int, pbytes: int, link, forward: list, m: int) -> tuple:
+def _unit_times(units: list[Unit], groups: int, n: int, pbytes: int, link, forward: list, m: int,
+                host: float = 0.0) -> tuple:
     """(forward gathers, backward gathers, reduce-scatters): seconds per group of a stage's
     ZeRO-3 ``units`` (``_zero3_units``), each collective after the compute of the group it
     precedes or follows (``forward``: each group's forward compute; backward twice it, over
     ``m`` micro-batches for the reductions, which a pipeline defers to its flush), shared among
-    the units that group moves."""
+    the units that group moves. ``host``: the data-parallel runtime's work per parameter tensor in
+    a step (``Device.sync_overhead``), a unit's share of it taken as CPU work before each of its
+    three collectives, a third each: with the compute, the skew probe's abscissa."""
     out = {"forward": [0.0] * groups, "backward": [0.0] * groups, "reduce": [0.0] * groups}
     for lane, place, kind, scale in (("forward", "forward", "all_gather", 1), ("backward", "backward", "all_gather", 2),
                                      ("reduce", "forward", "reduce_scatter", 2 * m)):
         at = [getattr(u, place) for u in units]
         for u, i in zip(units, at):
             if i is not None:
-                out[lane][i] += collective_time(kind, u.elements * pbytes, n, link, after=scale * forward[i] / at.count(i))
+                out[lane][i] += collective_time(kind, u.elements * pbytes, n, link,
+                                                after=scale * forward[i] / at.count(i) + host * len(u.names) / 3)
     return out["forward"], out["backward"], out["reduce"]
 
 
