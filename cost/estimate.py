@@ -482,7 +482,7 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
         if mode == "zero3":
             fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m,
-                                            host=dict(c.device.sync_overhead).get(mode, 0.0))
+                                            host=sync_time(mode, 1, c))
         else:
             fwd_g, bwd_g = [0.0] * len(gs), [0.0] * len(gs)
             red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
