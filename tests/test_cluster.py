@@ -137,6 +137,22 @@ def test_contention_keeps_the_median_of_its_readings():
     assert got[4] == pytest.approx(2.2) and got[2] == pytest.approx(1.1)
 
 
+
+def test_compute_probes_read_their_inputs_from_a_pool_beyond_the_cache():
+    """The matmul, pointwise and attention probes take each call's inputs from the next copy of
+    a pool of at least ``_POOL_BYTES``, distinct tensors in turn, so that no call reads what
+    the last one left in the core's cache."""
+    import torch
+    from autopar.cost.calibration.local import _POOL_BYTES, _pool, _rotating
+    pool = _pool(lambda: (torch.zeros(256, 256), torch.zeros(64)))
+    per = 256 * 256 * 4 + 64 * 4
+    assert len(pool) * per >= _POOL_BYTES - per and len({id(e[0]) for e in pool}) == len(pool)
+    seen = []
+    call = _rotating(pool, lambda a, b: seen.append(id(a)))
+    for _ in range(len(pool) + 1):
+        call()
+    assert seen[:len(pool)] == [id(e[0]) for e in pool] and seen[-1] == seen[0]
+
 def test_skew_table_sets_the_latency_by_the_compute_before():
     """A link of ranks sharing cores takes a small collective's latency from its table at the
     compute that preceded it: linear between the measured lengths, flat beyond them, 1 ms

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 import datetime
 import logging
@@ -68,6 +69,10 @@ _MATMUL_SIZES = (384, 768)
 _MATMUL_SECONDS = 0.25                   # timed seconds per matmul size
 _COPY_BYTES = 64 * 2**20
 _COPY_SECONDS = 0.25
+# the compute probes take each call's inputs from the next of as many copies as fill this: more
+# than a core's own cache (2 MiB of L2 a core on the machine of BENCHMARKS.md), so they read them
+# from memory shared with the other cores, as a training step's activations and weights are read
+_POOL_BYTES = 32 * 2**20
 _GLOO_SIZES = tuple(4096 * 4**k for k in range(6))    # 4 KiB .. 4 MiB, 4x apart
 _GLOO_WARMUP = 3
 _GLOO_REPS = 9
@@ -470,29 +475,50 @@ def _measure_gloo(ranks: _Ranks, world: int = _GLOO_WORLD) -> tuple[Link, list[f
 
 def _measure_pointwise_efficiency(mem_bw: float) -> float:
     """Achieved fraction of the copy bandwidth on the pointwise ops models are made of (GeLU,
-    LayerNorm, softmax, an add; read + write of a 512 KiB fp32 tensor each): their bytes over
-    their summed time, as a block runs one of each after another; on a CPU the transcendental
-    ones are bound by arithmetic before memory."""
-    x = torch.randn(512, 256)
-    ops = (lambda: torch.nn.functional.gelu(x), lambda: torch.nn.functional.layer_norm(x, (256,)),
-           lambda: torch.softmax(x, -1), lambda: x + x)
-    seconds = sum(_timed_median(op, 0.1) for op in ops)
-    return min(1.0, len(ops) * 2 * x.numel() * 4 / seconds / mem_bw)
+    LayerNorm, softmax, an add; read + write of a 512 KiB fp32 tensor each, each call's from the
+    next copy of a pool, ``_pool``): their bytes over their summed time; on a CPU the
+    transcendental ones are bound by arithmetic before memory."""
+    pool = _pool(lambda: (torch.randn(512, 256),))
+    ops = (torch.nn.functional.gelu, lambda x: torch.nn.functional.layer_norm(x, (256,)),
+           lambda x: torch.softmax(x, -1), lambda x: x + x)
+    seconds = sum(_timed_median(_rotating(pool, op), 0.1) for op in ops)
+    return min(1.0, len(ops) * 2 * pool[0][0].numel() * 4 / seconds / mem_bw)
 
 
 _LINEAR_SHAPES = ((512, 64, 64), (512, 64, 256), (512, 256, 64), (512, 128, 128), (512, 128, 512), (512, 512, 128))
 _ATTENTION_SHAPES = ((64, 32, 16), (16, 256, 64))    # (row x head slices, sequence, head dim)
 
 
+def _pool(make) -> list:
+    """``make()``'s tensors and as many more copies as fill ``_POOL_BYTES`` (at least two).
+
+    A probe that loops over one input reads it from the core's cache after the first call; a
+    layer in a training step reads what earlier layers wrote, and its weights, from memory
+    shared with every core (``_rotating`` takes each call's inputs from the next copy). On this
+    machine the linear layers' products ran at 0.91 of peak on one hot input and 0.68 through
+    the pool, and a GPT's own matmuls (h=96, 384 tokens) at 0.67 (torch.profiler, 2026-12-05)."""
+    first = make()
+    size = max(1, sum(t.numel() * t.element_size() for t in first))
+    return [first] + [make() for _ in range(max(1, _POOL_BYTES // size - 1))]
+
+
+def _rotating(pool: list, fn):
+    """``fn`` of the next entry of ``pool`` at each call (``_pool``)."""
+    entries = itertools.cycle(pool)
+    return lambda: fn(*next(entries))
+
+
 def _measure_matmul_efficiency(peak: float) -> float:
     """Achieved fraction of ``peak`` on the products of small linear layers: for each (m, k, n)
-    of _LINEAR_SHAPES, y = x[m,k] @ w[k,n] and its backward's dx = dy @ w^T and dw = x^T @ dy;
-    their FLOPs over their summed time."""
+    of _LINEAR_SHAPES, y = x[m,k] @ w[k,n] and its backward's dx = dy @ w^T and dw = x^T @ dy,
+    each call's operands from the next copy of a pool (``_pool``); their FLOPs over their
+    summed time."""
     flops = seconds = 0.0
+    products = (lambda x, w, dy: torch.mm(x, w), lambda x, w, dy: torch.mm(dy, w.t()),
+                lambda x, w, dy: torch.mm(x.t(), dy))
     for m, k, n in _LINEAR_SHAPES:
-        x, w, dy = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
-        for a, b in ((x, w), (dy, w.t()), (x.t(), dy)):
-            seconds += _timed_median(lambda: torch.mm(a, b), 0.05)
+        pool = _pool(lambda: (torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)))
+        seconds += sum(_timed_median(_rotating(pool, product), 0.05) for product in products)
         flops += 3 * 2 * m * k * n
     return min(1.0, flops / seconds / peak)
 
@@ -500,16 +526,16 @@ def _measure_matmul_efficiency(peak: float) -> float:
 def _measure_attention(peak: float) -> tuple[float, float]:
     """(fraction of ``peak``, seconds per (row, head) slice) of the fused causal attention
     kernel on one thread: forward + backward timed on a short-head and a long-head shape of
-    _ATTENTION_SHAPES and solved for time = 3 (4·B·s²·d / rate + B·overhead), B slices
+    _ATTENTION_SHAPES (each call's q, k, v from the next copy of a pool, ``_pool``) and solved for time = 3 (4·B·s²·d / rate + B·overhead), B slices
     (backward as two forwards, the model's rule)."""
     rows = []
+
+    def fb(q, k, v):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
     for slices, s, d in _ATTENTION_SHAPES:
-        q, k, v = (torch.randn(slices, 1, s, d, requires_grad=True) for _ in range(3))
-
-        def fb():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        rows.append((4.0 * slices * s * s * d, float(slices), _timed_median(fb, 0.15) / 3))
+        pool = _pool(lambda: tuple(torch.randn(slices, 1, s, d, requires_grad=True) for _ in range(3)))
+        rows.append((4.0 * slices * s * s * d, float(slices), _timed_median(_rotating(pool, fb), 0.15) / 3))
     (f1, b1, t1), (f2, b2, t2) = rows
     det = f1 * b2 - f2 * b1
     inv_rate, overhead = (t1 * b2 - t2 * b1) / det, (f1 * t2 - f2 * t1) / det
@@ -1072,13 +1098,14 @@ def _measure_local() -> Cluster:
         f"(torch {torch.__version__}, {os.cpu_count()} cpus)",
         f"peak_flops: fp32 matmuls n={list(_MATMUL_SIZES)} on 1 thread, best size's median rate "
         f"over ~{_MATMUL_SECONDS}s each; matmul_efficiency {matmul:.2f}: the forward and backward products "
-        f"of linear layers (m, k, n) in {list(_LINEAR_SHAPES)}, FLOPs / summed median times / peak",
+        f"of linear layers (m, k, n) in {list(_LINEAR_SHAPES)}, each call's operands from the next copy of a "
+        f"{_POOL_BYTES >> 20} MiB pool (read from memory, not a hot cache), FLOPs / summed median times / peak",
         f"attention: causal SDPA forward + backward on (slices, s, d) in {list(_ATTENTION_SHAPES)}, "
-        f"time = 3(4*B*s^2*d / rate + B*overhead): attention_efficiency {attention:.2f}, "
+        f"inputs from a pool likewise, time = 3(4*B*s^2*d / rate + B*overhead): attention_efficiency {attention:.2f}, "
         f"attention_overhead {attention_overhead * 1e6:.2f} us per slice",
         f"mem_bandwidth: copy_ of {_COPY_BYTES >> 20} MiB fp32 on 1 thread, (read + write) / median time; "
-        f"memory_efficiency {pointwise:.2f}: GeLU, LayerNorm, softmax and add on 512x256 fp32, bytes / summed "
-        "median times / that",
+        f"memory_efficiency {pointwise:.2f}: GeLU, LayerNorm, softmax and add on 512x256 fp32 from a pool likewise, "
+        "bytes / summed median times / that",
         f"gloo-tcp: dist.all_reduce fp32 on {_GLOO_WORLD} processes (1 thread each), "
         f"{_GLOO_SIZES[0] >> 10} KiB..{_GLOO_SIZES[-1] >> 20} MiB by 4x, median of {_GLOO_REPS} after "
         f"{_GLOO_WARMUP} warm-ups, each after ~1 ms of matmuls on every rank (its excess over the same "
