@@ -526,8 +526,9 @@ def _measure_matmul_efficiency(peak: float) -> float:
 def _measure_attention(peak: float) -> tuple[float, float]:
     """(fraction of ``peak``, seconds per (row, head) slice) of the fused causal attention
     kernel on one thread: forward + backward timed on a short-head and a long-head shape of
-    _ATTENTION_SHAPES (each call's q, k, v from the next copy of a pool, ``_pool``) and solved for time = 3 (4·B·s²·d / rate + B·overhead), B slices
-    (backward as two forwards, the model's rule)."""
+    _ATTENTION_SHAPES (each call's q, k, v from the next copy of a pool, ``_pool``) and solved
+    for time = 3 (4·B·s²·d / rate + B·overhead), B slices (backward as two forwards, the
+    model's rule)."""
     rows = []
 
     def fb(q, k, v):
