@@ -3,7 +3,7 @@ against every plan it could have picked.
 
     python benchmarks/bench_holdout.py [--worlds 2 4] [--steps 41] [--passes 5] [--calibrations each|once] [--live-contention 0] [--statistic mean|median] [--measure alone|rounds] [--block 4] [--plans PART ...] [--skip-grid] [--quality]
     python benchmarks/bench_holdout.py --compare LOG_A LOG_B [LOG ...]
-    python benchmarks/bench_holdout.py --repredict LOG [--set PART.FIELD=NUMBER ...]
+    python benchmarks/bench_holdout.py --repredict LOG [--trials] [--set PART.FIELD=NUMBER ...]
 
 1. Hold-out grid (default): GPT (``autopar.models.TinyGPT``) at widths 32/64/96 x depths 2/4 x
    sequence lengths 16/48, and the test suite's Llama (``autopar.models.Llama()``), under one
@@ -63,7 +63,8 @@ against every plan it could have picked.
    against the geometric mean of all the runs' measurements.
 4. ``--repredict LOG``: a grid this script printed, its rows predicted again by the code as it
    is on the cached local preset (``AUTOPAR_CACHE``: the run's own calibration), against that
-   grid's measurements; ``--set`` replaces numbers of the preset first (``device.FIELD`` or a
+   grid's measurements (``--trials``: each pass from its own trial's calibration, kept beside
+   the cache, against that pass's measurement); ``--set`` replaces numbers of the preset first (``device.FIELD`` or a
    link's, ``intra``/``inter``/``shared``). How a change to the model reads on runs already
    measured.
 """
@@ -410,6 +411,35 @@ def parse_grid(path: str) -> dict:
     return rows
 
 
+def parse_passes(path: str) -> dict:
+    """(world, model, plan) -> each pass's measured ms, from a grid this script printed with
+    several passes (the columns after a row's ratio: the passes' steps, then their predictions);
+    rows without them are left out."""
+    out, world = {}, None
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"## hold-out grid: world (\d+)", line)
+            if m:
+                world = int(m.group(1))
+                continue
+            m = _ROW.match(line)
+            parts = line.split("|")
+            if m and world is not None and len(parts) >= 5:
+                out[(world, m.group(1), m.group(2))] = [float(x) for x in parts[3].split()]
+    return out
+
+
+def trial_clusters(passes: int) -> list:
+    """The calibrations of a run's trials, read from its cache (``AUTOPAR_CACHE``): trial 0's is
+    the cache itself, trial i's ``local_cluster.trial{i}.json`` beside it (``trial_cluster``);
+    None where a trial's file is missing."""
+    from autopar.cost import cache
+    from autopar.cost.cluster import cached_local
+    base = cache.cache_path()
+    return [cached_local(base if i == 0 else os.path.join(os.path.dirname(base), f"local_cluster.trial{i}.json"))
+            for i in range(passes)]
+
+
 def compare(*paths: str) -> None:
     """How far printed grids' measurements of the same rows are apart (the measurement's own
     repeatability: no prediction can be closer to one run than the runs are to each other):
@@ -469,21 +499,40 @@ def with_fields(cluster, sets=()):
     return cluster
 
 
-def repredict(path: str, cluster, sets=()) -> dict:
+def repredict(path: str, cluster, sets=(), trials: bool = False) -> dict:
     """A grid this script printed, its rows predicted again by this code on ``cluster`` (with
     ``with_fields(sets)``) against the grid's own measurements: how a change to the model reads
-    on a run without measuring it again. Returns (world, model, plan) -> predicted / measured."""
+    on a run without measuring it again. ``trials``: each pass predicted again from its own
+    trial's calibration (``trial_clusters``, each with ``sets``) against that pass's
+    measurement, a row's ratio the median over its passes, as the grid computed it
+    (``trial_ratio``); a run whose machine moved between passes reads on its own calibrations
+    rather than on trial 0's alone. Returns (world, model, plan) -> predicted / measured."""
     rows = parse_grid(path)
     if not rows:
         raise SystemExit(f"--repredict {path}: no grid rows found (expected a log this script printed)")
-    cluster = with_fields(cluster, sets)
+    per_pass = parse_passes(path) if trials else {}
+    if trials:
+        if set(per_pass) != set(rows):
+            raise SystemExit(f"--repredict {path} --trials: rows without their passes' steps (a grid of one pass?)")
+        counts = {len(v) for v in per_pass.values()}
+        clusters = trial_clusters(max(counts))
+        missing = [i for i, c in enumerate(clusters) if c is None]
+        if len(counts) != 1 or missing:
+            raise SystemExit(f"--repredict --trials: passes per row {sorted(counts)}, trial calibrations missing "
+                             f"{missing} beside {os.environ.get('AUTOPAR_CACHE', 'the cache')}: pass the run's own "
+                             "AUTOPAR_CACHE, which holds local_cluster.trial1.json ... of --calibrations each")
+        clusters = [with_fields(c, sets) for c in clusters]
+    else:
+        clusters = [with_fields(cluster, sets)]
     models = {k: (k, spec, b) for k, spec, b in grid_models()}
     out = {}
     for world in sorted({w for w, _, _ in rows}):
         keys = [k for k in rows if k[0] == world]
         plan_list = [p for p in plans(world) if any(k[2] == p[0] for k in keys)]
-        pred = predictions([models[m] for m in dict.fromkeys(k[1] for k in keys)], plan_list, cluster)
-        out.update({k: pred[(k[1], k[2])].step_time_s * 1e3 / rows[k][0] for k in keys})
+        preds = [predictions([models[m] for m in dict.fromkeys(k[1] for k in keys)], plan_list, c) for c in clusters]
+        for k in keys:
+            ms = [pred[(k[1], k[2])].step_time_s * 1e3 for pred in preds]
+            out[k] = trial_ratio(ms, per_pass[k]) if trials else ms[0] / rows[k][0]
     for world in sorted({w for w, _, _ in out}) + [None]:
         keys = [k for k in out if world in (None, k[0])]
         for label, ratio in (("as printed (its 0.1 ms rows)", {k: rows[k][1] / rows[k][0] for k in keys}),
@@ -541,6 +590,9 @@ def main():
     ap.add_argument("--repredict", metavar="LOG",
                     help="a grid this script printed: its rows predicted again by this code on the cached local "
                          "preset (AUTOPAR_CACHE: the run's own calibration), against the grid's measurements")
+    ap.add_argument("--trials", action="store_true",
+                    help="--repredict: each pass from its own trial's calibration (local_cluster.trialN.json "
+                         "beside the cache), a row's ratio the median over its passes")
     ap.add_argument("--set", nargs="+", default=[], metavar="PART.FIELD=NUMBER",
                     help="--repredict: preset numbers to replace first, e.g. shared.overlap_loss=1.0")
     args = ap.parse_args()
@@ -549,7 +601,7 @@ def main():
         return
     if args.repredict:
         from autopar.cost.cluster import get_cluster
-        repredict(args.repredict, get_cluster("local"), args.set)
+        repredict(args.repredict, get_cluster("local"), args.set, args.trials)
         return
     from autopar.cost.calibration import calibrate_local
     c = calibrate_local()

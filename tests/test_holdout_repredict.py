@@ -150,3 +150,28 @@ def test_the_contention_read_before_a_models_plans_replaces_the_calibrations_for
             "|pred/meas - 1| mean 20.0%, worst 30.0% (gpt h32 L2 s16, ddp, world 2), 1 within 25%") in out
     bench_holdout.live_summary([dict(world=2, model=key, plan="ddp", ratio=1.0)], "world 2")
     assert capsys.readouterr().out == ""
+
+
+def test_repredict_trials_reads_each_pass_against_its_own_calibration(tmp_path, monkeypatch):
+    """--repredict --trials: pass i of a row is predicted again on trial i's calibration (with
+    the --set numbers) against pass i's measurement, and the row's ratio is the median of those,
+    as the grid computed it; a grid without its passes' column is refused with what it expected."""
+    log = tmp_path / "grid.log"
+    log.write_text(GRID.splitlines()[0] + "\n" + "gpt h32 L2 s16   ddp                112,512    112,512 |    0.674   "
+                   "0.690  1.02 |      5.1     4.3  0.84 | 4.0 5.1 6.5 | 4.1 4.3 4.6\n")
+    base = get_cluster("dgx-a100-80gb")
+    trials = [base.with_(device=dataclasses.replace(base.device, op_overhead=o)) for o in (2e-5, 1e-4, 4e-5)]
+    monkeypatch.setattr(bench_holdout, "trial_clusters", lambda n: trials[:n])
+    assert bench_holdout.parse_passes(str(log)) == {(2, "gpt h32 L2 s16", "ddp"): [4.0, 5.1, 6.5]}
+    got = bench_holdout.repredict(str(log), base, trials=True)[(2, "gpt h32 L2 s16", "ddp")]
+    each = [_expected(c, "ddp") * 5.1 / m for c, m in zip(trials, (4.0, 5.1, 6.5))]
+    assert got == pytest.approx(sorted(each)[1], rel=1e-9) and len(set(each)) == 3
+    moved = bench_holdout.repredict(str(log), base, ["device.op_overhead=1e-3"], trials=True)
+    assert moved[(2, "gpt h32 L2 s16", "ddp")] > got          # the setting applies to every trial's calibration
+    plain = tmp_path / "plain.log"
+    plain.write_text(GRID)
+    with pytest.raises(SystemExit, match="rows without their passes' steps"):
+        bench_holdout.repredict(str(plain), base, trials=True)
+    monkeypatch.setattr(bench_holdout, "trial_clusters", lambda n: [trials[0], None, trials[2]])
+    with pytest.raises(SystemExit, match=r"trial calibrations missing \[1\]"):
+        bench_holdout.repredict(str(log), base, trials=True)
