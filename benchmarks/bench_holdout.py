@@ -396,9 +396,9 @@ _ROW = re.compile(r"(gpt h\d+ L\d+ s\d+|llama)\s+(\S+(?: \S+)?)\s+([\d,]+)\s+([\
                   r"\s+([\d.]+) \|\s+([\d.]+)\s+([\d.]+)")
 
 
-def parse_grid(path: str) -> dict:
-    """(world, model, plan) -> (measured ms, predicted ms) from a grid this script printed."""
-    rows, world = {}, None
+def _grid_rows(path: str):
+    """(world, row match, the line) of each row of the grids this script printed in ``path``."""
+    world = None
     with open(path) as f:
         for line in f:
             m = re.match(r"## hold-out grid: world (\d+)", line)
@@ -407,26 +407,21 @@ def parse_grid(path: str) -> dict:
                 continue
             m = _ROW.match(line)
             if m and world is not None:
-                rows[(world, m.group(1), m.group(2))] = (float(m.group(8)), float(m.group(9)))
-    return rows
+                yield world, m, line
+
+
+def parse_grid(path: str) -> dict:
+    """(world, model, plan) -> (measured ms, predicted ms) from a grid this script printed."""
+    return {(world, m.group(1), m.group(2)): (float(m.group(8)), float(m.group(9)))
+            for world, m, _ in _grid_rows(path)}
 
 
 def parse_passes(path: str) -> dict:
     """(world, model, plan) -> each pass's measured ms, from a grid this script printed with
     several passes (the columns after a row's ratio: the passes' steps, then their predictions);
     rows without them are left out."""
-    out, world = {}, None
-    with open(path) as f:
-        for line in f:
-            m = re.match(r"## hold-out grid: world (\d+)", line)
-            if m:
-                world = int(m.group(1))
-                continue
-            m = _ROW.match(line)
-            parts = line.split("|")
-            if m and world is not None and len(parts) >= 5:
-                out[(world, m.group(1), m.group(2))] = [float(x) for x in parts[3].split()]
-    return out
+    return {(world, m.group(1), m.group(2)): [float(x) for x in line.split("|")[3].split()]
+            for world, m, line in _grid_rows(path) if len(line.split("|")) >= 5}
 
 
 def trial_clusters(passes: int) -> list:
