@@ -165,13 +165,19 @@ def _step(per_rank, k, statistic: str = "mean") -> float:
     return max(STATISTICS[statistic](r[k]["times"]) for r in per_rank)
 
 
+def trial_path(i: int) -> str:
+    """Where trial ``i``'s calibration is kept: the local preset's cache for trial 0, beside it
+    as ``local_cluster.trial{i}.json`` for the others."""
+    from autopar.cost import cache
+    base = cache.cache_path()
+    return base if i == 0 else os.path.join(os.path.dirname(base), f"local_cluster.trial{i}.json")
+
+
 def trial_cluster(i: int):
     """A calibration of its own for trial ``i`` (> 0) of ``--calibrations each``, measured now and
-    kept beside the local preset's cache as ``local_cluster.trial{i}.json`` (the cache itself,
-    trial 0's, is left as it was)."""
-    from autopar.cost import cache
+    kept at ``trial_path(i)`` (the cache itself, trial 0's, is left as it was)."""
     from autopar.cost.calibration import calibrate_local
-    path = os.path.join(os.path.dirname(cache.cache_path()), f"local_cluster.trial{i}.json")
+    path = trial_path(i)
     c = calibrate_local(force=True, cache_path=path)
     print(f"\ntrial {i}: local preset measured again (kept in {path}):\n  " + c.source.replace("\n", "\n  "),
           flush=True)
@@ -425,14 +431,10 @@ def parse_passes(path: str) -> dict:
 
 
 def trial_clusters(passes: int) -> list:
-    """The calibrations of a run's trials, read from its cache (``AUTOPAR_CACHE``): trial 0's is
-    the cache itself, trial i's ``local_cluster.trial{i}.json`` beside it (``trial_cluster``);
-    None where a trial's file is missing."""
-    from autopar.cost import cache
+    """The calibrations of a run's trials, read from its cache (``AUTOPAR_CACHE``) at
+    ``trial_path``; None where a trial's file is missing."""
     from autopar.cost.cluster import cached_local
-    base = cache.cache_path()
-    return [cached_local(base if i == 0 else os.path.join(os.path.dirname(base), f"local_cluster.trial{i}.json"))
-            for i in range(passes)]
+    return [cached_local(trial_path(i)) for i in range(passes)]
 
 
 def compare(*paths: str) -> None:
@@ -505,8 +507,8 @@ def repredict(path: str, cluster, sets=(), trials: bool = False) -> dict:
     rows = parse_grid(path)
     if not rows:
         raise SystemExit(f"--repredict {path}: no grid rows found (expected a log this script printed)")
-    per_pass = parse_passes(path) if trials else {}
     if trials:
+        per_pass = parse_passes(path)
         if set(per_pass) != set(rows):
             raise SystemExit(f"--repredict {path} --trials: rows without their passes' steps (a grid of one pass?)")
         counts = {len(v) for v in per_pass.values()}
