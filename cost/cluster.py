@@ -69,6 +69,11 @@ class Link:
     #                      follows that much compute on every rank, round after round with no
     #                      barrier to line them up (ranks drift apart, the more so when they share
     #                      cores and the longer they compute), which replaces the fit's alpha
+    skew_scale: float = 1.0   # measured links: what a collective of autopar's own tensor-parallel
+    #                      steps blocks its rank for, over what ``skew`` gives at the CPU work its
+    #                      steps do between collectives (the calibration's tp stacks); every skew
+    #                      latency is taken at this scale: the table's shape along the compute, its
+    #                      level on the runtime's own steps. 1: the table as measured
     tail: tuple = ()     # measured links: (seconds, seconds per second): what the exchanges after a
     #                      pipeline's schedule (the tied gradients', the loss broadcast) cost the rank
     #                      that finishes it last beyond their p2p time, as a + b x how long the other
@@ -89,6 +94,9 @@ class Link:
         if self.tail and not (len(self.tail) == 2 and all(math.isfinite(x) and x >= 0 for x in self.tail)):
             raise ValueError(f"Link {self.name!r}: tail must be (seconds, seconds per second of waiting), both "
                              f"finite and >= 0, or (); got {self.tail!r}")
+        if not (self.skew_scale > 0 and math.isfinite(self.skew_scale)):
+            raise ValueError(f"Link {self.name!r}: skew_scale must be a positive finite factor, got "
+                             f"{self.skew_scale!r}")
         if not 0.0 <= self.overlap_loss <= 1.0:
             raise ValueError(f"Link {self.name!r}: overlap_loss must be a fraction in [0, 1], got "
                              f"{self.overlap_loss!r}")

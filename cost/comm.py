@@ -92,7 +92,7 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     ``fits`` for ``kind`` (the local preset) uses that fit: alpha + beta · bytes sent per rank;
     one with a ``skew`` table (latencies among computing ranks) takes alpha from it at ``after``, the
     seconds each rank computed since the previous collective (1 ms when not given), linear
-    between the measured lengths and flat beyond them."""
+    between the measured lengths and flat beyond them, at the link's ``skew_scale``."""
     if p <= 1 or nbytes <= 0:
         return 0.0
     if kind == "p2p":
@@ -102,7 +102,7 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
         _, g, a, b = min(fits, key=lambda f: (abs(f[1] - p), -f[1]))
         table = sorted((t, al) for k, gs, t, al in getattr(link, "skew", ()) if k == kind and gs == g)
         if table:
-            a = _interpolate(table, 1e-3 if after is None else after)
+            a = _interpolate(table, 1e-3 if after is None else after) * getattr(link, "skew_scale", 1.0)
         return a + b * bytes_per_rank(kind, nbytes, p)
     alpha, beta = link.latency, 1.0 / link.bandwidth
     names = ALGORITHMS[kind] if algorithm == "auto" else [algorithm]

@@ -167,6 +167,33 @@ def test_skew_table_sets_the_latency_by_the_compute_before():
         assert collective_time("all_reduce", 4096, 2, crowded, after=after) == pytest.approx(alpha + 1e-9 * moved)
 
 
+def test_skew_scale_sets_the_tables_level_on_the_runtimes_own_steps():
+    """``Link.skew_scale`` multiplies every latency the skew table gives (its shape along the
+    compute kept), not the bandwidth term; the calibration's scale is what its tp stacks'
+    collectives blocked a rank for over the table's latency of their kinds after the CPU
+    work between them (``_skew_scale``), 1 where either is missing; a scale that is not a
+    positive finite number is refused."""
+    from autopar.cost.calibration.local import _skew_scale
+    from autopar.cost.comm import collective_time
+    fits = (("all_reduce", 2, 5e-4, 1e-9), ("all_gather", 2, 4e-4, 1e-9))
+    skew = (("all_reduce", 2, 2e-4, 1e-3), ("all_reduce", 2, 1e-3, 2e-3),
+            ("all_gather", 2, 2e-4, 6e-4), ("all_gather", 2, 1e-3, 1e-3))
+    link = Link("gloo", 1e9, 1e-4, fits=fits, skew=skew)
+    scaled = dataclasses.replace(link, skew_scale=0.75)
+    moved = 2 * (2 - 1) / 2 * 4096
+    assert collective_time("all_reduce", 4096, 2, scaled, after=6e-4) == pytest.approx(0.75 * 1.5e-3 + 1e-9 * moved)
+    # after 6e-4 s of CPU work the table says 1.5 ms (all-reduce) and 0.8 ms (all-gather)
+    blocked = 0.9e-3
+    # (the probe's collectives are of 4 bytes: their bandwidth term, 4 ns here, is within rel=1e-4)
+    assert _skew_scale(link, blocked, 6e-4, ["all_reduce"]) == pytest.approx((blocked / 1.5e-3, 1.5e-3), rel=1e-4)
+    assert _skew_scale(link, blocked, 6e-4, ["all_gather", "all_reduce"])[0] == pytest.approx(blocked / 1.15e-3, rel=1e-4)
+    assert _skew_scale(link, 0.0, 6e-4, ["all_reduce"])[0] == 1.0
+    assert _skew_scale(Link("gloo", 1e9, 1e-4, fits=fits), blocked, 6e-4, ["all_reduce"])[0] == 1.0
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="skew_scale"):
+            Link("gloo", 1e9, 1e-4, skew_scale=bad)
+
+
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
@@ -315,6 +342,7 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert sync["zero3"] > sync["ddp"]
     # the tp runtime's host work per collective, and every kind's latency among computing ranks
     assert 0 <= d.collective_overhead < 1e-2 and "collective_overhead" in c.source
+    assert 0.1 < c.intra.skew_scale < 10 and "skew_scale" in c.source
     assert {(k, g) for k, g, _, _ in c.intra.skew} >= {("all_reduce", 2), ("p2p", 2)}
     assert not c.mixed_precision and c.gpus_per_node >= 1
     kinds = {(k, g) for k, g, _, _ in c.intra.fits}

@@ -33,7 +33,7 @@ from autopar.testing import RankPool
 
 from .. import cache
 from ..cluster import Cluster, Device, Link, cached_local, slowdown
-from ..comm import bytes_per_rank
+from ..comm import bytes_per_rank, collective_time
 from ..compute import weighed_ops
 from ..drift import fingerprint
 from ..estimate import Profiles, loss_broadcast_time, partition, tied_exchange_time
@@ -937,18 +937,25 @@ def _sync_probe(modes: tuple, steps: int) -> dict:
         for _ in range(3):
             step()
     times = {key: [] for key in steps_of}
+    walls = {key: [] for key in steps_of if key[0] == "tp"}
     for _ in range(steps):
         for key, step in steps_of.items():
-            c0 = time.thread_time()
+            if key in walls:    # the ranks lined up: the wall time is the step's, not a wait for a late peer
+                dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
             step()
             times[key].append(time.thread_time() - c0)
+            if key in walls:
+                walls[key].append(time.perf_counter() - t0)
     dist.barrier()
     out = {key: statistics.median(ts) for key, ts in times.items()}
+    out.update({("tp wall", key[1]): statistics.median(ts) for key, ts in walls.items()})
     for blocks in _SYNC_BLOCKS:     # the collectives a tp step issues, as the module counts them
         stats = steps_of[("tp", blocks)].stats
         stats.reset()
         steps_of[("tp", blocks)]()
         out[("tp collectives", blocks)] = sum(n for (axis, _, _), n in stats.calls.items() if axis == "tp")
+    out[("tp kinds",)] = sorted(stats.calls)
     return out
 
 
@@ -1001,7 +1008,28 @@ def _measure_sync_overhead(ranks: _Ranks, op_weights: tuple, op: float, ratio: f
     # ddp-mode bookkeeping, which a tp-only mesh runs too), over the collectives added
     collectives = statistics.mean(growth(r, "tp collectives") for r in per_rank)
     tp = statistics.mean(growth(r, "tp") - growth(r, "adam") for r in per_rank) - charged - added * dict(sync)["ddp"]
-    return sync, max(0.0, tp) / max(1.0, collectives), collectives
+    # what the added collectives block a rank for (its wall growth beyond its CPU growth), and
+    # the CPU work a tp step does between two of them (its CPU growth over them): the level of
+    # the skew table on the runtime's own steps (``Link.skew_scale``)
+    n = max(1.0, collectives)
+    blocked = statistics.mean((growth(r, "tp wall") - growth(r, "tp")) / n for r in per_rank)
+    between = statistics.mean(growth(r, "tp") / n for r in per_rank)
+    kinds = sorted({kind for (axis, kind, _) in per_rank[0][("tp kinds",)] if axis == "tp"})
+    return sync, max(0.0, tp) / n, collectives, (max(0.0, blocked), between, kinds)
+
+
+def _skew_scale(link: Link, blocked: float, between: float, kinds: list) -> tuple:
+    """(``Link.skew_scale``, the table's latency it is taken against): ``blocked``, the seconds
+    a collective of autopar's own tp steps blocks its rank (``_measure_sync_overhead``), over
+    the mean of the skew table's latency of its ``kinds`` on 2-rank groups after ``between``
+    seconds of CPU work; 1 where either is not measured (no blocking, or no table for those
+    kinds)."""
+    kinds = [kind for kind in kinds if any(k == kind and g == _GLOO_WORLD for k, g, _, _ in link.skew)]
+    table = [collective_time(kind, 4, _GLOO_WORLD, link, after=between) for kind in kinds]
+    table = statistics.mean(table) if table else 0.0
+    if not (blocked > 0 and table > 0):
+        return 1.0, table
+    return blocked / table, table
 
 
 def _slowdowns(alone: float, crowded: dict) -> tuple:
@@ -1072,7 +1100,7 @@ def _measure_local() -> Cluster:
         # then the probes on processes, grouped by world size: each pool starts once
         overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
             _measure_op_overhead(ranks, op_weights)
-        sync, collective_overhead, tp_added = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
+        sync, collective_overhead, tp_added, tp_blocked = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
@@ -1087,7 +1115,8 @@ def _measure_local() -> Cluster:
         torch.set_num_threads(threads)
     contention = _slowdowns(alone, loops)
     synthetic_hop = _fit_hop(pipe_alone, _GLOO_WORLD, cores, contention)
-    gloo = dataclasses.replace(gloo, hop=_fit_runtime_hop(replays, cores, contention, ("1f1b",)),
+    skew_scale, skew_table = _skew_scale(gloo, *tp_blocked)
+    gloo = dataclasses.replace(gloo, skew_scale=skew_scale, hop=_fit_runtime_hop(replays, cores, contention, ("1f1b",)),
                                hop_interleaved=_fit_runtime_hop(replays, cores, contention, ("interleaved",)),
                                tail=_fit_tail(tails, gloo))
     if shared is not None:
@@ -1143,7 +1172,11 @@ def _measure_local() -> Cluster:
         + ", ".join(f"{m} {v * 1e6:.1f} us" for m, v in sync),
         f"collective_overhead: the same stacks on Mesh(tp={_GLOO_WORLD}) under Plan(tp=True), their growth "
         f"less the added ops, AdamW's growth and the ddp bookkeeping, over the {tp_added:.0f} runtime "
-        f"collectives added (as the module counts them): {collective_overhead * 1e6:.1f} us per collective",
+        f"collectives added (as the module counts them): {collective_overhead * 1e6:.1f} us per collective; "
+        f"skew_scale {skew_scale:.2f}: the same tp steps' wall growth beyond their CPU growth, per added collective "
+        f"({tp_blocked[0] * 1e6:.0f} us, each step after a barrier), over the skew table's latency of their kind "
+        f"({', '.join(tp_blocked[2])}) after their CPU growth per collective ({tp_blocked[1] * 1e6:.0f} us): "
+        f"{skew_table * 1e6:.0f} us",
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
         "(excess over the same compute alone)" if shared else "",
