@@ -955,7 +955,7 @@ def _sync_probe(modes: tuple, steps: int) -> dict:
         stats.reset()
         steps_of[("tp", blocks)]()
         out[("tp collectives", blocks)] = sum(n for (axis, _, _), n in stats.calls.items() if axis == "tp")
-    out[("tp kinds",)] = sorted(stats.calls)
+    out[("tp kinds",)] = sorted(steps_of[("tp", _SYNC_BLOCKS[-1])].stats.calls)     # (axis, kind, phase)
     return out
 
 
