@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["cache_path", "load_local", "store_local", "problem"]
 
-FORMAT_VERSION = 40
+FORMAT_VERSION = 41
 
 
 def cache_path() -> str:

@@ -11,9 +11,9 @@ counts (2 x 4 x 8), and weighed by the mean of the probe layer's ops: the probe'
 what they did (the fit's slope is unchanged) and other mixes what their ops cost.
 
 Each sample maps a tensor to one of a stable shape so the op can be chained: the time of 24
-applications less that of 4, forward and then backward (``sum().backward()``), over 20, the
-median over rounds that go through every op in turn (a slow moment of the machine falls on
-all). A sample that needs other ops around its own (``cat`` of two slices) has their measured
+applications less that of 4, forward and then backward (``sum().backward()``), over 20, each
+chain's fastest of rounds that go through every op in turn (a chain the scheduler interrupted
+only reads longer). A sample that needs other ops around its own (``cat`` of two slices) has their measured
 time taken off.
 """
 from __future__ import annotations
@@ -118,17 +118,21 @@ def _chain(fn, n: int, x: torch.Tensor) -> tuple:
 def _raw_seconds(rounds: int = _ROUNDS) -> dict:
     """op name -> (forward, backward) seconds of one op of each sample (its helpers' taken off)."""
     samples = _samples()
-    got = {name: ([], []) for name, *_ in samples}
+    got = {name: [] for name, *_ in samples}     # each round's (short forward, short backward, long ...)
     for r in range(rounds + 2):                  # two warm-up rounds
         for name, fn, per, _ in samples:
             x = torch.rand(*SHAPE).add_(0.5).requires_grad_()
-            (fs, bs), (fl, bl) = _chain(fn, _SHORT, x), _chain(fn, _LONG, x)
             if r >= 2:
-                got[name][0].append((fl - fs) / (_LONG - _SHORT) / per)
-                got[name][1].append((bl - bs) / (_LONG - _SHORT) / per)
+                got[name].append(_chain(fn, _SHORT, x) + _chain(fn, _LONG, x))
+            else:
+                _chain(fn, _SHORT, x), _chain(fn, _LONG, x)
     out = {}
-    for name, _, _, helpers in samples:          # helpers come first, so their time is known
-        f, b = (statistics.median(v) for v in got[name])
+    for name, _, per, helpers in samples:        # helpers come first, so their time is known
+        # each chain's fastest round: a chain of microseconds that the scheduler interrupted
+        # only reads longer, and a difference of single timings went below zero for the
+        # linear's forward in most rounds on a busy machine (2026-12-06)
+        fs, bs, fl, bl = (min(t[i] for t in got[name]) for i in range(4))
+        f, b = (fl - fs) / (_LONG - _SHORT) / per, (bl - bs) / (_LONG - _SHORT) / per
         f -= sum(k * out[h][0] for h, k in helpers.items())
         b -= sum(k * out[h][1] for h, k in helpers.items())
         out[name] = (max(f, 0.0), max(b, 0.0))
