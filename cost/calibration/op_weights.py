@@ -13,8 +13,8 @@ what they did (the fit's slope is unchanged) and other mixes what their ops cost
 Each sample maps a tensor to one of a stable shape so the op can be chained: the time of 24
 applications less that of 4, forward and then backward (``sum().backward()``), over 20, each
 chain's fastest of rounds that go through every op in turn (a chain the scheduler interrupted
-only reads longer). A sample that needs other ops around its own (``cat`` of two slices) has their measured
-time taken off.
+only reads longer). A sample that needs other ops around its own (``cat`` of two slices) has
+their measured time taken off.
 """
 from __future__ import annotations
 
@@ -122,10 +122,9 @@ def _raw_seconds(rounds: int = _ROUNDS) -> dict:
     for r in range(rounds + 2):                  # two warm-up rounds
         for name, fn, per, _ in samples:
             x = torch.rand(*SHAPE).add_(0.5).requires_grad_()
+            timed = _chain(fn, _SHORT, x) + _chain(fn, _LONG, x)
             if r >= 2:
-                got[name].append(_chain(fn, _SHORT, x) + _chain(fn, _LONG, x))
-            else:
-                _chain(fn, _SHORT, x), _chain(fn, _LONG, x)
+                got[name].append(timed)
     out = {}
     for name, _, per, helpers in samples:        # helpers come first, so their time is known
         # each chain's fastest round: a chain of microseconds that the scheduler interrupted
