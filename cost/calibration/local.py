@@ -1161,7 +1161,7 @@ def _measure_local() -> Cluster:
         f"{split_pass * 1e6:.0f} us per W action, {split_op * 1e6:.1f} us per matmul; split_forward_share: the F "
         f"actions' growth over that, summed over the pipelines' ranks: {split_share:.2f}",
         f"op_weights: each of {len(SAMPLES)} ops timed alone on {'x'.join(map(str, _OP_WEIGHT_SHAPE))} fp32 "
-        f"(1 thread), chains of 24 less 4 forward and backward, median of rounds through all in turn, over the "
+        f"(1 thread), chains of 24 less 4 forward and backward, each chain's fastest of rounds through all in turn, over the "
         f"mean of a probe layer's ops (h=8: {sum(probe_mix.values())} ops): "
         + ", ".join(f"{n} {f:.2f}/{b:.2f}" for n, f, b in op_weights) + ",",
         f"sync_overhead: thread CPU time of training steps of a synthetic stack (blocks of 2 x (LayerNorm, "
