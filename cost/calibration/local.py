@@ -621,24 +621,6 @@ def _measure_op_overhead(ranks: _Ranks, op_weights: tuple) -> tuple:
             split_share, replays, _tails(pipelines, per_rank))
 
 
-def _op_readings(readings: list) -> tuple:
-    """``_measure_op_overhead``'s result from several readings of it taken a minute or more
-    apart: each number the mean of the readings', the hop pipelines' replays and the tail
-    points of all of them together (their fits take the median and a line through them).
-
-    Why two readings: one reading lasts about ten seconds, and on this shared machine it moves
-    by 10-50% from one minute to the next while the work it stands for does not
-    (2026-12-06: five readings a minute apart, each on fresh processes, 8.4-10.2 us an op;
-    two calibrations an hour apart 9.5 and 14.6 us, while the same 1F1B pipeline of the
-    hold-out grid (gpt h32 L4 s48, 2 processes) spent 12.8 and 13.6 ms of CPU in its actions a
-    step; the reference workload of ``cost.drift`` read 0.86-0.87 us and 203-213 us throughout).
-    The per-op cost scales every step time the estimate gives, so each calibration's reading
-    moved its predictions by as much (BENCHMARKS.md, hold-out, run 69). The mean of readings at
-    the calibration's start and end samples the machine at two moments instead of one."""
-    numbers = [statistics.mean(r[i] for r in readings) for i in range(8)]
-    return (*numbers, [x for r in readings for x in r[8]], [x for r in readings for x in r[9]])
-
-
 def _tails(pipelines: tuple, per_rank: list) -> list:
     """Per 1F1B pipeline among the ``_HOP_PIPELINES`` and ``_TAIL_PIPELINES`` of
     ``_op_overhead_probe``'s results: (the pipeline, the mean over steps of how long the rank
@@ -1115,19 +1097,16 @@ def _measure_local() -> Cluster:
         probe_mix = _probe_layer_ops()
         op_weights = measure_op_weights(probe_mix)
         alone = _stack_seconds(_CONTENTION_SECONDS)
-        # then the probes on processes, grouped by world size: each pool starts once, but for
-        # the op-overhead probe's second reading, taken after the others (_op_readings)
-        readings = [_measure_op_overhead(ranks, op_weights)]
+        # then the probes on processes, grouped by world size: each pool starts once
+        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
+            _measure_op_overhead(ranks, op_weights)
+        sync, collective_overhead, tp_added, tp_blocked = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
                 shared, _, pipe_shared = _measure_gloo(ranks, k)
             loops[k] = [ranks(_contention_probe, k, _CONTENTION_READING_SECONDS, timeout=120)
                         for _ in range(_CONTENTION_READINGS)]
-        readings.append(_measure_op_overhead(ranks, op_weights))
-        overhead, pass_overhead, ratio, share, message_overhead, split_pass, split_op, split_share, replays, tails = \
-            _op_readings(readings)
-        sync, collective_overhead, tp_added, tp_blocked = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
         ranks.close()
         # alone again, and the quicker of the two: a loop alone is only ever slowed by others
         alone = min(alone, _stack_seconds(_CONTENTION_SECONDS))
@@ -1172,9 +1151,7 @@ def _measure_local() -> Cluster:
         f"op_overhead, pass_overhead: CPU time of the F and B actions per micro-batch of 2-stage 1F1B "
         f"pipelines (4 micro-batches) of GPTs of h=8 with 2 and 10 layers compiled by autopar, on 2 "
         f"processes, stepped in turn, the F actions fitted as pass + ops x op (each op weighed by op_weights), "
-        f"the B actions likewise; each number the mean of {len(readings)} readings, one before the gloo and "
-        f"contention probes and one after them (per reading: "
-        + ", ".join(f"{r[0] * 1e6:.1f} us, {r[1] * 1e6:.0f} us" for r in readings) + "): "
+        f"the B actions likewise: "
         f"{overhead * 1e6:.1f} us per op forward, backward_op_ratio {ratio:.2f} x that per op backward, "
         f"{pass_overhead * 1e6:.0f} us per stage pass (backward_pass_share {share:.2f}); message_overhead: a send or receive action's CPU "
         f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
