@@ -243,6 +243,43 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
                              schedule="interleaved") == pytest.approx(5e-4 + 1e-6)
 
 
+def test_the_wake_is_fitted_on_pipelines_where_a_woken_rank_can_find_every_core_taken(caplog):
+    """``Link.wake`` (a rank its message woke waits that long for a core when every one is
+    taken) is fitted on 4-stage pipelines on 4 processes sharing 2 cores, one stage a process:
+    the estimate places those as one group of both cores, where 3 or 4 ranks compute at once
+    and a woken rank waits. The fit inverts the replay: a schedule made with wake w fits w, from
+    the ranks' results in any order (each row names its stage), each middle stage's actions
+    carrying two messages' CPU time (a receive and a send per pass), the ends' one. The old
+    probe's 2 stages of 2 replicas each are placed as a core per stage, where no wake ever
+    meets a full group: its replay does not move with the wake, so it could only fit 0."""
+    from autopar.cost.calibration import local
+    from autopar.cost.replay import pipeline_placement, simulate_shared
+    from autopar.cost.cluster import slowdown
+    from autopar.schedule import build_schedule
+    f, b, msg, hop, w = 6e-4, 7e-4, 1.3e-4, 4e-4, 1.5e-3
+    shared = ((2, 1.0), (4, 2.0))           # time-sharing alone: 4 processes on 2 cores at half speed
+    speed, placement = pipeline_placement(4, 4, 2, lambda k: slowdown(shared, 2, k))
+    msgs = [1, 2, 2, 1]
+    measured = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
+                               + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
+                               wake=w, rendezvous=True).makespan
+    # _op_overhead_probe's row per rank: (compute, ops, message CPU, {kind: action CPU}, schedule, stage, tail)
+    rows = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, measured - 1e-5 * (3 - s), s, [])] for s in (2, 0, 3, 1)]
+    assert local._fit_runtime_wake(rows, 2, shared, hop) == pytest.approx(w, rel=1e-3)
+    none = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
+                           + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
+                           rendezvous=True).makespan
+    assert measured > none + w          # the wake is on the schedule's path more than once
+    at_none = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, none, s, [])] for s in range(4)]
+    assert local._fit_runtime_wake(at_none, 2, shared, hop) == pytest.approx(0.0, abs=1e-9)
+    with caplog.at_level("WARNING"):
+        slow = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, 10.0, s, [])] for s in range(4)]
+        assert local._fit_runtime_wake(slow, 2, shared, hop) == 0.0
+    assert "no wake fitted" in caplog.text
+    # the synthetic probe's shape: 2 stages of 2 replicas on 4 processes, 2 cores
+    assert len({local._pipeline_replay(4, 2, shared, hop, x) for x in (0.0, 1e-3, 5e-3)}) == 1
+
+
 def test_the_schedule_tail_is_a_line_through_the_probes_excess_by_the_wait():
     """``_tails`` pairs the two ranks' steps of each 1F1B probe pipeline: the wait is how long
     the first rank to end its schedule waited for the last, the time past the schedule the last

@@ -736,6 +736,48 @@ def _fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tu
     return statistics.median(fits) if fits else 0.0
 
 
+def _fit_runtime_wake(per_rank: list, cores: int, contention: tuple, hop: float) -> float:
+    """``Link.wake`` of ranks sharing cores: the wait for a core, when every one is taken, of a
+    rank its message woke, at which the cost model's replay of autopar's own pipelines on as many
+    processes as stages lasts their measured schedules. ``per_rank``: ``_op_overhead_probe``'s
+    results on 2 x cores processes for the ``_WAKE_PIPELINES`` (1F1B, one stage a process, so
+    that the estimate's placement makes them one group of every core, where a woken rank can
+    find them all taken: ``pipeline_placement``). Replayed as ``_fit_runtime_hop`` replays the
+    2-process pipelines: each stage's median F and B action CPU times, plus its messages' CPU
+    times as the estimate adds them (a receive and a send per pass in the middle stages), the
+    ``hop`` fitted on 2 processes, the measured ``contention``, sends moving once their receive
+    is posted; the median of the pipelines' fits (bisection; 0 where even none replays slower).
+
+    Why a pipeline of the runtime's and not ``_pipeline_probe``'s bare matmuls: that probe runs
+    2 stages of 2 replicas each on 4 processes, which the estimate places as a core per stage, so
+    no wake ever meets a full group there and its fit could only read 0 (the synthetic fit read
+    0.00 ms in every calibration of hold-out run 70). On this machine (2026-12-06, 4 processes
+    on 2 cores), the hold-out's gpt h96 L4 s48 under zero-bubble replayed from its own measured
+    actions at the fitted hop lasted 30.0 ms against a measured 32.6-35.5 ms schedule; a wake of
+    2 ms replayed 33.9 ms (its h32 L2 s16: 14.5 ms at none, 17.2 ms at 1 ms, measured 14.9-17.6)."""
+    world = len(per_rank)
+    crowd = functools.partial(slowdown, contention, cores)
+    speed, placement = pipeline_placement(world, world, cores, crowd)
+    msgs = [(s > 0) + (s < world - 1) for s in range(world)]
+    schedule = build_schedule("1f1b", world, 4)
+    fits = []
+    for k in range(len(per_rank[0])):
+        rows = sorted((r[k] for r in per_rank), key=lambda row: row[5])      # by pipeline stage
+
+        def duration(a, rows=rows):
+            return rows[a.stage][3][a.kind] + msgs[a.stage] * rows[a.stage][2]
+
+        def replay(wake, duration=duration):
+            return simulate_shared(schedule, duration=duration, latency=lambda a: hop, speed=speed,
+                                   placement=placement, wake=wake, rendezvous=True).makespan
+
+        fit = _bisect_latency(replay, max(row[4] for row in rows),
+                              f"a 1f1b pipeline's schedule on {world} processes", "wake")
+        if fit is not None:
+            fits.append(fit)
+    return statistics.median(fits) if fits else 0.0
+
+
 def _fit_line(points: list) -> tuple[float, float]:
     """Least-squares (slope, intercept) of y = intercept + slope x."""
     n = len(points)
@@ -750,11 +792,14 @@ _HOP_PIPELINES = ((2, "1f1b", 16), (4, "1f1b", 16), (4, "interleaved", 16))    #
 # (layers, schedule, h, seq): with the 1F1B hop pipelines, those _fit_tail fits (the other rank
 # waiting longer at the end: longer actions; widths and lengths none of the hold-out grid's)
 _TAIL_PIPELINES = ((4, "1f1b", 128, 24), (8, "1f1b", 80, 40))
+# (layers, schedule, h): those _fit_runtime_wake replays, one stage a process on 2 x cores processes
+_WAKE_PIPELINES = ((4, "1f1b", 16), (8, "1f1b", 16))
 _PROBE_VOCAB = 16       # the probe GPTs' vocabulary unless a pipeline gives one (its tied embedding)
 
 
 def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
-    """On each rank of 2-stage pipelines (2 processes; micro-batches of 2 sequences of 8 tokens,
+    """On each rank of pipelines of as many stages as processes (2 unless the wake probe's;
+    micro-batches of 2 sequences of 8 tokens,
     or of ``seq``) of GPTs of ``(layers, schedule, h[, seq[, vocab, heads]])`` each (vocabulary 16,
     2 heads unless given), all compiled first, then stepped in turn, round
     after round, each step after a barrier (a disturbance of the machine falls on all alike):
@@ -787,7 +832,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
         c = GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=heads, layers=layers, max_seq=seq)
         torch.manual_seed(0)
         x, t = gpt_batch(c, 8)
-        dm = autopar_compile(TinyGPT(c), Mesh(pp=2), example_inputs=(x,),
+        dm = autopar_compile(TinyGPT(c), Mesh(pp=dist.get_world_size()), example_inputs=(x,),
                              plan=Plan(pp_schedule=schedule, microbatches=m,
                                        virtual_stages=2 if schedule == "interleaved" else 1))
         opt = dm.optimizer(torch.optim.SGD, lr=1e-3)
@@ -817,9 +862,9 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
             return dm.step_time, end, done - end
 
         groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
-        cut = partition([float(g.ops) for g in groups], 2)[1]     # the pipeline pass's even split
-        stage = min(int(k) for k in dm.stages)      # this rank's pipeline index
-        mine = groups[cut:] if stage else groups[:cut]
+        starts = partition([float(g.ops) for g in groups], dist.get_world_size()) + [len(groups)]   # the pipeline
+        stage = min(int(k) for k in dm.stages)      # this rank's pipeline index                # pass's even split
+        mine = groups[starts[stage]:starts[stage + 1]]
         names = sum((collections.Counter(g.op_names) for g in mine), collections.Counter())
         return step, (dict(names), sum(g.weight_matmuls for g in mine)), stage
 
@@ -1084,7 +1129,7 @@ def _measure_local() -> Cluster:
     # contention is measured with as many processes as cores and twice as many (at most 8)
     crowd = [k for k in sorted({cores, 2 * cores}) if 1 < k <= 8]
     loops, ranks = {}, _Ranks()
-    shared = pipe_shared = None
+    shared = wake_runs = None
     try:
         # this process alone first, no other rank alive
         first_print = fingerprint()
@@ -1103,8 +1148,9 @@ def _measure_local() -> Cluster:
         sync, collective_overhead, tp_added, tp_blocked = _measure_sync_overhead(ranks, op_weights, overhead, ratio)
         gloo, seconds, pipe_alone = _measure_gloo(ranks)
         for k in [k for k in crowd if k == _GLOO_WORLD] + [k for k in crowd if k != _GLOO_WORLD]:
-            if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many
-                shared, _, pipe_shared = _measure_gloo(ranks, k)
+            if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many, and the
+                shared, _, _ = _measure_gloo(ranks, k)     # runtime's pipelines that fit their wake
+                wake_runs = ranks(_op_overhead_probe, k, _WAKE_PIPELINES, timeout=240)
             loops[k] = [ranks(_contention_probe, k, _CONTENTION_READING_SECONDS, timeout=120)
                         for _ in range(_CONTENTION_READINGS)]
         ranks.close()
@@ -1121,7 +1167,7 @@ def _measure_local() -> Cluster:
                                tail=_fit_tail(tails, gloo))
     if shared is not None:
         shared = dataclasses.replace(shared, hop=gloo.hop, hop_interleaved=gloo.hop_interleaved, tail=gloo.tail,
-                                     wake=_fit_hop(pipe_shared, 2 * cores, cores, contention, hop=gloo.hop))
+                                     wake=_fit_runtime_wake(wake_runs, cores, contention, gloo.hop))
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     source = "\n".join([
         f"measured on {socket.gethostname()} at {when} by autopar.cost.calibration.calibrate_local "
@@ -1192,7 +1238,10 @@ def _measure_local() -> Cluster:
         f"(a synthetic pipeline of bare matmuls, {_PIPE_M} micro-batches of {_PIPE_F * 1e3:g} / {_PIPE_B * 1e3:g} ms, "
         f"receives posted before the step, fits {synthetic_hop * 1e3:.2f} ms)"
         + (f"; on {2 * cores} (shared) that hop, and a woken rank's wait for a core when all are taken, "
-           f"fitted on the synthetic pipeline given that hop: wake {shared.wake * 1e3:.2f} ms" if shared else ""),
+           f"fitted at that hop on the replays of autopar's own {2 * cores}-stage 1F1B pipelines on {2 * cores} "
+           f"processes (4 micro-batches, GPTs of h=16 with "
+           f"{' and '.join(str(x[0]) for x in _WAKE_PIPELINES)} layers; each stage's measured action CPU times, "
+           f"the median): wake {shared.wake * 1e3:.2f} ms" if shared else ""),
         f"tail: the 1F1B probe pipelines (those of hop, and GPTs of (layers, h, tokens) "
         f"{', '.join(str((x[0], x[2], x[3])) for x in _TAIL_PIPELINES)}), each step's last rank to end its "
         f"schedule, its wall time from then to train_step's return less the estimate's p2p time of those "
