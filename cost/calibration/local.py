@@ -862,8 +862,9 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
             return dm.step_time, end, done - end
 
         groups = Profiles(TinyGPT(c), (x[: 8 // m],)).base.groups
-        starts = partition([float(g.ops) for g in groups], dist.get_world_size()) + [len(groups)]   # the pipeline
-        stage = min(int(k) for k in dm.stages)      # this rank's pipeline index                # pass's even split
+        # the pipeline pass's even split, one stage a process
+        starts = partition([float(g.ops) for g in groups], dist.get_world_size()) + [len(groups)]
+        stage = min(int(k) for k in dm.stages)      # this rank's pipeline index
         mine = groups[starts[stage]:starts[stage + 1]]
         names = sum((collections.Counter(g.op_names) for g in mine), collections.Counter())
         return step, (dict(names), sum(g.weight_matmuls for g in mine)), stage
