@@ -291,7 +291,8 @@ def _probe_all(sizes: tuple[int, ...], warmup: int, reps: int) -> dict:
         for g in ([2] if kind == "p2p" else groups):
             for t in _SKEW_COMPUTE:
                 out[("skew", kind, g, t)] = _exchange_probe(kind, g, t)
-    out[("pipeline",)] = _pipeline_probe()
+    if world == _GLOO_WORLD:     # the synthetic pipeline fits the hop of a core per rank only
+        out[("pipeline",)] = _pipeline_probe()
     out[("overlap",)] = _overlap_probe()
     return out
 
@@ -437,12 +438,12 @@ def _measure_kinds(ranks: _Ranks, world: int) -> tuple[tuple, tuple, list[float]
     """Whole-collective alpha-beta fits of each kind on ``world`` processes: what a Link's
     ``fits`` holds (p2p is a round trip of two messages: its fit is halved); the latency
     table of ``skew`` (the latency among computing ranks; the slowest rank's); the all-reduce's
-    per-size times; the synthetic pipeline's step (``_pipeline_probe``, slowest rank); and
-    the overlap loss (``_overlap_probe``)."""
+    per-size times; the synthetic pipeline's step on ``_GLOO_WORLD`` processes (``_pipeline_probe``,
+    slowest rank; None on others); and the overlap loss (``_overlap_probe``)."""
     per_rank = ranks(_probe_all, world, _GLOO_SIZES, _GLOO_WARMUP, _GLOO_REPS, timeout=180)
     out = []
     skew = tuple((key[1], key[2], key[3], max(r[key] for r in per_rank)) for key in per_rank[0] if key[0] == "skew")
-    pipeline = max(r[("pipeline",)] for r in per_rank)
+    pipeline = max(r[("pipeline",)] for r in per_rank) if ("pipeline",) in per_rank[0] else None
     overlap = _overlap_loss([r[("overlap",)] for r in per_rank])
     for key in per_rank[0]:
         if key[0] in ("skew", "pipeline", "overlap"):
