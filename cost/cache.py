@@ -4,11 +4,15 @@
 ``get_cluster("local")`` and everything else only read it. The file is ``$AUTOPAR_CACHE``
 (a ``.json`` file, or a directory to hold local_cluster.json), else
 ~/.cache/autopar/local_cluster.json. An entry is keyed by (hostname, cpu count, torch
-version); the file carries a format version, and an entry of another version reads as
-missing (until ``python -m autopar calibrate`` measures the machine again).
+version, the calibration's code): the last is a digest of the sources that measure and fit
+the preset (``cost/calibration/`` and ``cost/cluster.py``), so a preset that other code
+measured, before a change to how a field is fitted, reads as missing (until ``python -m
+autopar calibrate`` measures the machine again) and is named as such by ``problem``. The file
+also carries a format version, and a file of another version reads as empty.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -29,9 +33,34 @@ def cache_path() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "autopar", "local_cluster.json")
 
 
-def _key() -> str:
-    """What makes a measurement reusable: same host, same core count, same torch."""
+_CODE: list = []        # [digest] once computed
+
+
+def code_digest() -> str:
+    """A digest of the code that measures and fits the local preset: the sources of
+    ``cost/calibration/`` and ``cost/cluster.py`` (12 hex digits)."""
+    if not _CODE:
+        here = os.path.dirname(os.path.abspath(__file__))
+        calib = os.path.join(here, "calibration")
+        files = [os.path.join(here, "cluster.py")] + sorted(
+            os.path.join(calib, f) for f in os.listdir(calib) if f.endswith(".py"))
+        h = hashlib.sha256()
+        for path in files:
+            h.update(os.path.basename(path).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+        _CODE.append(h.hexdigest()[:12])
+    return _CODE[0]
+
+
+def _machine() -> str:
     return f"{socket.gethostname()}|{os.cpu_count()}|{torch.__version__}"
+
+
+def _key() -> str:
+    """What makes a measurement reusable: same host, same core count, same torch, and the same
+    calibration code."""
+    return f"{_machine()}|{code_digest()}"
 
 
 def _read(path: str) -> dict:
@@ -64,8 +93,14 @@ def problem(path: str | None = None) -> Optional[str]:
     if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
         found = data.get("version") if isinstance(data, dict) else type(data).__name__
         return f"{path} has format version {found!r}, this autopar reads {FORMAT_VERSION!r}"
-    entry = (data.get("entries") or {}).get(_key()) if isinstance(data.get("entries"), dict) else None
+    entries = data.get("entries") if isinstance(data.get("entries"), dict) else {}
+    entry = entries.get(_key())
     if entry is None:
+        others = [k for k in entries if k.rsplit("|", 1)[0] == _machine()]
+        if others:
+            return (f"{path} holds this machine's preset as other calibration code measured it "
+                    f"({others[0].rsplit('|', 1)[1]}; this autopar's is {code_digest()}): how a "
+                    "field is measured or fitted has changed since")
         return None
     if not isinstance(entry, dict):
         return f"{path}: the entry for this machine ({_key()}) is a {type(entry).__name__}, not a cluster"
@@ -78,10 +113,11 @@ def load_local(path: str | None = None) -> Optional[dict]:
 
 
 def store_local(entry: dict, path: str | None = None) -> None:
-    """Store this machine's entry, atomically (a temporary file renamed over the old one). A
-    read-only home keeps it uncached, silently: the caller still has the numbers."""
+    """Store this machine's entry, atomically (a temporary file renamed over the old one), in
+    place of any other code's entry for it. A read-only home keeps it uncached, silently: the
+    caller still has the numbers."""
     path = path or cache_path()
-    entries = _read(path)
+    entries = {k: v for k, v in _read(path).items() if k.rsplit("|", 1)[0] != _machine()}
     entries[_key()] = entry
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

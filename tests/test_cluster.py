@@ -2,6 +2,8 @@
 calibration and its cache."""
 import dataclasses
 import math
+import os
+import shutil
 import time
 import warnings
 
@@ -435,6 +437,37 @@ def test_local_preset_is_read_from_the_cache_never_measured(tmp_path, monkeypatc
     cache.store_local(dataclasses.asdict(mine))
     assert (tmp_path / "local_cluster.json").exists()
     assert get_cluster("local") == mine == cached_local(str(tmp_path / "local_cluster.json"))
+
+
+def test_a_preset_that_other_calibration_code_measured_reads_as_missing(tmp_path, monkeypatch):
+    """The cache keys a preset by the digest of the code that measured it: after a change to how
+    a field is fitted, the old preset is not read (get_cluster says why and how to measure
+    again), and the next calibration's entry replaces it. A change to the calibration's
+    sources changes the digest."""
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path))
+    mine = dataclasses.asdict(PRESETS["dgx-h100"].with_(name="local"))
+    monkeypatch.setattr(cache, "_CODE", ["0123456789ab"])
+    cache.store_local(mine)
+    monkeypatch.setattr(cache, "_CODE", [])
+    assert cached_local() is None
+    with pytest.raises(ValueError, match=r"other calibration code measured it \(0123456789ab; this autopar's "
+                       rf"is {cache.code_digest()}\): how a field is measured or fitted has changed since: run that once"):
+        get_cluster("local")
+    cache.store_local(mine)
+    assert list(cache._read(cache.cache_path())) == [cache._key()]
+    assert get_cluster("local") == Cluster.from_dict(mine)
+    # the digest reads the sources: an exact copy of them digests alike, one with a line added
+    # to the calibration otherwise
+    here = cache.code_digest()
+    copy = tmp_path / "cost"
+    shutil.copytree(os.path.dirname(cache.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cache, "__file__", str(copy / "cache.py"))
+    monkeypatch.setattr(cache, "_CODE", [])
+    assert cache.code_digest() == here
+    local = copy / "calibration" / "local.py"
+    local.write_text(local.read_text() + "\n# a change\n")
+    monkeypatch.setattr(cache, "_CODE", [])
+    assert cache.code_digest() != here
 
 
 def test_a_preset_read_on_a_machine_that_has_changed_speed_warns_once(tmp_path, monkeypatch):
