@@ -95,16 +95,19 @@ def test_planner_pick_is_within_ten_percent_of_the_fastest_hand_plan(measured, p
 
 
 # The bounds on every plan's predicted / measured, stated from measurements (BENCHMARKS.md,
-# "Hold-out"). Short: on this GPT the worst plan was tp+sp at 0.62 with the machine shared with
-# another test run; over the hold-out grid's 117 plans at world 4 the worst was 0.43-0.46 in two
-# runs (tp+sp and 2-layer pipelines of other shapes, which the model predicts short). Long: the calibration's
-# latencies of collectives among ranks sharing cores (these plans' 4 ranks on 2 cores) move
-# between runs here, the same all-reduce of 4 fitted at 7 to 20 ms, and a high one lengthens the
-# data-parallel plans' predictions: ZeRO-1 predicted 81.5 ms on such a calibration and 61.9 ms
-# on another of the same day, measured 53.6 ms (1.52; ZeRO-3 reached 1.63 on an earlier
-# version of the collective probe). The goal of 25% is not met; the bounds keep a margin over
-# the worst seen, the suite's own load moving a timing by 10-20%.
-SHORT, LONG = 0.5, 1.75
+# "Hold-out"). Short: on this GPT, each run on a fresh calibration of its own, the nine plans read
+# 0.78-1.14 in two runs of 2026-12-06 (the shortest the pipelines: the model errs short on them,
+# by 5-15% over the hold-out grid at world 4), 0.70-1.03 in two of 2026-12-02, and 0.62 (tp+sp)
+# once with the machine shared with another test run; 0.6 keeps that margin. Long: the
+# calibration's latencies of collectives among ranks sharing cores (these plans' 4 ranks on 2
+# cores) move between runs here, the same all-reduce of 4 fitted at 7 to 20 ms, and a high one
+# lengthens the data-parallel plans' predictions: ZeRO-1 predicted 81.5 ms on such a calibration
+# and 61.9 ms on another of the same day, measured 53.6 ms (1.52); ZeRO-3 read 1.79 once, on a
+# calibration taken in a slow spell of the machine (the test failed, and passed when run again).
+# A preset another run left in the cache is not this run's calibration: CI measures its own
+# (.ci/run); stop 59's CI read a stale one from ~/.cache, and zero3, tp and tp+sp 1.81-1.99. The goal of 25% is the grid's (bench_holdout.py, five
+# passes); a single pass here moves by 10-20% with the machine's pace.
+SHORT, LONG = 0.6, 1.75
 
 
 @pytest.mark.parametrize("name", NAMES)
