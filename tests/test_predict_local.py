@@ -105,8 +105,9 @@ def test_planner_pick_is_within_ten_percent_of_the_fastest_hand_plan(measured, p
 # and 61.9 ms on another of the same day, measured 53.6 ms (1.52); ZeRO-3 read 1.79 once, on a
 # calibration taken in a slow spell of the machine (the test failed, and passed when run again).
 # A preset another run left in the cache is not this run's calibration: CI measures its own
-# (.ci/run); stop 59's CI read a stale one from ~/.cache, and zero3, tp and tp+sp 1.81-1.99. The goal of 25% is the grid's (bench_holdout.py, five
-# passes); a single pass here moves by 10-20% with the machine's pace.
+# (.ci/run); stop 59's CI read a stale one from ~/.cache, and zero3, tp and tp+sp 1.81-1.99.
+# The goal of 25% is the grid's (bench_holdout.py, five passes); a single pass here moves by
+# 10-20% with the machine's pace.
 SHORT, LONG = 0.6, 1.75
 
 
