@@ -305,6 +305,24 @@ def replica_gathers(buckets, n: int, link, c, after: float, slow: float = 1.0) -
     return out
 
 
+def refill_time(param_elements: float, saved: float, pbytes: float, c) -> float:
+    """Seconds a pipeline action spends on a time-shared core (more processes than cores in its
+    group, ``pipeline_placement``) bringing its stage's working set back: between two of a
+    rank's actions another process ran on that core (a replica of its stage, or a rank of
+    another one while it waited for a message) and took the cache. The action reads its
+    stage's parameters and the micro-batch's saved activations from memory again, and the
+    lines it displaces are the other process's, as dirty and as many (replicas in lockstep):
+    twice those bytes on the roofline, at the measured bandwidth (``compute_time``). A rank
+    whose cores are its own keeps its cache between actions (pp = 2 on 2 processes), and ranks
+    that compute without pause (one stage) are time-shared at the scheduler's slice, which
+    the measured contention (``Cluster.slowdown``, its probe's working set far beyond the
+    cache) already holds. Measured (2026-12-06, 1F1B on pp = 2 x dp = 2, 4 processes on 2
+    cores, thread CPU per action against the estimate's at the measured contention): gpt h96
+    L4 s16 0.22 ms more per F and 0.27 ms per B (this formula: 0.17), h96 L2 s48 0.16 and 0.14
+    (0.12), h32 L2 s16 none to speak of (0.01); BENCHMARKS.md, hold-out run 79."""
+    return compute_time(0.0, 2 * (param_elements * pbytes + saved), c)
+
+
 def has_reducer(mode: str, n: int, pipelined: bool) -> bool:
     """Whether a rank's stage has a data-parallel reducer: every plan but a pipeline stage with
     nothing to reduce (ddp at dp = 1), whose micro-batches' gradients autograd accumulates
@@ -569,6 +587,19 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             share = dev.split_forward_share
             Fs = [f + x * share for f, x in zip(Fs, split)]
             Bs, Ws = [b + x * (1 - share) for b, x in zip(Bs, split)], [w + x * (1 - share) for w, x in zip(Ws, split)]
+        refills = [0.0] * S
+        if shared is not None:     # an action on a time-shared core refills the cache (refill_time)
+            load: dict = {}
+            for grp, _, procs in shared[1]:
+                load[grp] = load.get(grp, 0.0) + procs
+            for s in range(S):
+                grp, cores, _ = shared[1][s % p]
+                if load[grp] > cores:
+                    refills[s] = refill_time(psi_stage[s], sum(saved_bytes(g, kinds.get(g.name, "none"))
+                                                               for g in stage_groups[s]), pbytes, c)
+            Fs, Bs = [f + x for f, x in zip(Fs, refills)], [b + x for b, x in zip(Bs, refills)]
+            if plan.split_backward:
+                Ws = [w + x for w, x in zip(Ws, refills)]
         if mode == "zero3":    # each micro-batch gathers the stage's units again (prefetched, or not)
             both = max if plan.overlap else (lambda a, b: a + b)
             Fs = [both(Fs[s], sum(dp_fwd_gather[s])) for s in range(S)]
@@ -597,6 +628,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         wait = schedule_wait(timeline, p, Bs, hop)
         late_t = schedule_tail_time(link_tail, wait)
         step = pipe + max(per_rank_after) + tied_t + loss_t + late_t
+        if any(refills):
+            formulas.append(("cache refill on a time-shared core", "per F, B (and W) action: 2 x (stage parameters "
+                             "+ micro-batch activations) / (bandwidth x memory_eff)",
+                             ", ".join(f"stage {s} {x * 1e3:.3g} ms" for s, x in enumerate(refills))))
         if late_t:
             a, b = link_tail.tail
             formulas.append(("pipeline schedule tail", "late = a + b x the other ranks' wait for the last",

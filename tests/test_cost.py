@@ -197,6 +197,34 @@ def test_ranks_sharing_cores_exchange_after_the_pipeline_on_the_uncontended_link
     assert spans["loss broadcast"] == pytest.approx(2 * (own.latency + 4 / own.bandwidth))
 
 
+
+def test_a_pipeline_action_on_a_time_shared_core_pays_its_stages_cache_refill():
+    """pp = 2 x dp = 2 on 4 processes of 2 cores places a stage's two replicas on one core: each
+    F action reads its stage's parameters and its micro-batch's saved activations again, and
+    writes back as many bytes the other process left dirty, 2 x (parameters + activations) /
+    bandwidth, and shares the core with its replica (half its rate). pp = 2 alone on 2
+    processes keeps a core per rank and pays nothing. Both plans at the same micro-batch (2
+    sequences), the first forward of the fill, when no other stage computes."""
+    c = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=2, max_seq=8)
+    own = Link("own-core", 1e9, 2e-4)
+    cluster = PRESETS["dgx-h100"].with_(name="local", gpus_per_node=2, intra=own, inter=own,
+                                        contention=((2, 1.0), (4, 2.0)), shared=Link("shared", 5e8, 3e-3))
+    first = {}
+    model = TinyGPT(c)
+    profiles = Profiles(model, (gpt_batch(c, 8)[0],))
+    for world, axes, batch in ((2, {"pp": 2}, 8), (4, {"pp": 2, "dp": 2}, 16)):
+        e = evaluate_plan(profiles, axes, autopar.Plan(pp_schedule="gpipe", microbatches=4), cluster, batch)
+        first[world] = next(end - start for r, lane, name, start, end in e.timeline if r == 0 and name == "0F0")
+        refill = [f for f in e.formulas if f[0] == "cache refill on a time-shared core"]
+        assert bool(refill) == (world == 4), e.formulas
+    # stage 0: the embeddings and the first layer (the even split of two layers over two stages)
+    params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("blocks.1", "ln_f", "head")))
+    prof = profiles.get(1, False, False)
+    saved = sum(saved_bytes(g.scaled(2 / prof.rows), "none") for g in prof.groups if g.name in ("pre", "blocks.0"))
+    d = cluster.device
+    refill = 2 * (params * d.dtype_bytes + saved) / (d.mem_bandwidth * d.memory_efficiency)
+    assert first[4] == pytest.approx(2 * (first[2] + refill), rel=1e-9)
+
 # ---- memory: published figures ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,published_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
