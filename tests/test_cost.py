@@ -197,7 +197,6 @@ def test_ranks_sharing_cores_exchange_after_the_pipeline_on_the_uncontended_link
     assert spans["loss broadcast"] == pytest.approx(2 * (own.latency + 4 / own.bandwidth))
 
 
-
 def test_a_pipeline_action_on_a_time_shared_core_pays_its_stages_cache_refill():
     """pp = 2 x dp = 2 on 4 processes of 2 cores places a stage's two replicas on one core: each
     F action reads its stage's parameters and its micro-batch's saved activations again, and
@@ -224,6 +223,7 @@ def test_a_pipeline_action_on_a_time_shared_core_pays_its_stages_cache_refill():
     d = cluster.device
     refill = 2 * (params * d.dtype_bytes + saved) / (d.mem_bandwidth * d.memory_efficiency)
     assert first[4] == pytest.approx(2 * (first[2] + refill), rel=1e-9)
+
 
 # ---- memory: published figures ------------------------------------------------------------------------
 
