@@ -214,8 +214,8 @@ def test_a_pipeline_action_on_a_time_shared_core_pays_its_stages_cache_refill():
     for world, axes, batch in ((2, {"pp": 2}, 8), (4, {"pp": 2, "dp": 2}, 16)):
         e = evaluate_plan(profiles, axes, autopar.Plan(pp_schedule="gpipe", microbatches=4), cluster, batch)
         first[world] = next(end - start for r, lane, name, start, end in e.timeline if r == 0 and name == "0F0")
-        refill = [f for f in e.formulas if f[0] == "cache refill on a time-shared core"]
-        assert bool(refill) == (world == 4), e.formulas
+        shown = [f for f in e.formulas if f[0] == "cache refill on a time-shared core"]
+        assert bool(shown) == (world == 4), e.formulas
     # stage 0: the embeddings and the first layer (the even split of two layers over two stages)
     params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("blocks.1", "ln_f", "head")))
     prof = profiles.get(1, False, False)
