@@ -74,6 +74,16 @@ class Link:
     #                      steps do between collectives (the calibration's tp stacks); every skew
     #                      latency is taken at this scale: the table's shape along the compute, its
     #                      level on the runtime's own steps. 1: the table as measured
+    skew_pooled: bool = False  # measured links: the kinds of a group size share one skew table, the
+    #                      mean of their points (p2p apart), taken at ``skew_scale``. Set where the
+    #                      scale measures the level on the runtime's own steps (the 2-process link):
+    #                      there an all-gather or reduce-scatter of a tp+sp step blocks its rank as
+    #                      long as a tp step's all-reduce (0.76-0.89 ms each, BENCHMARKS.md run 83),
+    #                      while one calibration's tables of the kinds differ by their noise (a point
+    #                      moves by 20% between calibrations), and a table of one kind priced the
+    #                      others at the ratio of two noisy points (run 86). False: each kind its own
+    #                      (ranks sharing cores, whose kinds differ for real: 4 ranks' all-gather reads
+    #                      about 30% below their all-reduce in every calibration)
     tail: tuple = ()     # measured links: (seconds, seconds per second): what the exchanges after a
     #                      pipeline's schedule (the tied gradients', the loss broadcast) cost the rank
     #                      that finishes it last beyond their p2p time, as a + b x how long the other

@@ -29,7 +29,7 @@ import sympy as sp
 from autopar.sizes import ring_bytes
 
 __all__ = ["ALPHA", "BETA", "NBYTES", "P", "ALGORITHMS", "collective_time", "collective_time_expr",
-           "bytes_per_rank_expr", "bytes_per_rank", "pipeline_hop_time"]
+           "bytes_per_rank_expr", "bytes_per_rank", "pipeline_hop_time", "skew_table"]
 
 ALPHA, BETA, NBYTES, P = sp.symbols("alpha beta n p", positive=True)
 
@@ -92,7 +92,8 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     ``fits`` for ``kind`` (the local preset) uses that fit: alpha + beta · bytes sent per rank;
     one with a ``skew`` table (latencies among computing ranks) takes alpha from it at ``after``, the
     seconds each rank computed since the previous collective (1 ms when not given), linear
-    between the measured lengths and flat beyond them, at the link's ``skew_scale``."""
+    between the measured lengths and flat beyond them, at the link's ``skew_scale``
+    (``skew_table``: the kind's own points, or the kinds' mean on a link with ``skew_pooled``)."""
     if p <= 1 or nbytes <= 0:
         return 0.0
     if kind == "p2p":
@@ -100,13 +101,28 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     fits = [f for f in getattr(link, "fits", ()) if f[0] == kind]
     if fits:       # a measured link: the fit of this collective for the nearest group size
         _, g, a, b = min(fits, key=lambda f: (abs(f[1] - p), -f[1]))
-        table = sorted((t, al) for k, gs, t, al in getattr(link, "skew", ()) if k == kind and gs == g)
+        table = skew_table(link, kind, g)
         if table:
             a = _interpolate(table, 1e-3 if after is None else after) * getattr(link, "skew_scale", 1.0)
         return a + b * bytes_per_rank(kind, nbytes, p)
     alpha, beta = link.latency, 1.0 / link.bandwidth
     names = ALGORITHMS[kind] if algorithm == "auto" else [algorithm]
     return min(_fn(kind, a)(alpha, beta, float(nbytes), float(p)) for a in names)
+
+
+def skew_table(link, kind: str, g: int) -> list:
+    """The sorted (compute seconds, latency) points of ``link``'s skew table for ``kind`` on
+    groups of ``g``: the kind's own, or on a link with ``skew_pooled`` the mean over the
+    collectives' kinds (p2p apart) of their points at each compute length."""
+    skew = getattr(link, "skew", ())
+    own = sorted((t, a) for k, gs, t, a in skew if k == kind and gs == g)
+    if not (own and getattr(link, "skew_pooled", False)) or kind == "p2p":
+        return own
+    at: dict = {}
+    for k, gs, t, a in skew:
+        if gs == g and k != "p2p":
+            at.setdefault(t, []).append(a)
+    return [(t, sum(v) / len(v)) for t, v in sorted(at.items())]
 
 
 def pipeline_hop_time(nbytes: float, link, *, after: float | None = None, schedule: str | None = None) -> float:

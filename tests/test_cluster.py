@@ -196,6 +196,39 @@ def test_skew_scale_sets_the_tables_level_on_the_runtimes_own_steps():
             Link("gloo", 1e9, 1e-4, skew_scale=bad)
 
 
+def test_a_pooled_skew_table_prices_every_kind_at_the_kinds_mean():
+    """On a link with ``skew_pooled`` (the 2-process link, whose level the tp probe reads on
+    the runtime's own steps) every collective kind of a group size takes the mean of the kinds'
+    points at each compute length, at ``skew_scale``; p2p keeps its own table, and a link
+    without the flag each kind its own. The calibration's scale is then taken against that
+    mean, so the probe's all-reduces and a tp+sp step's all-gathers and reduce-scatters are
+    priced at one level."""
+    from autopar.cost.calibration.local import _skew_scale
+    from autopar.cost.comm import collective_time
+    fits = (("all_reduce", 2, 5e-4, 1e-9), ("all_gather", 2, 4e-4, 1e-9), ("reduce_scatter", 2, 4e-4, 1e-9),
+            ("p2p", 2, 1e-4, 1e-9))
+    skew = (("all_reduce", 2, 2e-4, 1e-3), ("all_reduce", 2, 1e-3, 2e-3),
+            ("all_gather", 2, 2e-4, 0.7e-3), ("all_gather", 2, 1e-3, 1.3e-3),
+            ("reduce_scatter", 2, 2e-4, 1.3e-3), ("reduce_scatter", 2, 1e-3, 2.7e-3),
+            ("p2p", 2, 2e-4, 0.2e-3), ("p2p", 2, 1e-3, 0.4e-3))
+    own = Link("gloo", 1e9, 1e-4, fits=fits, skew=skew)
+    pooled = dataclasses.replace(own, skew_pooled=True)
+    # the kinds' mean: 1.0 ms after 0.2 ms of compute, 2.0 ms after 1 ms; 1.5 ms half-way
+    # a ring's bytes each rank sends on 2 ranks: 2(N-1)/N of the buffer for an all-reduce, (N-1)/N otherwise
+    for kind, moved in (("all_reduce", 4096), ("all_gather", 2048), ("reduce_scatter", 2048)):
+        assert collective_time(kind, 4096, 2, pooled, after=6e-4) == pytest.approx(1.5e-3 + 1e-9 * moved)
+        assert collective_time(kind, 4096, 2, dataclasses.replace(pooled, skew_scale=0.8), after=1e-3) == \
+            pytest.approx(0.8 * 2.0e-3 + 1e-9 * moved)
+    assert collective_time("all_gather", 4096, 2, own, after=6e-4) == pytest.approx(1.0e-3 + 1e-9 * 2048)
+    assert collective_time("reduce_scatter", 4096, 2, own, after=6e-4) == pytest.approx(2.0e-3 + 1e-9 * 2048)
+    assert collective_time("p2p", 4096, 2, pooled, after=6e-4) == collective_time("p2p", 4096, 2, own, after=6e-4)
+    # the probe's all-reduces blocked 1.2 ms after 0.6 ms of CPU work: 1.2 / 1.5 on the pooled
+    # link, 1.2 / 1.5 on the all-reduce's own table too (its points happen to be the mean here at
+    # 0.6 ms), but 1.2 / 1.0 against the all-gather's own
+    assert _skew_scale(pooled, 1.2e-3, 6e-4, ["all_reduce"])[0] == pytest.approx(0.8, rel=1e-4)
+    assert _skew_scale(own, 1.2e-3, 6e-4, ["all_gather"])[0] == pytest.approx(1.2, rel=1e-4)
+
+
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h

@@ -1069,8 +1069,9 @@ def _skew_scale(link: Link, blocked: float, between: float, kinds: list) -> tupl
     """(``Link.skew_scale``, the table's latency it is taken against): ``blocked``, the seconds
     a collective of autopar's own tp steps blocks its rank (``_measure_sync_overhead``), over
     the mean of the skew table's latency of its ``kinds`` on 2-rank groups after ``between``
-    seconds of CPU work; 1 where either is not measured (no blocking, or no table for those
-    kinds)."""
+    seconds of CPU work (on a link with ``skew_pooled``, as the calibration's 2-process link
+    is, every kind's is the kinds' pooled table); 1 where either is not measured (no
+    blocking, or no table for those kinds)."""
     kinds = [kind for kind in kinds if any(k == kind and g == _GLOO_WORLD for k, g, _, _ in link.skew)]
     table = [collective_time(kind, 4, _GLOO_WORLD, link, after=between) for kind in kinds]
     table = statistics.mean(table) if table else 0.0
@@ -1163,6 +1164,8 @@ def _measure_local() -> Cluster:
         torch.set_num_threads(threads)
     contention = _slowdowns(alone, loops)
     synthetic_hop = _fit_hop(pipe_alone, _GLOO_WORLD, cores, contention)
+    # the 2-process link's kinds share one table, at the level its tp steps read (``Link.skew_pooled``)
+    gloo = dataclasses.replace(gloo, skew_pooled=True)
     skew_scale, skew_table = _skew_scale(gloo, *tp_blocked)
     gloo = dataclasses.replace(gloo, skew_scale=skew_scale, hop=_fit_runtime_hop(replays, cores, contention, ("1f1b",)),
                                hop_interleaved=_fit_runtime_hop(replays, cores, contention, ("interleaved",)),
@@ -1222,8 +1225,9 @@ def _measure_local() -> Cluster:
         f"less the added ops, AdamW's growth and the ddp bookkeeping, over the {tp_added:.0f} runtime "
         f"collectives added (as the module counts them): {collective_overhead * 1e6:.1f} us per collective; "
         f"skew_scale {skew_scale:.2f}: the same tp steps' wall growth beyond their CPU growth, per added collective "
-        f"({tp_blocked[0] * 1e6:.0f} us, each step after a barrier), over the skew table's latency of their kind "
-        f"({', '.join(tp_blocked[2])}) after their CPU growth per collective ({tp_blocked[1] * 1e6:.0f} us): "
+        f"({tp_blocked[0] * 1e6:.0f} us, each step after a barrier), over the skew table's latency "
+        f"after their CPU growth per collective ({tp_blocked[1] * 1e6:.0f} us; the kinds' tables pooled, the mean of "
+        f"all-reduce, all-gather and reduce-scatter at each compute length, which every kind of this link takes): "
         f"{skew_table * 1e6:.0f} us",
         "shared: the same gloo fit with 2 x cpu count processes (ranks sharing cores); its skew: each kind's "
         f"latency after {[t * 1e3 for t in _SKEW_COMPUTE]} ms of compute on every rank, round after round "
