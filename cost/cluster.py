@@ -194,6 +194,15 @@ class Cluster:
     #                                of them to be scheduled); used when a mesh has more ranks than cores
     contention: tuple = ()         # local preset: ((processes, slowdown), ...): how much slower each
     #                                process computes when that many compute at once than alone
+    shared_sync: tuple = ()        # local preset: ((dp mode, factor), ...): the data-parallel runtime's
+    #                                host work per tensor (``Device.sync_overhead``) on ranks sharing cores,
+    #                                over its charge at the measured contention: the factor at which the
+    #                                model's step of the calibration's stacks under that mode on those
+    #                                ranks grows with the blocks as the measured step does. ZeRO-3's
+    #                                (its gathers' layout and hooks, interleaved with its waits on the
+    #                                gathers, run while other ranks wait: about half the contention's
+    #                                charge, BENCHMARKS.md run 88). (): every mode at the contention's
+    #                                slowdown in full
     fingerprint: tuple = ()        # local preset: ((part, seconds), ...) of a reference workload timed at
     #                                calibration (``cost.drift``): reading the preset checks it again
     citations: tuple = ()          # presets: ((field, source), ...), every number's source ("device.peak_flops",
@@ -212,6 +221,9 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.citations and not self.source:
             object.__setattr__(self, "source", "\n".join(f"{k}: {v}" for k, v in self.citations))
+        if not all(len(x) == 2 and x[1] > 0 and math.isfinite(x[1]) for x in self.shared_sync):
+            raise ValueError(f"Cluster {self.name!r}: shared_sync must be ((dp mode, positive finite factor), ...), "
+                             f"got {self.shared_sync!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"Cluster {self.name!r}: gpus_per_node must be a positive integer, "
                              f"got {self.gpus_per_node!r}")
@@ -270,6 +282,7 @@ class Cluster:
         d["contention"] = tuple(tuple(x) for x in d.get("contention", ()))
         d["citations"] = tuple(tuple(x) for x in d.get("citations", ()))
         d["fingerprint"] = tuple(tuple(x) for x in d.get("fingerprint", ()))
+        d["shared_sync"] = tuple(tuple(x) for x in d.get("shared_sync", ()))
         return cls(**d)
 
     def with_(self, **changes: Any) -> "Cluster":

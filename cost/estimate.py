@@ -528,7 +528,10 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]
         copies = [host_copies(off_buckets[s], mode, dt, c, slow) for s in range(S)]
         dt_device = device_dtypes(mode, dt, c.mixed_precision)
-    sync = [sync_time(mode, n_tensors[s], c) * slow if has_reducer(mode, n, S > 1) else 0.0 for s in range(S)]
+    # the runtime's host work per tensor, at the contention's slowdown (on ranks sharing cores, at
+    # the mode's measured share of it, ``Cluster.shared_sync``)
+    host_slow = slow * (dict(getattr(c, "shared_sync", ())).get(mode, 1.0) if world > c.gpus_per_node else 1.0)
+    sync = [sync_time(mode, n_tensors[s], c) * host_slow if has_reducer(mode, n, S > 1) else 0.0 for s in range(S)]
     # ZeRO-1/2: the updated shards all-gathered after the optimizer step
     tail_parts = [replica_gathers(b, n, link_dp, c, opt_time[s] / slow, slow) for s, b in enumerate(dp_tail_buckets)]
     dp_time_tail = [sum(parts) for parts in tail_parts]

@@ -8,6 +8,7 @@ import time
 import warnings
 
 import pytest
+import torch
 
 from autopar.cost.calibration import calibrate_local
 from autopar.cost import cache, drift
@@ -229,6 +230,46 @@ def test_a_pooled_skew_table_prices_every_kind_at_the_kinds_mean():
     assert _skew_scale(own, 1.2e-3, 6e-4, ["all_gather"])[0] == pytest.approx(1.2, rel=1e-4)
 
 
+def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its_steps_did():
+    """ZeRO-3's host work per tensor on ranks sharing cores (``Cluster.shared_sync``, fitted by
+    ``_shared_sync_factor``): the factor on its charge at the contention at which the cost
+    model's ZeRO-3 step of the calibration's synthetic stack on 4 processes of 2 cores grows
+    from 2 to 8 blocks as the slowest rank's measured step did. Planted: the measured steps
+    are the model's own at 0.6 (one rank; the other 10% quicker), recovered within 1%; steps
+    that do not grow leave the charge whole (1). The factor moves only a mesh of more ranks
+    than cores, only under its mode, by the host work it scales: sync_overhead x tensors x
+    contention x (1 - factor), written here."""
+    import autopar
+    from autopar.cost.calibration.local import _SYNC_BLOCKS, _Stack, _shared_sync_factor, _stack_growth
+    from autopar.cost.estimate import Profiles, evaluate_plan
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    shared = Link("shared", 1e9, 1e-4, fits=tuple((k, 4, 5e-4, 1e-9) for k in kinds))
+    own = Link("own-core", 1e9, 2e-4)
+    base = PRESETS["dgx-h100"]
+    device = dataclasses.replace(base.device, sync_overhead=(("ddp", 1e-5), ("zero3", 2e-4)))
+    cluster = base.with_(name="local", device=device, gpus_per_node=2, intra=own, inter=own,
+                         contention=((2, 1.0), (4, 2.5)), shared=shared)
+    lo, hi = _SYNC_BLOCKS
+    growth = _stack_growth(cluster, 4, "zero3")
+    slowest = {("zero3", lo): 0.05, ("zero3", hi): 0.05 + growth(0.6)}
+    quicker = {key: 0.9 * t for key, t in slowest.items()}
+    factor, measured, at_one = _shared_sync_factor(cluster, 4, [quicker, slowest])
+    assert factor == pytest.approx(0.6, rel=0.01)
+    assert measured == pytest.approx(growth(0.6)) and at_one == pytest.approx(growth(1.0))
+    assert at_one > measured
+    assert _shared_sync_factor(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+    # the charge it moves: 8 blocks of 12 tensors
+    prof = Profiles(_Stack(8, hi), (torch.randn(4, 8),), blocks_once=False)
+    fitted = dataclasses.replace(cluster, shared_sync=(("zero3", 0.6),))
+    step = {(c.shared_sync, mode, world): evaluate_plan(prof, {"dp": world}, autopar.Plan(dp=mode), c, 4 * world).step_time_s
+            for c in (cluster, fitted) for mode in ("ddp", "zero3") for world in (2, 4)}
+    assert step[((), "zero3", 4)] - step[(fitted.shared_sync, "zero3", 4)] == pytest.approx(2e-4 * 12 * hi * 2.5 * 0.4, rel=1e-3)
+    for mode, world in (("ddp", 4), ("zero3", 2), ("ddp", 2)):
+        assert step[((), mode, world)] == step[(fitted.shared_sync, mode, world)]
+    with pytest.raises(ValueError, match="shared_sync"):
+        cluster.with_(shared_sync=(("zero3", 0.0),))
+
+
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
@@ -427,6 +468,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert all(a >= 0 for *_, a in c.shared.skew)
         assert dict(c.contention)[2 * c.gpus_per_node] >= 1.0
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
+        # ZeRO-3's host work there, a share of the contention fitted on its own steps
+        assert [m for m, _ in c.shared_sync] == ["zero3"] and 0.125 <= dict(c.shared_sync)["zero3"] <= 2.0
+        assert "shared_sync: zero3" in c.source
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"
     assert 0.0 <= c.intra.overlap_loss <= 1.0 and "overlap_loss" in c.source
     assert c.shared is None or (0.0 <= c.shared.overlap_loss <= 1.0 and "(ranks sharing cores)" in c.source)

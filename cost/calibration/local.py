@@ -36,7 +36,7 @@ from ..cluster import Cluster, Device, Link, cached_local, slowdown
 from ..comm import bytes_per_rank, collective_time
 from ..compute import weighed_ops
 from ..drift import fingerprint
-from ..estimate import Profiles, loss_broadcast_time, partition, tied_exchange_time
+from ..estimate import Profiles, evaluate_plan, loss_broadcast_time, partition, tied_exchange_time
 from ..replay import pipeline_placement, simulate_shared
 from .op_weights import SAMPLES, SHAPE as _OP_WEIGHT_SHAPE, measure_op_weights
 
@@ -927,6 +927,8 @@ class _Stack(torch.nn.Module):
 _STACK_DIM, _STACK_BLOCKS, _STACK_ROWS = 96, 4, 128     # the contention probe's stack
 _SYNC_DIM, _SYNC_ROWS, _SYNC_BLOCKS, _SYNC_STEPS = 8, 4, (2, 8), 25   # the dp runtime probe's stacks
 _SYNC_MODES = ("ddp", "zero1", "zero2", "zero3")
+_SHARED_MODE = "zero3"     # the dp mode whose host work on ranks sharing cores is fitted (Cluster.shared_sync)
+_SHARED_STEPS = 9
 _TENSORS_PER_BLOCK = 12
 
 
@@ -1023,6 +1025,66 @@ def _compiled_step(model, world: int, mode: str, x):
 
     step.stats = dm.comm_stats      # calls and bytes per (axis, kind, phase)
     return step
+
+
+def _shared_step_probe(modes: tuple, steps: int) -> dict:
+    """Run on every rank of the pool of ranks sharing cores: (mode, blocks) -> the median wall
+    seconds of a training step of the synthetic stack of ``_SYNC_BLOCKS`` blocks compiled by
+    autopar on all the ranks under each of ``modes`` (``_compiled_step``), each step after a
+    barrier, round-robin over ``steps`` rounds."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    world = dist.get_world_size()
+    steps_of = {}
+    for blocks in _SYNC_BLOCKS:
+        torch.manual_seed(0)
+        x = torch.randn(_SYNC_ROWS * world, _SYNC_DIM)
+        for mode in modes:
+            steps_of[(mode, blocks)] = _compiled_step(_Stack(_SYNC_DIM, blocks), world, mode, x)
+    for step in steps_of.values():
+        for _ in range(2):
+            step()
+    walls = {key: [] for key in steps_of}
+    for _ in range(steps):
+        for key, step in steps_of.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            walls[key].append(time.perf_counter() - t0)
+    dist.barrier()
+    return {key: statistics.median(ts) for key, ts in walls.items()}
+
+
+def _stack_growth(cluster: Cluster, world: int, mode: str) -> "collections.abc.Callable":
+    """factor -> the cost model's growth of a step of the synthetic stack from the 2- to the
+    8-block stack on ``world`` ranks of ``cluster`` sharing cores, compiled on the dp axis under
+    ``mode``, with that mode's ``Cluster.shared_sync`` at that factor."""
+    lo, hi = _SYNC_BLOCKS
+    profiles = {b: Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),), blocks_once=False)
+                for b in (lo, hi)}
+
+    def growth(factor: float) -> float:
+        c = dataclasses.replace(cluster, shared_sync=((mode, factor),))
+        return (evaluate_plan(profiles[hi], {"dp": world}, Plan(dp=mode), c, _SYNC_ROWS * world).step_time_s
+                - evaluate_plan(profiles[lo], {"dp": world}, Plan(dp=mode), c, _SYNC_ROWS * world).step_time_s)
+
+    return growth
+
+
+def _shared_sync_factor(cluster: Cluster, world: int, per_rank: list, mode: str = _SHARED_MODE) -> tuple:
+    """(``Cluster.shared_sync``'s factor for ``mode``; the measured growth; the estimate's at
+    factor 1): the factor at which the cost model's growth of the synthetic stack's step from 2
+    to 8 blocks under ``mode`` on ``world`` ranks sharing cores (``_stack_growth``) equals the
+    growth the slowest rank measured (``per_rank``: ``_shared_step_probe``'s results). The
+    estimate is linear in the factor (the host work is on the step's path): the line through
+    factors 1/2 and 1, within [1/8, 2]; 1 where nothing grows."""
+    lo, hi = _SYNC_BLOCKS
+    measured = max(r[(mode, hi)] for r in per_rank) - max(r[(mode, lo)] for r in per_rank)
+    growth = _stack_growth(cluster, world, mode)
+    half, one = growth(0.5), growth(1.0)
+    if measured <= 0 or one <= half:
+        return 1.0, measured, one
+    return min(2.0, max(0.125, 1.0 + (measured - one) * 0.5 / (one - half))), measured, one
 
 
 def _measure_sync_overhead(ranks: _Ranks, op_weights: tuple, op: float, ratio: float) -> tuple:
@@ -1132,7 +1194,7 @@ def _measure_local() -> Cluster:
     # contention is measured with as many processes as cores and twice as many (at most 8)
     crowd = [k for k in sorted({cores, 2 * cores}) if 1 < k <= 8]
     loops, ranks = {}, _Ranks()
-    shared = wake_runs = None
+    shared = wake_runs = shared_steps = None
     try:
         # this process alone first, no other rank alive
         first_print = fingerprint()
@@ -1154,6 +1216,7 @@ def _measure_local() -> Cluster:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many, and the
                 shared, _, _ = _measure_gloo(ranks, k)     # runtime's pipelines that fit their wake
                 wake_runs = ranks(_op_overhead_probe, k, _WAKE_PIPELINES, timeout=240)
+                shared_steps = ranks(_shared_step_probe, k, (_SHARED_MODE,), _SHARED_STEPS, timeout=240)
             loops[k] = [ranks(_contention_probe, k, _CONTENTION_READING_SECONDS, timeout=120)
                         for _ in range(_CONTENTION_READINGS)]
         ranks.close()
@@ -1279,9 +1342,22 @@ def _measure_local() -> Cluster:
     source += ("\nfingerprint (cost.drift, checked when the preset is read): per tiny add "
                f"{prints[0][1] * 1e6:.2f} us, per 256x256 matmul {prints[1][1] * 1e3:.3f} ms, "
                "the mean of its timings before and after the probes")
-    return Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
-                   inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
-                   mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
+    cluster = Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
+                      inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
+                      mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
+    if shared is not None and shared_steps is not None:
+        # ZeRO-3's host work on ranks sharing cores, at the share of the contention its own steps read
+        factor, measured, at_one = _shared_sync_factor(cluster, 2 * cores, shared_steps)
+        cluster = dataclasses.replace(
+            cluster, shared_sync=((_SHARED_MODE, factor),),
+            source=cluster.source + (
+                f"\nshared_sync: {_SHARED_MODE} {factor:.2f}: its host work per tensor on {2 * cores} processes "
+                f"sharing cores, over its charge at their contention: the factor at which the model's step of the "
+                f"synthetic stack (d={_SYNC_DIM}, {_SYNC_ROWS} rows a rank) on Mesh(dp={2 * cores}) under "
+                f"Plan(dp={_SHARED_MODE!r}) grows from {' to '.join(map(str, _SYNC_BLOCKS))} blocks as the slowest "
+                f"rank's measured step grew (the median of {_SHARED_STEPS} rounds, each step after a barrier): "
+                f"{measured * 1e3:.1f} ms measured, {at_one * 1e3:.1f} ms at factor 1"))
+    return cluster
 
 
 
