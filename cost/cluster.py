@@ -199,9 +199,9 @@ class Cluster:
     #                                over its charge at the measured contention: the factor at which the
     #                                model's step of the calibration's stacks under that mode on those
     #                                ranks grows with the blocks as the measured step does. ZeRO-3's
-    #                                (its gathers' layout and hooks, interleaved with its waits on the
-    #                                gathers, run while other ranks wait: about half the contention's
-    #                                charge, BENCHMARKS.md run 88). (): every mode at the contention's
+    #                                (its gathers' layout and hooks lie between its waits on the gathers,
+    #                                while other ranks wait too: the calibration reads 0.13-0.29,
+    #                                BENCHMARKS.md runs 89-90). (): every mode at the contention's
     #                                slowdown in full
     fingerprint: tuple = ()        # local preset: ((part, seconds), ...) of a reference workload timed at
     #                                calibration (``cost.drift``): reading the preset checks it again
