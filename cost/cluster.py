@@ -198,10 +198,11 @@ class Cluster:
     #                                host work per tensor (``Device.sync_overhead``) on ranks sharing cores,
     #                                over its charge at the measured contention: the factor at which the
     #                                model's step of the calibration's stacks under that mode on those
-    #                                ranks grows with the blocks as the measured step does. ZeRO-3's
+    #                                ranks grows with the blocks as the measured step does, their
+    #                                collectives at the level the stacks' own tp steps read. ZeRO-3's
     #                                (its gathers' layout and hooks lie between its waits on the gathers,
-    #                                while other ranks wait too: the calibration reads 0.13-0.29,
-    #                                BENCHMARKS.md runs 89-90). (): every mode at the contention's
+    #                                while other ranks wait too: the calibration reads 0.41-0.73,
+    #                                BENCHMARKS.md run 91). (): every mode at the contention's
     #                                slowdown in full
     fingerprint: tuple = ()        # local preset: ((part, seconds), ...) of a reference workload timed at
     #                                calibration (``cost.drift``): reading the preset checks it again

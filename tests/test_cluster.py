@@ -270,6 +270,46 @@ def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its
         cluster.with_(shared_sync=(("zero3", 0.0),))
 
 
+def test_the_stacks_collective_level_is_fitted_where_the_models_tp_step_grows_as_its_steps_did():
+    """The level of the shared link's skew table on the calibration's synthetic stacks
+    (``_shared_skew_scale``): the ``Link.skew_scale`` at which the cost model's ``Plan(tp=True)``
+    step of the stack on ``Mesh(tp=4)`` of 2 cores grows from 2 to 8 blocks as the slowest
+    rank's measured step did. Planted at 0.7 and recovered within 1%; out-of-range growth is
+    held to [1/4, 2]. With a flat table of alpha a, what the scale moves is a x (1 - scale) per
+    tp collective: each of a block's two MLP halves all-reduces once forward and once backward,
+    4 a block, written here. ZeRO-3's factor is read with the stacks' collectives at that level
+    (``_shared_sync_factor(scale=...)``)."""
+    from autopar.cost.calibration.local import (_SYNC_BLOCKS, _shared_skew_scale, _shared_sync_factor,
+                                                _stack_growth)
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    alpha = 2e-3
+    skew = tuple((k, g, t, alpha) for k in kinds for g in (2, 4) for t in (2e-4, 1e-3, 4e-3))
+    shared = Link("shared", 1e9, 1e-4, fits=tuple((k, g, 5e-4, 1e-9) for k in kinds for g in (2, 4)), skew=skew)
+    own = Link("own-core", 1e9, 2e-4)
+    base = PRESETS["dgx-h100"]
+    device = dataclasses.replace(base.device, sync_overhead=(("ddp", 1e-5), ("zero3", 2e-4)))
+    cluster = base.with_(name="local", device=device, gpus_per_node=2, intra=own, inter=own,
+                         contention=((2, 1.0), (4, 2.5)), shared=shared)
+    lo, hi = _SYNC_BLOCKS
+    growth = _stack_growth(cluster, 4, "tp", "skew_scale")
+    assert growth(1.0) - growth(0.7) == pytest.approx(alpha * 0.3 * 4 * (hi - lo), rel=1e-6)
+    slowest = {("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.7)}
+    quicker = {key: 0.9 * t for key, t in slowest.items()}
+    scale, measured, at_one = _shared_skew_scale(cluster, 4, [quicker, slowest])
+    assert scale == pytest.approx(0.7, rel=0.01)
+    assert measured == pytest.approx(growth(0.7)) and at_one == pytest.approx(growth(1.0))
+    assert _shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.1)}])[0] == 0.25
+    assert _shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
+    assert _shared_skew_scale(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+    # ZeRO-3's factor read with the stacks' collectives at that level: a planted factor recovered,
+    # where the table as measured would read the collectives' excess as host work
+    scaled = dataclasses.replace(cluster, shared=dataclasses.replace(shared, skew_scale=0.7))
+    z = _stack_growth(scaled, 4, "zero3")
+    steps = [{("zero3", lo): 0.05, ("zero3", hi): 0.05 + z(0.6)}]
+    assert _shared_sync_factor(cluster, 4, steps, scale=0.7)[0] == pytest.approx(0.6, rel=0.01)
+    assert _shared_sync_factor(cluster, 4, steps)[0] < 0.5
+
+
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
@@ -468,7 +508,9 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert all(a >= 0 for *_, a in c.shared.skew)
         assert dict(c.contention)[2 * c.gpus_per_node] >= 1.0
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
-        # ZeRO-3's host work there, a share of the contention fitted on its own steps
+        # ZeRO-3's host work there, a share of the contention fitted on its own steps (their
+        # collectives at the level the same stacks' tp steps read; the link's table as measured)
+        assert c.shared.skew_scale == 1.0 and "x the shared link's skew table" in c.source
         assert [m for m, _ in c.shared_sync] == ["zero3"] and 0.125 <= dict(c.shared_sync)["zero3"] <= 2.0
         assert "shared_sync: zero3" in c.source
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"

@@ -1030,8 +1030,8 @@ def _compiled_step(model, world: int, mode: str, x):
 def _shared_step_probe(modes: tuple, steps: int) -> dict:
     """Run on every rank of the pool of ranks sharing cores: (mode, blocks) -> the median wall
     seconds of a training step of the synthetic stack of ``_SYNC_BLOCKS`` blocks compiled by
-    autopar on all the ranks under each of ``modes`` (``_compiled_step``), each step after a
-    barrier, round-robin over ``steps`` rounds."""
+    autopar on all the ranks under each of ``modes`` (``_compiled_step``; ``"tp"``: on the tp
+    axis), each step after a barrier, round-robin over ``steps`` rounds."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     world = dist.get_world_size()
@@ -1055,36 +1055,73 @@ def _shared_step_probe(modes: tuple, steps: int) -> dict:
     return {key: statistics.median(ts) for key, ts in walls.items()}
 
 
-def _stack_growth(cluster: Cluster, world: int, mode: str) -> "collections.abc.Callable":
-    """factor -> the cost model's growth of a step of the synthetic stack from the 2- to the
-    8-block stack on ``world`` ranks of ``cluster`` sharing cores, compiled on the dp axis under
-    ``mode``, with that mode's ``Cluster.shared_sync`` at that factor."""
+def _stack_growth(cluster: Cluster, world: int, mode: str, vary: str = "shared_sync") -> "collections.abc.Callable":
+    """x -> the cost model's growth of a step of the synthetic stack from the 2- to the 8-block
+    stack on ``world`` ranks of ``cluster`` sharing cores, compiled on the dp axis under ``mode``
+    (``"tp"``: on the tp axis, ``Plan(tp=True)``), with ``vary`` at x: ``"shared_sync"``, that
+    mode's ``Cluster.shared_sync``; ``"skew_scale"``, the shared link's ``Link.skew_scale``."""
     lo, hi = _SYNC_BLOCKS
     profiles = {b: Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),), blocks_once=False)
                 for b in (lo, hi)}
+    axes, plan = ({"tp": world}, Plan(tp=True)) if mode == "tp" else ({"dp": world}, Plan(dp=mode))
 
-    def growth(factor: float) -> float:
-        c = dataclasses.replace(cluster, shared_sync=((mode, factor),))
-        return (evaluate_plan(profiles[hi], {"dp": world}, Plan(dp=mode), c, _SYNC_ROWS * world).step_time_s
-                - evaluate_plan(profiles[lo], {"dp": world}, Plan(dp=mode), c, _SYNC_ROWS * world).step_time_s)
+    def growth(x: float) -> float:
+        if vary == "skew_scale":
+            c = dataclasses.replace(cluster, shared=dataclasses.replace(cluster.shared, skew_scale=x))
+        else:
+            c = dataclasses.replace(cluster, shared_sync=((mode, x),))
+        return (evaluate_plan(profiles[hi], axes, plan, c, _SYNC_ROWS * world).step_time_s
+                - evaluate_plan(profiles[lo], axes, plan, c, _SYNC_ROWS * world).step_time_s)
 
     return growth
 
 
-def _shared_sync_factor(cluster: Cluster, world: int, per_rank: list, mode: str = _SHARED_MODE) -> tuple:
+def _fit_growth(growth, measured: float, low: float, high: float) -> tuple:
+    """(x, the estimate's growth at 1): the x at which ``growth`` (linear in x: what x scales lies
+    on the step's path) equals ``measured``, by the line through x = 1/2 and 1, within [low,
+    high]; 1 where nothing grows or the estimate does not grow with x."""
+    half, one = growth(0.5), growth(1.0)
+    if measured <= 0 or one <= half:
+        return 1.0, one
+    return min(high, max(low, 1.0 + (measured - one) * 0.5 / (one - half))), one
+
+
+def _measured_growth(per_rank: list, mode: str) -> float:
+    """The slowest rank's step growth from the 2- to the 8-block stack under ``mode``
+    (``_shared_step_probe``'s results, one dict per rank)."""
+    lo, hi = _SYNC_BLOCKS
+    return max(r[(mode, hi)] for r in per_rank) - max(r[(mode, lo)] for r in per_rank)
+
+
+def _shared_skew_scale(cluster: Cluster, world: int, per_rank: list) -> tuple:
+    """(scale; the measured growth; the estimate's at scale 1): the level of the shared link's
+    skew table on the synthetic stacks' own steps, the ``Link.skew_scale`` at which the cost
+    model's growth of the stack's ``Plan(tp=True)`` step on ``Mesh(tp=world)`` from 2 to 8 blocks
+    (``_stack_growth``) equals the growth the slowest rank measured (``per_rank``:
+    ``_shared_step_probe``'s results), within [1/4, 2]. The stacks compute next to nothing
+    between their collectives, short of the table's shortest compute length, where the table
+    is flat: the level at which ``_shared_sync_factor`` reads ZeRO-3's host work on the same
+    stacks, not the link's for the models' steps (which compute between their collectives, and
+    whose tp steps read the table right as measured: BENCHMARKS.md, run 91)."""
+    measured = _measured_growth(per_rank, "tp")
+    scale, one = _fit_growth(_stack_growth(cluster, world, "tp", "skew_scale"), measured, 0.25, 2.0)
+    return scale, measured, one
+
+
+def _shared_sync_factor(cluster: Cluster, world: int, per_rank: list, mode: str = _SHARED_MODE,
+                        scale: float = 1.0) -> tuple:
     """(``Cluster.shared_sync``'s factor for ``mode``; the measured growth; the estimate's at
     factor 1): the factor at which the cost model's growth of the synthetic stack's step from 2
     to 8 blocks under ``mode`` on ``world`` ranks sharing cores (``_stack_growth``) equals the
-    growth the slowest rank measured (``per_rank``: ``_shared_step_probe``'s results). The
-    estimate is linear in the factor (the host work is on the step's path): the line through
-    factors 1/2 and 1, within [1/8, 2]; 1 where nothing grows."""
-    lo, hi = _SYNC_BLOCKS
-    measured = max(r[(mode, hi)] for r in per_rank) - max(r[(mode, lo)] for r in per_rank)
-    growth = _stack_growth(cluster, world, mode)
-    half, one = growth(0.5), growth(1.0)
-    if measured <= 0 or one <= half:
-        return 1.0, measured, one
-    return min(2.0, max(0.125, 1.0 + (measured - one) * 0.5 / (one - half))), measured, one
+    growth the slowest rank measured (``per_rank``: ``_shared_step_probe``'s results), within
+    [1/8, 2]; 1 where nothing grows. The stacks' collectives priced at ``scale`` times the
+    shared link's table (``_shared_skew_scale``: their own level, measured on their tp steps), so
+    that what the table overprices them by is not read as host work."""
+    measured = _measured_growth(per_rank, mode)
+    if scale != 1.0:
+        cluster = dataclasses.replace(cluster, shared=dataclasses.replace(cluster.shared, skew_scale=scale))
+    factor, one = _fit_growth(_stack_growth(cluster, world, mode), measured, 0.125, 2.0)
+    return factor, measured, one
 
 
 def _measure_sync_overhead(ranks: _Ranks, op_weights: tuple, op: float, ratio: float) -> tuple:
@@ -1216,7 +1253,7 @@ def _measure_local() -> Cluster:
             if k == 2 * cores:     # ranks sharing cores: the same gloo fit with twice as many, and the
                 shared, _, _ = _measure_gloo(ranks, k)     # runtime's pipelines that fit their wake
                 wake_runs = ranks(_op_overhead_probe, k, _WAKE_PIPELINES, timeout=240)
-                shared_steps = ranks(_shared_step_probe, k, (_SHARED_MODE,), _SHARED_STEPS, timeout=240)
+                shared_steps = ranks(_shared_step_probe, k, (_SHARED_MODE, "tp"), _SHARED_STEPS, timeout=240)
             loops[k] = [ranks(_contention_probe, k, _CONTENTION_READING_SECONDS, timeout=120)
                         for _ in range(_CONTENTION_READINGS)]
         ranks.close()
@@ -1346,8 +1383,10 @@ def _measure_local() -> Cluster:
                       inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                       mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
     if shared is not None and shared_steps is not None:
-        # ZeRO-3's host work on ranks sharing cores, at the share of the contention its own steps read
-        factor, measured, at_one = _shared_sync_factor(cluster, 2 * cores, shared_steps)
+        # ZeRO-3's host work on ranks sharing cores, read on its own steps of the synthetic
+        # stacks with their collectives at the level the same stacks' tp steps read
+        scale, tp_measured, tp_one = _shared_skew_scale(cluster, 2 * cores, shared_steps)
+        factor, measured, at_one = _shared_sync_factor(cluster, 2 * cores, shared_steps, scale=scale)
         cluster = dataclasses.replace(
             cluster, shared_sync=((_SHARED_MODE, factor),),
             source=cluster.source + (
@@ -1356,7 +1395,11 @@ def _measure_local() -> Cluster:
                 f"synthetic stack (d={_SYNC_DIM}, {_SYNC_ROWS} rows a rank) on Mesh(dp={2 * cores}) under "
                 f"Plan(dp={_SHARED_MODE!r}) grows from {' to '.join(map(str, _SYNC_BLOCKS))} blocks as the slowest "
                 f"rank's measured step grew (the median of {_SHARED_STEPS} rounds, each step after a barrier): "
-                f"{measured * 1e3:.1f} ms measured, {at_one * 1e3:.1f} ms at factor 1"))
+                f"{measured * 1e3:.1f} ms measured, {at_one * 1e3:.1f} ms at factor 1; the stacks' collectives at "
+                f"{scale:.2f} x the shared link's skew table, the scale at which the model's Plan(tp=True) step of "
+                f"the same stacks on Mesh(tp={2 * cores}) grows as measured in the same rounds "
+                f"({tp_measured * 1e3:.1f} ms measured, {tp_one * 1e3:.1f} ms at scale 1; the link itself keeps "
+                f"its table as measured)"))
     return cluster
 
 
