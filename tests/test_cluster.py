@@ -230,6 +230,16 @@ def test_a_pooled_skew_table_prices_every_kind_at_the_kinds_mean():
     assert _skew_scale(own, 1.2e-3, 6e-4, ["all_gather"])[0] == pytest.approx(1.2, rel=1e-4)
 
 
+def _shared_cores_cluster(shared: Link):
+    """A local-like preset of 2 cores whose 4 ranks share them over ``shared``: contention 2.5
+    at 4 processes, host work per tensor 10 us (ddp) and 200 us (ZeRO-3)."""
+    own = Link("own-core", 1e9, 2e-4)
+    base = PRESETS["dgx-h100"]
+    device = dataclasses.replace(base.device, sync_overhead=(("ddp", 1e-5), ("zero3", 2e-4)))
+    return base.with_(name="local", device=device, gpus_per_node=2, intra=own, inter=own,
+                      contention=((2, 1.0), (4, 2.5)), shared=shared)
+
+
 def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its_steps_did():
     """ZeRO-3's host work per tensor on ranks sharing cores (``Cluster.shared_sync``, fitted by
     ``_shared_sync_factor``): the factor on its charge at the contention at which the cost
@@ -244,11 +254,7 @@ def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its
     from autopar.cost.estimate import Profiles, evaluate_plan
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     shared = Link("shared", 1e9, 1e-4, fits=tuple((k, 4, 5e-4, 1e-9) for k in kinds))
-    own = Link("own-core", 1e9, 2e-4)
-    base = PRESETS["dgx-h100"]
-    device = dataclasses.replace(base.device, sync_overhead=(("ddp", 1e-5), ("zero3", 2e-4)))
-    cluster = base.with_(name="local", device=device, gpus_per_node=2, intra=own, inter=own,
-                         contention=((2, 1.0), (4, 2.5)), shared=shared)
+    cluster = _shared_cores_cluster(shared)
     lo, hi = _SYNC_BLOCKS
     growth = _stack_growth(cluster, 4, "zero3")
     slowest = {("zero3", lo): 0.05, ("zero3", hi): 0.05 + growth(0.6)}
@@ -285,11 +291,7 @@ def test_the_stacks_collective_level_is_fitted_where_the_models_tp_step_grows_as
     alpha = 2e-3
     skew = tuple((k, g, t, alpha) for k in kinds for g in (2, 4) for t in (2e-4, 1e-3, 4e-3))
     shared = Link("shared", 1e9, 1e-4, fits=tuple((k, g, 5e-4, 1e-9) for k in kinds for g in (2, 4)), skew=skew)
-    own = Link("own-core", 1e9, 2e-4)
-    base = PRESETS["dgx-h100"]
-    device = dataclasses.replace(base.device, sync_overhead=(("ddp", 1e-5), ("zero3", 2e-4)))
-    cluster = base.with_(name="local", device=device, gpus_per_node=2, intra=own, inter=own,
-                         contention=((2, 1.0), (4, 2.5)), shared=shared)
+    cluster = _shared_cores_cluster(shared)
     lo, hi = _SYNC_BLOCKS
     growth = _stack_growth(cluster, 4, "tp", "skew_scale")
     assert growth(1.0) - growth(0.7) == pytest.approx(alpha * 0.3 * 4 * (hi - lo), rel=1e-6)
