@@ -74,6 +74,14 @@ class Link:
     #                      steps do between collectives (the calibration's tp stacks); every skew
     #                      latency is taken at this scale: the table's shape along the compute, its
     #                      level on the runtime's own steps. 1: the table as measured
+    skew_first: float = 1.0   # measured links: a factor on the skew table's shortest compute point
+    #                      (every kind but p2p, every group size), the latency after little compute read
+    #                      on autopar's own steps rather than on the probe's matmuls; between that point
+    #                      and the next the table interpolates as measured. Set on the link of ranks
+    #                      sharing cores, where the runtime's tp steps of the calibration's stacks (next
+    #                      to no compute between their collectives) read 0.5-0.8 of that point, while the
+    #                      models' steps, which compute longer between theirs, read the longer points
+    #                      as measured (BENCHMARKS.md, runs 91-94). 1: the table as measured
     skew_pooled: bool = False  # measured links: the kinds of a group size share one skew table, the
     #                      mean of their points (p2p apart), taken at ``skew_scale``. Set where the
     #                      scale measures the level on the runtime's own steps (the 2-process link):
@@ -107,6 +115,9 @@ class Link:
         if not (self.skew_scale > 0 and math.isfinite(self.skew_scale)):
             raise ValueError(f"Link {self.name!r}: skew_scale must be a positive finite factor, got "
                              f"{self.skew_scale!r}")
+        if not (self.skew_first > 0 and math.isfinite(self.skew_first)):
+            raise ValueError(f"Link {self.name!r}: skew_first must be a positive finite factor, got "
+                             f"{self.skew_first!r}")
         if not 0.0 <= self.overlap_loss <= 1.0:
             raise ValueError(f"Link {self.name!r}: overlap_loss must be a fraction in [0, 1], got "
                              f"{self.overlap_loss!r}")

@@ -93,7 +93,8 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
     one with a ``skew`` table (latencies among computing ranks) takes alpha from it at ``after``, the
     seconds each rank computed since the previous collective (1 ms when not given), linear
     between the measured lengths and flat beyond them, at the link's ``skew_scale``
-    (``skew_table``: the kind's own points, or the kinds' mean on a link with ``skew_pooled``)."""
+    (``skew_table``: the kind's own points, or the kinds' mean on a link with ``skew_pooled``; its
+    shortest point at the link's ``skew_first``)."""
     if p <= 1 or nbytes <= 0:
         return 0.0
     if kind == "p2p":
@@ -113,16 +114,20 @@ def collective_time(kind: str, nbytes: float, p: int, link, algorithm: str = "au
 def skew_table(link, kind: str, g: int) -> list:
     """The sorted (compute seconds, latency) points of ``link``'s skew table for ``kind`` on
     groups of ``g``: the kind's own, or on a link with ``skew_pooled`` the mean over the
-    collectives' kinds (p2p apart) of their points at each compute length."""
+    collectives' kinds (p2p apart) of their points at each compute length; the shortest point
+    at the link's ``skew_first`` (p2p apart)."""
     skew = getattr(link, "skew", ())
     own = sorted((t, a) for k, gs, t, a in skew if k == kind and gs == g)
-    if not (own and getattr(link, "skew_pooled", False)) or kind == "p2p":
+    if kind == "p2p" or not own:
         return own
-    at: dict = {}
-    for k, gs, t, a in skew:
-        if gs == g and k != "p2p":
-            at.setdefault(t, []).append(a)
-    return [(t, sum(v) / len(v)) for t, v in sorted(at.items())]
+    if getattr(link, "skew_pooled", False):
+        at: dict = {}
+        for k, gs, t, a in skew:
+            if gs == g and k != "p2p":
+                at.setdefault(t, []).append(a)
+        own = [(t, sum(v) / len(v)) for t, v in sorted(at.items())]
+    first = getattr(link, "skew_first", 1.0)
+    return own if first == 1.0 else [(own[0][0], own[0][1] * first)] + own[1:]
 
 
 def pipeline_hop_time(nbytes: float, link, *, after: float | None = None, schedule: str | None = None) -> float:

@@ -312,6 +312,47 @@ def test_the_stacks_collective_level_is_fitted_where_the_models_tp_step_grows_as
     assert _shared_sync_factor(cluster, 4, steps)[0] < 0.5
 
 
+def test_skew_first_scales_the_tables_shortest_point_and_is_read_on_the_stacks_tp_steps():
+    """``Link.skew_first`` multiplies the skew table's shortest compute point (every kind but
+    p2p, the pooled mean on a pooled link); between it and the next point the latency is the
+    line between the two, from the next point on the table as measured, written here. The
+    calibration reads it (``_shared_skew_first``) where the cost model's ``Plan(tp=True)`` step
+    of the synthetic stack on ``Mesh(tp=4)`` of 2 cores grows from 2 to 8 blocks as the slowest
+    rank's measured step did: planted at 0.4, recovered within 1%, held to [1/8, 2], 1 where
+    nothing grows; the ZeRO-3 fit is not moved by it (``_shared_sync_factor`` reads the
+    stacks at ``skew_scale``)."""
+    from autopar.cost.calibration.local import _SYNC_BLOCKS, _shared_skew_first, _stack_growth
+    from autopar.cost.comm import collective_time, skew_table
+    kinds = ("all_reduce", "all_gather", "reduce_scatter")
+    points = {2e-4: 2e-3, 1e-3: 3e-3, 4e-3: 5e-3}
+    skew = tuple((k, 4, t, a) for k in kinds + ("p2p",) for t, a in points.items())
+    fits = tuple((k, 4, 5e-4, 0.0) for k in kinds + ("p2p",))
+    link = Link("shared", 1e9, 1e-4, fits=fits, skew=skew)
+    half = dataclasses.replace(link, skew_first=0.5)
+    for after, want in ((1e-4, 1e-3), (2e-4, 1e-3), (6e-4, (1e-3 + 3e-3) / 2), (1e-3, 3e-3), (2.5e-3, 4e-3), (8e-3, 5e-3)):
+        for kind in kinds:
+            assert collective_time(kind, 4096, 4, half, after=after) == pytest.approx(want, rel=1e-9), (kind, after)
+        assert collective_time("p2p", 4096, 4, half, after=after) == collective_time("p2p", 4096, 4, link, after=after)
+    pooled = dataclasses.replace(half, skew_pooled=True)
+    assert skew_table(pooled, "all_gather", 4) == [(t, pytest.approx(a)) for t, a in ((2e-4, 1e-3), (1e-3, 3e-3), (4e-3, 5e-3))]
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="skew_first"):
+            Link("gloo", 1e9, 1e-4, skew_first=bad)
+    # read on the stacks' tp steps
+    cluster = _shared_cores_cluster(link)
+    lo, hi = _SYNC_BLOCKS
+    growth = _stack_growth(cluster, 4, "tp", "skew_first")
+    assert growth(1.0) > growth(0.4) > 0
+    slowest = {("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.4)}
+    quicker = {key: 0.9 * t for key, t in slowest.items()}
+    first, measured, at_one = _shared_skew_first(cluster, 4, [quicker, slowest])
+    assert first == pytest.approx(0.4, rel=0.01)
+    assert measured == pytest.approx(growth(0.4)) and at_one == pytest.approx(growth(1.0))
+    assert _shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 0.01 * growth(1.0)}])[0] == 0.125
+    assert _shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
+    assert _shared_skew_first(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+
+
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
     """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
@@ -511,8 +552,11 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
         assert dict(c.contention)[2 * c.gpus_per_node] >= 1.0
         assert c.slowdown(2 * c.gpus_per_node) == dict(c.contention)[2 * c.gpus_per_node]
         # ZeRO-3's host work there, a share of the contention fitted on its own steps (their
-        # collectives at the level the same stacks' tp steps read; the link's table as measured)
+        # collectives at the level the same stacks' tp steps read); the link's level as measured
+        # but at its shortest point, read on the same tp steps
         assert c.shared.skew_scale == 1.0 and "x the shared link's skew table" in c.source
+        assert 0.125 <= c.shared.skew_first <= 2.0 and "shared skew_first" in c.source
+        assert c.intra.skew_first == 1.0
         assert [m for m, _ in c.shared_sync] == ["zero3"] and 0.125 <= dict(c.shared_sync)["zero3"] <= 2.0
         assert "shared_sync: zero3" in c.source
     assert c.intra == c.inter and c.intra.name == "gloo-tcp"

@@ -1059,15 +1059,16 @@ def _stack_growth(cluster: Cluster, world: int, mode: str, vary: str = "shared_s
     """x -> the cost model's growth of a step of the synthetic stack from the 2- to the 8-block
     stack on ``world`` ranks of ``cluster`` sharing cores, compiled on the dp axis under ``mode``
     (``"tp"``: on the tp axis, ``Plan(tp=True)``), with ``vary`` at x: ``"shared_sync"``, that
-    mode's ``Cluster.shared_sync``; ``"skew_scale"``, the shared link's ``Link.skew_scale``."""
+    mode's ``Cluster.shared_sync``; ``"skew_scale"`` or ``"skew_first"``, that field of the shared
+    link."""
     lo, hi = _SYNC_BLOCKS
     profiles = {b: Profiles(_Stack(_SYNC_DIM, b), (torch.randn(_SYNC_ROWS, _SYNC_DIM),), blocks_once=False)
                 for b in (lo, hi)}
     axes, plan = ({"tp": world}, Plan(tp=True)) if mode == "tp" else ({"dp": world}, Plan(dp=mode))
 
     def growth(x: float) -> float:
-        if vary == "skew_scale":
-            c = dataclasses.replace(cluster, shared=dataclasses.replace(cluster.shared, skew_scale=x))
+        if vary in ("skew_scale", "skew_first"):
+            c = dataclasses.replace(cluster, shared=dataclasses.replace(cluster.shared, **{vary: x}))
         else:
             c = dataclasses.replace(cluster, shared_sync=((mode, x),))
         return (evaluate_plan(profiles[hi], axes, plan, c, _SYNC_ROWS * world).step_time_s
@@ -1101,8 +1102,9 @@ def _shared_skew_scale(cluster: Cluster, world: int, per_rank: list) -> tuple:
     ``_shared_step_probe``'s results), within [1/4, 2]. The stacks compute next to nothing
     between their collectives, short of the table's shortest compute length, where the table
     is flat: the level at which ``_shared_sync_factor`` reads ZeRO-3's host work on the same
-    stacks, not the link's for the models' steps (which compute between their collectives, and
-    whose tp steps read the table right as measured: BENCHMARKS.md, run 91)."""
+    stacks. The link itself does not take it (the models' steps, which compute between their
+    collectives, read the table's longer points as measured: BENCHMARKS.md, run 91), only the
+    stacks' reading at its shortest point (``_shared_skew_first``)."""
     measured = _measured_growth(per_rank, "tp")
     scale, one = _fit_growth(_stack_growth(cluster, world, "tp", "skew_scale"), measured, 0.25, 2.0)
     return scale, measured, one
@@ -1122,6 +1124,21 @@ def _shared_sync_factor(cluster: Cluster, world: int, per_rank: list, mode: str 
         cluster = dataclasses.replace(cluster, shared=dataclasses.replace(cluster.shared, skew_scale=scale))
     factor, one = _fit_growth(_stack_growth(cluster, world, mode), measured, 0.125, 2.0)
     return factor, measured, one
+
+
+def _shared_skew_first(cluster: Cluster, world: int, per_rank: list) -> tuple:
+    """(factor; the measured growth; the estimate's at factor 1): the shared link's
+    ``Link.skew_first``, the factor on its skew table's shortest compute point at which the cost
+    model's growth of the synthetic stack's ``Plan(tp=True)`` step on ``Mesh(tp=world)`` from 2 to
+    8 blocks (``_stack_growth``) equals the growth the slowest rank measured (``per_rank``:
+    ``_shared_step_probe``'s results), within [1/8, 2]. The stacks compute next to nothing
+    between their collectives, so their latencies come from the table at its shortest point
+    and the interpolation to the next: the runtime's own reading of what the probe's matmuls
+    measured there. The models' steps, which compute longer between their collectives, read the
+    longer points as measured (BENCHMARKS.md, runs 91-94), and those stand."""
+    measured = _measured_growth(per_rank, "tp")
+    first, one = _fit_growth(_stack_growth(cluster, world, "tp", "skew_first"), measured, 0.125, 2.0)
+    return first, measured, one
 
 
 def _measure_sync_overhead(ranks: _Ranks, op_weights: tuple, op: float, ratio: float) -> tuple:
@@ -1383,12 +1400,14 @@ def _measure_local() -> Cluster:
                       inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
                       mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
     if shared is not None and shared_steps is not None:
-        # ZeRO-3's host work on ranks sharing cores, read on its own steps of the synthetic
-        # stacks with their collectives at the level the same stacks' tp steps read
+        # the synthetic stacks' own steps on ranks sharing cores: ZeRO-3's host work, read with
+        # the stacks' collectives at the level their tp steps read (next to no compute between
+        # collectives), and the shared link's shortest skew point, read on the same tp steps
         scale, tp_measured, tp_one = _shared_skew_scale(cluster, 2 * cores, shared_steps)
         factor, measured, at_one = _shared_sync_factor(cluster, 2 * cores, shared_steps, scale=scale)
+        first, _, first_one = _shared_skew_first(cluster, 2 * cores, shared_steps)
         cluster = dataclasses.replace(
-            cluster, shared_sync=((_SHARED_MODE, factor),),
+            cluster, shared=dataclasses.replace(cluster.shared, skew_first=first), shared_sync=((_SHARED_MODE, factor),),
             source=cluster.source + (
                 f"\nshared_sync: {_SHARED_MODE} {factor:.2f}: its host work per tensor on {2 * cores} processes "
                 f"sharing cores, over its charge at their contention: the factor at which the model's step of the "
@@ -1398,8 +1417,10 @@ def _measure_local() -> Cluster:
                 f"{measured * 1e3:.1f} ms measured, {at_one * 1e3:.1f} ms at factor 1; the stacks' collectives at "
                 f"{scale:.2f} x the shared link's skew table, the scale at which the model's Plan(tp=True) step of "
                 f"the same stacks on Mesh(tp={2 * cores}) grows as measured in the same rounds "
-                f"({tp_measured * 1e3:.1f} ms measured, {tp_one * 1e3:.1f} ms at scale 1; the link itself keeps "
-                f"its table as measured)"))
+                f"({tp_measured * 1e3:.1f} ms measured, {tp_one * 1e3:.1f} ms at scale 1)"
+                f"\nshared skew_first {first:.2f}: the factor on the shared link's skew table at its shortest compute "
+                f"point (every kind but p2p) at which the same tp steps grow as measured ({first_one * 1e3:.1f} ms "
+                f"at factor 1); the longer points as measured"))
     return cluster
 
 
