@@ -79,9 +79,9 @@ class Link:
     #                      on autopar's own steps rather than on the probe's matmuls; between that point
     #                      and the next the table interpolates as measured. Set on the link of ranks
     #                      sharing cores, where the runtime's tp steps of the calibration's stacks (next
-    #                      to no compute between their collectives) read 0.5-0.8 of that point, while the
+    #                      to no compute between their collectives) read 0.45-0.8 of that point, while the
     #                      models' steps, which compute longer between theirs, read the longer points
-    #                      as measured (BENCHMARKS.md, runs 91-94). 1: the table as measured
+    #                      as measured (BENCHMARKS.md, runs 91-95). 1: the table as measured
     skew_pooled: bool = False  # measured links: the kinds of a group size share one skew table, the
     #                      mean of their points (p2p apart), taken at ``skew_scale``. Set where the
     #                      scale measures the level on the runtime's own steps (the 2-process link):

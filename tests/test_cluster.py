@@ -329,12 +329,14 @@ def test_skew_first_scales_the_tables_shortest_point_and_is_read_on_the_stacks_t
     fits = tuple((k, 4, 5e-4, 0.0) for k in kinds + ("p2p",))
     link = Link("shared", 1e9, 1e-4, fits=fits, skew=skew)
     half = dataclasses.replace(link, skew_first=0.5)
-    for after, want in ((1e-4, 1e-3), (2e-4, 1e-3), (6e-4, (1e-3 + 3e-3) / 2), (1e-3, 3e-3), (2.5e-3, 4e-3), (8e-3, 5e-3)):
+    along = ((1e-4, 1e-3), (2e-4, 1e-3), (6e-4, (1e-3 + 3e-3) / 2), (1e-3, 3e-3), (2.5e-3, 4e-3), (8e-3, 5e-3))
+    for after, want in along:
         for kind in kinds:
             assert collective_time(kind, 4096, 4, half, after=after) == pytest.approx(want, rel=1e-9), (kind, after)
         assert collective_time("p2p", 4096, 4, half, after=after) == collective_time("p2p", 4096, 4, link, after=after)
     pooled = dataclasses.replace(half, skew_pooled=True)
-    assert skew_table(pooled, "all_gather", 4) == [(t, pytest.approx(a)) for t, a in ((2e-4, 1e-3), (1e-3, 3e-3), (4e-3, 5e-3))]
+    want = ((2e-4, 1e-3), (1e-3, 3e-3), (4e-3, 5e-3))
+    assert skew_table(pooled, "all_gather", 4) == [(t, pytest.approx(a)) for t, a in want]
     for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="skew_first"):
             Link("gloo", 1e9, 1e-4, skew_first=bad)

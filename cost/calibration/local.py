@@ -1100,11 +1100,11 @@ def _shared_skew_scale(cluster: Cluster, world: int, per_rank: list) -> tuple:
     model's growth of the stack's ``Plan(tp=True)`` step on ``Mesh(tp=world)`` from 2 to 8 blocks
     (``_stack_growth``) equals the growth the slowest rank measured (``per_rank``:
     ``_shared_step_probe``'s results), within [1/4, 2]. The stacks compute next to nothing
-    between their collectives, short of the table's shortest compute length, where the table
-    is flat: the level at which ``_shared_sync_factor`` reads ZeRO-3's host work on the same
-    stacks. The link itself does not take it (the models' steps, which compute between their
-    collectives, read the table's longer points as measured: BENCHMARKS.md, run 91), only the
-    stacks' reading at its shortest point (``_shared_skew_first``)."""
+    between their collectives (their latencies come from the table's shortest points): the level
+    at which ``_shared_sync_factor`` reads ZeRO-3's host work on the same stacks. The link
+    itself does not take it (the models' steps, which compute between their collectives, read
+    the table's longer points as measured: BENCHMARKS.md, run 91), only the stacks' reading at
+    its shortest point (``_shared_skew_first``)."""
     measured = _measured_growth(per_rank, "tp")
     scale, one = _fit_growth(_stack_growth(cluster, world, "tp", "skew_scale"), measured, 0.25, 2.0)
     return scale, measured, one
@@ -1135,7 +1135,7 @@ def _shared_skew_first(cluster: Cluster, world: int, per_rank: list) -> tuple:
     between their collectives, so their latencies come from the table at its shortest point
     and the interpolation to the next: the runtime's own reading of what the probe's matmuls
     measured there. The models' steps, which compute longer between their collectives, read the
-    longer points as measured (BENCHMARKS.md, runs 91-94), and those stand."""
+    longer points as measured (BENCHMARKS.md, runs 91-95), and those stand."""
     measured = _measured_growth(per_rank, "tp")
     first, one = _fit_growth(_stack_growth(cluster, world, "tp", "skew_first"), measured, 0.125, 2.0)
     return first, measured, one
@@ -1407,7 +1407,8 @@ def _measure_local() -> Cluster:
         factor, measured, at_one = _shared_sync_factor(cluster, 2 * cores, shared_steps, scale=scale)
         first, _, first_one = _shared_skew_first(cluster, 2 * cores, shared_steps)
         cluster = dataclasses.replace(
-            cluster, shared=dataclasses.replace(cluster.shared, skew_first=first), shared_sync=((_SHARED_MODE, factor),),
+            cluster, shared=dataclasses.replace(cluster.shared, skew_first=first),
+            shared_sync=((_SHARED_MODE, factor),),
             source=cluster.source + (
                 f"\nshared_sync: {_SHARED_MODE} {factor:.2f}: its host work per tensor on {2 * cores} processes "
                 f"sharing cores, over its charge at their contention: the factor at which the model's step of the "
