@@ -133,8 +133,10 @@ class Device:
     matmul_efficiency: float   # achieved fraction of peak_flops on large matmuls
     memory_efficiency: float   # achieved fraction of mem_bandwidth
     dtype_bytes: int = 2       # element size of the training dtype (2 for bf16/fp16; 4 for local fp32)
-    step_overhead: float = 0.0  # seconds of an optimizer step per parameter tensor beyond its arithmetic
-    #                             (AdamW's single-tensor loop on the local CPU; GPU presets: 0, fused)
+    step_overhead: float = 0.0  # seconds of an optimizer step per parameter tensor (local CPU: AdamW's
+    #                             single-tensor loop timed on 64 x 64 tensors, so with that size's
+    #                             arithmetic, which optimizer_time's roofline term charges again;
+    #                             GPU presets: 0, fused)
     op_overhead: float = 0.0   # seconds of framework dispatch per op (measured on the local CPU, where
     #                            small ops are dominated by it; GPU presets: 0, as the host runs ahead
     #                            of the device and kernel launches overlap compute)
