@@ -604,11 +604,18 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
         else:
             rep.loss_err = max(rep.loss_err, _scaled_err(gl, loss_ref.detach(), rtol, atol))
         grads = dm.full_grads()
-        gmax = max(float(p.grad.abs().max()) for p in names.values())
+        gmax = max((float(p.grad.abs().max()) for p in names.values() if p.grad is not None and p.numel()),
+                   default=0.0)
         for k, p in names.items():
+            if p.grad is None:    # frozen, unused by forward, or cut off from the loss: none on one device
+                if grads.get(k) is not None:
+                    rep.messages.append(f"step {step}: {k} has a gradient, which it has not on one device "
+                                        "(frozen, or not reached from the loss)")
+                    rep.grad_err = float("inf")
+                continue
             noisy[k] &= p.grad.abs() <= noise_floor * gmax
             moved[k] |= p.grad != 0   # exact zeros are deterministic: they stay in the tight check
-            if grads[k] is None:
+            if grads.get(k) is None:
                 rep.messages.append(f"step {step}: no gradient for {k}")
                 rep.grad_err = float("inf")
                 continue
@@ -621,8 +628,18 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
             mixed.refresh()
         opt.step()
         full = dm.full_state_dict()
+        lacking = [k for k in names if k not in full]
+        if lacking:
+            rep.messages.append(f"step {step}: full_state_dict() lacks {', '.join(lacking)}")
+            rep.param_err = float("inf")
+            names = {k: p for k, p in names.items() if k in full}
         if mixed is not None:
             for k, p in names.items():
+                if not p.requires_grad:   # frozen: no master, kept in the dtype forward reads, never changed
+                    if not torch.equal(full[k], p.detach().to(full[k].dtype)):
+                        rep.messages.append(f"step {step}: the frozen {k} changed")
+                        rep.param_err = float("inf")
+                    continue
                 if full[k].dtype != p.dtype:
                     rep.messages.append(f"step {step}: the master of {k} is {full[k].dtype}, expected {p.dtype}")
                     rep.param_err = float("inf")

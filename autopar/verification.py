@@ -160,8 +160,9 @@ class _Recorder(fx.Interpreter):
         if key is not None and isinstance(out, torch.Tensor) and (
                 n.op == "call_function" or (self.top and n.op == "placeholder")):
             self.values[key] = out.detach().clone()
-            if out.requires_grad:
-                out.register_hook(lambda g, key=key: self.grads.__setitem__(key, g.detach().clone()))
+            if out.requires_grad:     # autograd hands a hook None where no gradient reaches the value
+                out.register_hook(lambda g, key=key: None if g is None else
+                                  self.grads.__setitem__(key, g.detach().clone()))
         return out
 
     def call_module(self, target, args, kwargs):

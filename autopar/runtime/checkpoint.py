@@ -17,7 +17,8 @@ The checkpoint's keys (one flat namespace):
     ``model.<name>``               every parameter and persistent buffer, under the model's
                                    own name (a tied weight under its first name)
     ``optim.state.<name>.<key>``   the optimizer's state of each parameter (AdamW: exp_avg,
-                                   exp_avg_sq in the parameter's layout, step a scalar)
+                                   exp_avg_sq in the parameter's layout, step a scalar); none
+                                   for one it never stepped (frozen, or without a gradient)
     ``optim.param_groups``         hyperparameters of each group, with its parameters' names
     ``autopar.meta``               step, plan, mesh, optimizer class, tied names, the model's class
     ``autopar.rng``                the default generator's state (every rank draws the same stream)
@@ -542,6 +543,9 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
                 if h.name in seen:
                     continue
                 seen.add(h.name)
+                if not _state_keys(md, h.name):     # never stepped when saved: it resumes without state
+                    optimizer.state.pop(p, None)
+                    continue
                 state = optimizer.state[p]
                 for key in _state_keys(md, h.name):
                     entry = md.state_dict_metadata[f"{STATE}{h.name}.{key}"]
@@ -661,11 +665,10 @@ def _check_optimizer(md: Metadata, meta: dict, optimizer, owner) -> list[str]:
                 problems.append(f"parameter group {i} of this optimizer holds {', '.join(other[:3])}, which group "
                                 f"{i} of the checkpoint's does not; build the optimizer with the same groups")
     names = {h.name for h in owner.values()}
+    # a parameter without state in the checkpoint is one the optimizer never stepped (frozen, unused by
+    # forward, or without a gradient so far): torch's optimizers keep no state for it, and it loads without
     for name in sorted(names):
-        keys = _state_keys(md, name)
-        if not keys and meta.get("step", 0) > 0:
-            problems.append(f"the checkpoint has no optimizer state for {name}")
-        for key in keys:
+        for key in _state_keys(md, name):
             entry = md.state_dict_metadata[f"{STATE}{name}.{key}"]
             h = next(h for h in owner.values() if h.name == name)
             if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0 and \

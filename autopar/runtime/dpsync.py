@@ -30,8 +30,11 @@ the next bucket's is made, so backward holds one bucket of full gradients beside
 ``in_place``, which spares gloo's copy of it); ZeRO-1:
 accumulated into a persistent full-gradient buffer, its bucket reduce-scattered, landed when
 backward ends). Buckets launch strictly in order on every rank, so ranks issue the same
-collectives. Gradients are averaged over the axis, as DDP and FSDP do. With ``overlap`` off
-each collective is waited on as soon as it is issued (a bucket as soon as it fills).
+collectives. Gradients are averaged over the axis, as DDP and FSDP do. A bucket member that
+backward does not reach (read only where no gradient flows) sends zeros and lands nothing: its
+``.grad`` stays None, as on one device, where an optimizer then leaves it alone. With
+``overlap`` off each collective is waited on as soon as it is issued (a bucket as soon as it
+fills).
 """
 from __future__ import annotations
 
@@ -389,6 +392,7 @@ class DataParallelSync(nn.Module):
         if self._acc:        # micro-steps under no_sync: their local sums join this reduction
             grads = [_plus(g, self._acc.pop(m, None)) for m, g in zip(b.names, grads)]
             self._acc_owned.difference_update(b.names)
+        st["got"] = [had or g is not None for had, g in zip(st["got"], grads)]
         full = [g if g is not None else torch.zeros(self.specs[m].shape, dtype=self._grad_dtype(m),
                                                      device=self._params[m].device)
                 for m, g in zip(b.names, grads)]
@@ -412,8 +416,8 @@ class DataParallelSync(nn.Module):
     def _begin_backward(self, queue: bool = True):
         self._in_backward = True
         self.events = []     # ("ready", param) / ("launch", bucket) in order, for tests
-        self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names)}
-                       for b in self.buckets]
+        self._state = [{"buf": None, "ready": False, "work": None, "out": None, "grads": [None] * len(b.names),
+                        "got": [False] * len(b.names)} for b in self.buckets]
         self._next = 0
         self._unnotified = []
         if self.mode == "zero1":
@@ -472,7 +476,9 @@ class DataParallelSync(nn.Module):
         result = st["out"] if self.sharded else st["buf"]
         with torch.no_grad():
             result.div_(self.comm.size)
-            for name, off in zip(b.names, b.offsets):
+            for name, off, got in zip(b.names, b.offsets, st["got"]):
+                if not got:   # backward did not reach it (alike on every rank: one graph): .grad stays as it
+                    continue  # was, None as on one device, not a zero that weight decay would act on
                 p = self._params[name]
                 g = result[off:off + p.numel()].view(p.shape).to(p.dtype)   # mixed precision: to the master's
                 if p.grad is None:
@@ -502,7 +508,7 @@ class DataParallelSync(nn.Module):
                 self._retire(bi)        # lands the bucket's gradients, if it has not yet
                 self._notify_landed()
                 if self.mode == "zero1":
-                    self._finish_zero1(bi, b, st["out"])
+                    self._finish_zero1(bi, b, st)
                     if self.on_landed is not None:
                         self.on_landed([self._params[name] for name in b.names])
         self._state = []
@@ -534,14 +540,16 @@ class DataParallelSync(nn.Module):
                 if prev is not None:
                     view.add_(prev.reshape(-1))
 
-    def _finish_zero1(self, bi, b, out):
+    def _finish_zero1(self, bi, b, st):
         n = self.comm.size
         buf = self._persistent[bi]
         buf.zero_()
         own = buf.view(n, b.width)[self.comm.index]
-        own.copy_(out)
-        for name, off in zip(b.names, b.offsets):
+        own.copy_(st["out"])
+        for name, off, got in zip(b.names, b.offsets, st["got"]):
             p = self._params[name]
+            if not got and p.grad is None:     # no gradient now nor accumulated before: stays None
+                continue
             p.grad = own[off:off + p.numel()].view(p.shape).to(p.dtype)   # the buffer itself unless mixed
 
 
@@ -586,6 +594,7 @@ class _BucketSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sync, bucket, n_values, *tensors):
         ctx.sync, ctx.bucket, ctx.n_tensors = sync, bucket, len(tensors)
+        ctx.set_materialize_grads(False)   # a member the loss does not reach: None, so it lands no gradient
         return tuple(sync.compute(v.detach()) for v in tensors[:n_values])   # mixed precision: ddp casts here
 
     @staticmethod

@@ -59,7 +59,7 @@ class PipelineModule(DistributedModule):
         self._position = [{a: i for i, a in enumerate(acts)} for acts in lowered]   # per pp rank: action -> index
         self._holders = {}   # parameter -> stages holding it
         for spec in ctx.stages:
-            for name in spec.params:
+            for name in spec.held:
                 self._holders.setdefault(name, []).append(spec.index)
         self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
         self._optimizer = None
