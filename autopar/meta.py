@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
-           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG"]
+           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS"]
 
 # ---- node.meta keys ------------------------------------------------------------------------------
 VAL = "val"                 # torch.export's FakeTensor (shape, dtype) of the node's output
@@ -21,6 +21,7 @@ STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pa
 LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocabulary parallelism)
 RNG_SITE = "autopar_rng_site"  # index of a random site (dropout) in the single-device forward's draw order
 FLASH = "autopar_flash"     # cost model: an attention node runs as a fused kernel (no a·s² scores kept)
+KV_HEADS = "autopar_kv_heads"  # an index_select reading each tp rank's k/v heads (passes/kv_heads.py): dim of the heads
 
 # ---- attributes of the emitted module that graph nodes read (get_attr) ---------------------------
 SYNC = "sync_dp"            # the runtime's DataParallelSync of the dp axis

@@ -89,6 +89,7 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     _insert_local_slices(gm, ctx)
     if ctx.plan.tp:
         _insert_tp_redistributions(gm, ctx)
+        _reshape_permuted_views(gm)
     gm.add_submodule(SYNC, torch.nn.Module())   # stand-in: emit binds the DataParallelSync
     with g.inserting_before(next(iter(g.nodes))):
         sync = g.get_attr(SYNC)
@@ -336,6 +337,23 @@ def _insert_tp_redistributions(gm: fx.GraphModule, ctx: CompileContext) -> None:
         lay = src.meta.get(meta.LAYOUT)
         if isinstance(lay, Layout) and lay["tp"] != Replicate():
             output.replace_input_with(src, convert(src, lay["tp"], Replicate(), False, output))
+
+
+_PERMUTES = {torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.t.default}
+
+
+def _reshape_permuted_views(gm: fx.GraphModule) -> None:
+    """A ``view`` of a transposed tensor becomes a ``reshape`` (the same values). Capture met the
+    transpose contiguous because the op before it laid its output out so (attention's output
+    follows q's strides, and export drops the model's ``.contiguous()`` as a no-op); a tp
+    redistribution upstream hands that op a contiguous input instead, after which the view no
+    longer applies, where a reshape copies. Where the view applies, reshape is that view (the
+    same aliasing)."""
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in views and isinstance(node.args[0], fx.Node) \
+                and node.args[0].target in _PERMUTES:
+            node.target = torch.ops.aten.reshape.default
 
 
 def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileContext) -> None:

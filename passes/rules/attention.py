@@ -2,9 +2,11 @@
 
 q is ``(..., L, E)``, k ``(..., S, E)``, v ``(..., S, Ev)``, the output ``(..., L, Ev)``.
 Attention is independent across the leading (batch, head) dims, so sharding one of them
-alike on q, k, v (and on the mask where it has that dim) shards the output there; heads are
-only sharded when q and k/v have the same number (grouped-query attention with fewer k/v
-heads would need each rank's q heads to match its k/v groups). Each query row is
+alike on q, k, v (and on the mask where it has that dim) shards the output there. Under
+``enable_gqa`` k/v carry fewer heads than q (grouped-query attention: q head ``j`` reads k/v head
+``j // (m / n)``); the heads shard alike when both counts divide by the axis size, so that every
+rank's q heads read exactly its k/v heads (Megatron's split; with fewer k/v heads than ranks,
+``passes/kv_heads.py`` gives each rank its k/v heads before the op). Each query row is
 independent too: without a causal flag (whose mask depends on the row's global position),
 q sharded along L with k, v replicated gives the output sharded along L. The output is
 linear in v: a Partial v with q, k replicated gives the same Partial.
@@ -34,10 +36,18 @@ def sdpa(info: OpInfo) -> list:
 
     found = [replicated(info)]
     for d in range(q.ndim - 2):
-        if q.shape[d] == k.shape[d] == v.shape[d] > 1:
+        if q.shape[d] == k.shape[d] == v.shape[d] > 1 or (d == q.ndim - 3 and _grouped_heads(info, q, k, v)):
             found.append(Strategy((Shard(d),) * 3 + mask_at(d), Shard(d)))
     if not arg(info, 5, "is_causal", False) and q.shape[-2] > 1:
         found.append(Strategy((Shard(q.ndim - 2), R, R) + mask_at(q.ndim - 2), Shard(q.ndim - 2)))
     found += [Strategy((R, R, Partial(kind)) + (R,) * has_mask, Partial(kind))
               for kind in ("sum", "avg")]
     return found
+
+
+def _grouped_heads(info: OpInfo, q, k, v) -> bool:
+    """enable_gqa with m q heads over n k/v heads, both dividing by the axis size (then each
+    rank's m/t q heads are the groups of its n/t k/v heads)."""
+    m, n, t = q.shape[-3], k.shape[-3], info.n
+    return (bool(arg(info, 99, "enable_gqa", False)) and t is not None and k.shape[-3] == v.shape[-3]
+            and m % n == 0 and m % t == 0 and n % t == 0)
