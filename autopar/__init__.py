@@ -8,6 +8,7 @@
 from . import cost, models, passes, testing
 from .api import compile, estimate, plan
 from .capture import CaptureError
+from .data_dependent import DataDependentShapeError
 from .cost.estimate import Estimate
 from .cost.planner import InfeasiblePlan, PlanReport
 from .mesh import Mesh
@@ -18,5 +19,5 @@ from .tuning import TuneReport, tune
 from .verification import Divergence, VerifyReport, verify
 
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
-           "Layout", "CaptureError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
+           "Layout", "CaptureError", "DataDependentShapeError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
            "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence", "tune", "TuneReport"]

@@ -6,7 +6,9 @@ batch (parameters, position tables, masks built from constants) are copied into 
 that reads them, so only batch activations cross a cut. A value crosses a cut when it is
 defined before the cut and read after it (or is an output): residual streams, and anything
 else, are passed along stage by stage. A parameter read by two stages (a tied embedding and
-LM head) lives in both; the runtime sums its gradient over the two.
+LM head) lives in both; the runtime sums its gradient over the two. One that no stage reads
+(forward never uses it) is held by stage 0, so that state dicts and checkpoints keep every
+tensor of the model.
 
 The cut is chosen in two steps (stage cost = forward FLOPs, ``autopar.ops.node_flops``):
 
@@ -23,6 +25,7 @@ the dump shows every stage.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -51,6 +54,13 @@ class StageSpec:
     params: tuple[str, ...]      # canonical names of the parameters and buffers it reads
     flops: int                   # forward FLOPs of one micro-batch
     send_bytes: int              # bytes of ``outputs`` per micro-batch (0 for the last stage)
+    kept: tuple[str, ...] = ()   # parameters and buffers no stage reads (forward never uses them),
+                                 # held by stage 0 so that state dicts and checkpoints keep every tensor
+
+    @property
+    def held(self) -> tuple[str, ...]:
+        """Every parameter and buffer the stage's module holds: those it reads, and ``kept``."""
+        return self.params + self.kept
 
     def __str__(self) -> str:
         recv = ", ".join(self.inputs) or "-"
@@ -74,6 +84,10 @@ def pipeline(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _check_crossing(spec, sg, ctx)
         ctx.stages.append(spec)
         stage_graphs.append(sg)
+    read = {name for spec in ctx.stages for name in spec.params}
+    unread = tuple(name for name in ctx.params if name not in read)
+    if unread:
+        ctx.stages[0] = dataclasses.replace(ctx.stages[0], kept=unread)
     return _top_module(stage_graphs, ctx.stages, placeholders)
 
 
@@ -93,6 +107,8 @@ def stage_bounds(graph: fx.Graph, ctx: CompileContext, scale: float = 1.0) -> tu
                          "pipeline stages; use fewer stages (pp x virtual_stages)")
     cost = _costs(order, scale)
     cross, legal = _crossing(order, pos, output, ctx.microbatch_rows)
+    if int(legal[1:-1].sum()) < n_stages - 1:
+        raise ValueError(_no_cuts(order, pos, output, ctx.microbatch_rows, n_stages))
     state, act = _memory_model(order, ctx)
     cuts = _choose_cuts(cost, cross * scale, legal, (state, act * scale), n_stages, ctx.plan.stage_memory_bytes)
     return order, [0] + cuts + [len(order)]
@@ -129,6 +145,24 @@ def _crossing(order, pos, output, rows: int):
     legal = np.cumsum(illegal)[: n + 1] == 0
     legal[0] = legal[n] = True
     return cross, legal
+
+
+def _no_cuts(order, pos, output, rows: int, n_stages: int) -> str:
+    """Why the graph has too few legal cuts: the values that cross them and are not batch
+    activations (the first few, by name)."""
+    n, found = len(order), []
+    for i, node in enumerate(order):
+        last = n if output in node.users else max((pos.get(u, n) for u in node.users), default=i)
+        val = node.meta.get(meta.VAL)
+        if last > i and i + 1 < n and not (isinstance(val, torch.Tensor) and val.dim() and val.shape[0] == rows):
+            tensor = isinstance(val, torch.Tensor)
+            what = tuple(val.shape) if tensor else type(val).__name__
+            found.append((tensor, f"{node.name} ({node.target}: {what})"))
+    found = [text for _, text in sorted(found, key=lambda f: f[0])]     # numbers first: the rarer cause
+    return (f"no cut splits the graph into {n_stages} pipeline stages with only batch activations crossing it "
+            f"(tensors of the micro-batch's {rows} rows along dim 0); values crossing the candidate cuts: "
+            f"{', '.join(found[:4]) or 'none'}. Keep such values within one stage (a number read from a tensor "
+            "with .item(), a flattened batch), or use fewer stages (pp x virtual_stages)")
 
 
 def _memory_model(order, ctx: CompileContext):

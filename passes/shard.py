@@ -20,7 +20,10 @@ cannot run on the batch shard otherwise is an error that names it, not a silent 
 the program. With ``Plan(tp=True)`` the tp axis is placed by passes/tensor_parallel.py, which
 chooses among the strategies (least communication) instead of matching them: first the
 parameters' placements (``decide``, before the dp walk: it may move row-parallel biases),
-then every node's (``annotate``, on the dp-local shapes).
+then every node's (``annotate``, on the dp-local shapes). Before both, grouped-query attention
+with fewer k/v heads than tp ranks reads each rank's k/v heads by index (``kv_heads``). Before
+anything, an index that pairs each row with itself (``x[arange(B), idx]``) is written as a
+gather (``per_sample_index``), whose rule keeps the rows sharded.
 """
 from __future__ import annotations
 
@@ -33,10 +36,14 @@ from autopar import meta
 from autopar.context import CompileContext
 from autopar.placement import Layout, Replicate, Shard
 from . import tensor_parallel
+from .kv_heads import kv_heads
 from .analysis import input_nodes, is_value
+from .per_sample_index import per_sample_index
 from .rules import OpInfo, TensorMeta, format_placement, rule_for, strategies_for
 
 R = Replicate()
+_ORDERS = {torch.ops.aten.sort.default, torch.ops.aten.sort.stable, torch.ops.aten.argsort.default,
+           torch.ops.aten.argsort.stable}
 
 
 def _matches(required, current) -> bool:
@@ -88,20 +95,52 @@ def _choose(node: fx.Node, placed: dict, n: int, two_rows: bool = False, microba
                 return s
     if not split:    # one dp rank, one micro-batch: the op runs whole, as one without a rule does
         return None
+    what = _why_unsplit(node, current, sliceable, strategies, n)
     if n == 1:
-        what = ("mixes the samples of its batch (a batch-wide statistic, or an order over all of it)"
-                if rule_for(node.target) is not None else
-                "has no sharding rule, and the search found no placement along the batch's dim at these "
-                "shapes, so autopar cannot tell that it keeps the samples apart")
         raise ValueError(
             f"node {node.name} ({node.target}) {what}; the pipeline runs each of its {microbatches} "
             "micro-batches apart, which would change the result. Use microbatches=1, add a sharding rule "
             "for the op in passes/rules/, or keep the op out of the pipelined model")
     raise ValueError(
         f"node {node.name} ({node.target}) cannot run on its inputs as data parallelism lays them "
-        f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op mixes samples "
-        "of the batch (a batch-wide statistic?) or splits the batch unevenly. Make the batch "
-        "divide by dp, or keep the op out of the data-parallel model.")
+        f"out ({', '.join(format_placement(p) for p in current)} along dp={n}): the op {what}. Keep "
+        "the op out of the data-parallel model, or add a sharding rule for it in passes/rules/.")
+
+
+def _why_unsplit(node: fx.Node, current: tuple, sliceable: tuple, strategies: list, n: int) -> str:
+    """Why no strategy of ``node`` reads its inputs as they are laid out. Only an op whose rule
+    offers nothing for its batch-sharded inputs, at these sizes and at twice the batch, mixes the
+    samples of its batch; one whose rule would run at twice the batch splits it unevenly at these
+    sizes; one whose rule would run if a parameter were split with the batch reads a parameter
+    sized by the batch; an op without a rule is not known to mix them, only not shown to keep
+    them apart (the strategy search found no layout along the batch's dim)."""
+    rule = rule_for(node.target)
+    if rule is None:
+        return ("has no sharding rule, and the strategy search (passes/rules/search.py) found no "
+                "placement along the batch's dim at these shapes, so autopar cannot tell that it keeps "
+                "the samples apart")
+    ins = input_nodes(node)
+    for s in strategies:
+        if all(_matches(r, c) or (c == R and not ok) for r, c, ok in zip(s.inputs, current, sliceable)):
+            whole = [a.name for a, r, c in zip(ins, s.inputs, current) if not _matches(r, c)]
+            return (f"needs {', '.join(whole)} split along the batch with its other inputs, but a parameter "
+                    "or buffer is never sliced by data parallelism (is it sized by the batch? compute it "
+                    "from the inputs in forward instead)")
+    where = f"passes/rules/{rule.__module__.rsplit('.', 1)[-1]}.{rule.__name__}"
+    info = OpInfo.from_node(node, n)
+    outs = info.out if isinstance(info.out, tuple) else (info.out,)
+    ndim = max((m.ndim for m in outs if isinstance(m, TensorMeta)), default=0)
+    if any(_fits(s, current, sliceable) for c in [*range(ndim), None]
+           for s in strategies_for(_doubled(info, current, c), n) or []):
+        return (f"splits the batch unevenly at these sizes: its sharding rule ({where}) keeps the batch's dim "
+                f"sharded only where every rank's rows line up over dp={n}, and here they do not (at twice "
+                "the batch they would). Choose a batch, or a dp size, whose rows divide evenly through the op")
+    what = (f"mixes samples of its batch (a batch-wide statistic, or an order over all of it): its "
+            f"sharding rule ({where}) has no strategy for these layouts")
+    if node.target in _ORDERS:
+        what += ("; a mixture-of-experts layer that sorts all its tokens by expert (transformers' 'grouped_mm' "
+                 "experts) can route each token apart instead (experts_implementation='batched_mm')")
+    return what
 
 
 def _one_row(gm: fx.GraphModule, ctx: CompileContext) -> bool:
@@ -179,7 +218,9 @@ def _doubled(info: OpInfo, current: tuple, c) -> OpInfo:
 
 
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    per_sample_index(gm, ctx)      # x[arange(B), idx] as a gather: the batch shard follows it
     if ctx.plan.tp:     # parameter placements along tp first: they may move row-parallel biases
+        kv_heads(gm, ctx)           # k/v heads fewer than tp: each rank's, by index (the k/v projections stay whole)
         tensor_parallel.decide(gm, ctx)
     _shard_dp(gm, ctx)
     if ctx.plan.tp:

@@ -10,6 +10,9 @@ knowledge of module names. A *parameter matmul* is a ``linear`` / ``addmm`` / ``
     first) it becomes **column-parallel**: the weight split along its output features, the
     output sharded along its last dim. If the output is split into equal parts (a fused
     ``q, k, v`` projection) the weight is stored interleaved, so each part stays sharded;
+    so it is where the output is viewed as ``(parts, heads, head_dim)`` (ModernBERT's ``Wqkv``),
+    whose view then shards the heads of every part; parts of heads tp cannot split keep the
+    weight whole, with a warning;
   * reading an activation sharded along the dim it contracts it becomes **row-parallel**:
     the weight split along its input features, the output ``P(sum)``. Its bias moves after
     the product (``linear(x, W) + b``), so that it is added once, after the reduction.
@@ -21,7 +24,10 @@ reduction is deferred to the row-parallel product, and only a consumer that need
 whole value (the residual add, LayerNorm) makes it an all-reduce. An LM head (a product over a
 vocabulary, its table tied to the embedding or not; ``passes/lm_head.py``) is kept whole or
 split along the vocabulary, whichever the plan or the compile's cost model says is cheaper:
-split, a tied lookup and a cross-entropy on the logits are lowered vocabulary-parallel. Any
+split, a tied lookup and a cross-entropy on the logits are lowered vocabulary-parallel. A k/v
+projection whose heads tp cannot split, next to a q projection (a product of the same input)
+whose heads it can, stays whole: grouped-query attention with fewer k/v heads than ranks, where
+each rank reads the k/v heads of its q heads (``passes/kv_heads.py``). Any
 other parameter read by more than one node stays replicated, as do parameters no matmul
 splits (norms, embeddings, biases of row-parallel layers).
 
@@ -53,6 +59,7 @@ from autopar.runtime.rng import rng_dropout
 from autopar.sizes import chunk, ring_bytes
 
 from .analysis import ParamMatmul, input_nodes, is_value, param_matmul, param_name as _param_name
+from .kv_heads import kv_whole
 from .lm_head import decide_head, find_heads, fold_losses, head_note
 from .rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
 from .rules.registry import replicated
@@ -197,6 +204,10 @@ class _Walk:
             wp = self.params.get(_param_name(pm.weight, self.ctx))
             if wp is not None and wp.groups > 1:
                 self.grouped[node] = wp.groups
+        if node.target in RESHAPES and ins and self.grouped.get(ins[0]):
+            s = self._grouped_view(node, info, cur[0], self.grouped[ins[0]])
+            if s is not None:
+                return s
         if node.target in SPLITS and ins and self.grouped.get(ins[0]):
             s = self._grouped_split(node, info, cur[0], self.grouped[ins[0]])
             if s is not None:
@@ -251,6 +262,11 @@ class _Walk:
             total += self.convert_cost(have, want, _nbytes(m), m.dtype.is_floating_point)
         if total < INF and self.sp and self._sp_preferred(node, s, cur, info):
             total -= SP_BONUS
+        heads = node.meta.get(meta.KV_HEADS)
+        if heads is not None and total < INF and s.output == Shard(heads):
+            # each rank's k/v heads (passes/kv_heads.py): reading every head instead costs the
+            # attention a gather of q (of this output's size) right after
+            total -= 2 * ring_bytes("all_gather", _nbytes(info.out), self.t) + 1.0
         return total
 
     def convert_cost(self, have, want, nbytes: float, grad: bool) -> float:
@@ -334,7 +350,22 @@ class _Walk:
                 self.rows.append((node, pm))
                 return s
             return None
+        # before the fused-projection check: one k/v head's view (b, s, 1, hd) keeps the
+        # features last, and a rotary half-split of it reads like the parts of a fused output
+        kv = self._kv_whole(node, pm, wshape[pm.out_dim])
+        if kv is not None:
+            self.fix(wname, R, kv)
+            if bname is not None:
+                self.fix(bname, R, kv)
+            return None
         groups = self._groups_after(node, wshape[pm.out_dim])
+        fused = self._fused_view(node, wshape[pm.out_dim]) if groups == 1 else None
+        if fused is not None and fused[1] % self.t:
+            why = (f"fused projection whose output {node.name} is viewed as {fused[0]} parts of {fused[1]} "
+                   f"heads: {fused[1]} heads do not divide by tp={self.t}, so it is kept whole")
+            self._warn_whole(wname, bname, why)
+            return None
+        groups = fused[0] if fused is not None else groups
         part = wshape[pm.out_dim] // groups
         if part < self.t:
             self.fix(wname, R, f"{part} output features: fewer than tp={self.t}")
@@ -358,6 +389,23 @@ class _Walk:
         if groups > 1:
             self.grouped[node] = groups
         return s
+
+    def _kv_whole(self, node, pm: ParamMatmul, features: int) -> Optional[str]:
+        """Why a k/v projection stays whole (None: it does not): its output splits into n heads
+        that tp cannot split, and a product of the same input splits into m q heads that tp
+        can split and that read them (``kv_heads.kv_whole``)."""
+        n = _heads_after(node, features)
+        if n is None:
+            return None
+        for u in pm.act.users:
+            q = param_matmul(u, self.ctx) if u is not node else None
+            if q is None or q.act is not pm.act:
+                continue
+            m = _heads_after(u, q.weight.meta[meta.VAL].shape[q.out_dim])
+            if m is not None and m > n and kv_whole(n, m, self.t):
+                return (f"grouped-query attention: {n} k/v heads for {m} q heads over tp={self.t}, kept whole "
+                        f"(each rank reads the k/v heads of its {m // self.t} q heads)")
+        return None
 
     @staticmethod
     def _find(strategies, want: dict, output) -> Optional[Strategy]:
@@ -385,6 +433,45 @@ class _Walk:
                         return g
         return 1
 
+    def _fused_view(self, node, size: int) -> Optional[tuple]:
+        """``(g, h)`` if the product's output (through views keeping its last dim) is viewed as
+        ``(..., g, h, ...)``: its ``size`` features read as g parts (a fused q, k, v: ModernBERT's
+        ``view(b, s, 3, heads, head_dim)``) of h heads, where g does not divide by tp (a plain head
+        split keeps its shard on g); else None. Stored interleaved (each rank a slice of every
+        part), the view then keeps the shard on the heads (``_grouped_view``)."""
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                uval = u.meta.get(meta.VAL)
+                if u in seen or not isinstance(uval, torch.Tensor):
+                    continue
+                seen.add(u)
+                if u.target in VIEWLIKE and uval.shape[-1] == size:
+                    todo.append(u)
+                    continue
+                gb = _last_dim_split(n.meta[meta.VAL].shape, uval.shape) if u.target in RESHAPES else None
+                if gb is not None and len(gb) >= 3 and uval.shape[gb[0]] % self.t:
+                    return uval.shape[gb[0]], uval.shape[gb[1]]
+        return None
+
+    def _grouped_view(self, node, info, have, groups) -> Optional[Strategy]:
+        """The view of an interleaved fused output into ``(groups, heads, ...)``: each rank's
+        features are its heads of every part, so the view shards the heads."""
+        a, b = info.args[0].shape, info.out.shape
+        gb = _last_dim_split(a, b)
+        if have != Shard(len(a) - 1) or gb is None or len(gb) < 2 or b[gb[0]] != groups or b[gb[1]] % self.t:
+            return None
+        return Strategy((have,), Shard(gb[1]))
+
+    def _warn_whole(self, wname: str, bname: Optional[str], why: str) -> None:
+        self.fix(wname, R, why)
+        if bname is not None:
+            self.fix(bname, R, why)
+        msg = f"{wname}: {why}; its tensor-parallel layout would split a part, not heads"
+        log.warning("autopar: %s", msg)
+        self.ctx.notes.append(f"warning: {msg}")
+
     def _grouped_split(self, node, info, have, groups) -> Optional[Strategy]:
         x = info.args[0]
         d = _split_dim(node, x.ndim)
@@ -407,6 +494,40 @@ class _Walk:
                     f"and {node.name} reshapes it into {tuple(b[i] for i in gb)}: the leading {lead} "
                     f"(attention heads) does not divide by tp={self.t}. Use a tp size that divides {lead}, "
                     "or keep the projections whole with Plan(tp_layout=...)")
+
+
+_PRODUCTS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default}
+HEAD_SEARCH = 16
+"""nodes ``_heads_after`` visits from a product: enough for a norm over the whole projection
+before its head view (OLMo 2's q/k norms: RMSNorm by hand, about 8 ops)"""
+
+
+def _heads_after(node, features: int) -> Optional[int]:
+    """n if the product's output is viewed as ``(..., n, features / n)`` heads, at once or after
+    ops that keep its shape (no other product), else None."""
+    shape = tuple(node.meta[meta.VAL].shape)
+    todo, seen = [node], {node}
+    while todo and len(seen) <= HEAD_SEARCH:
+        for u in todo.pop(0).users:
+            val = u.meta.get(meta.VAL)
+            if u in seen or not isinstance(val, torch.Tensor):
+                continue
+            seen.add(u)
+            if u.target in RESHAPES and val.dim() == len(shape) + 1 and tuple(val.shape[:-2]) == shape[:-1] \
+                    and val.shape[-2] * val.shape[-1] == features:
+                return val.shape[-2]
+            if tuple(val.shape) == shape and u.target not in _PRODUCTS:
+                todo.append(u)
+    return None
+
+
+def _last_dim_split(a, b) -> Optional[list]:
+    """The dims of shape ``b`` that a view of shape ``a`` splits its last dim into (alone: not
+    merged with the dims before it), else None."""
+    for ga, gb in _groups(tuple(a), tuple(b)):
+        if ga == [len(a) - 1]:
+            return gb
+    return None
 
 
 def _split_dim(node, ndim) -> int:

@@ -69,8 +69,9 @@ def _assemble(pieces: list, placement, n: int, full_shape, values: bool = True):
                 raise AssertionError(f"rank {i} holds shape {tuple(p.shape)}, "
                                      f"the ceil convention wants {want}")
         # empty pieces hold no data (and some kernels give them another dtype, e.g.
-        # native_dropout's mask): leave them out of the concatenation
-        kept = [p for p in pieces if p.numel()] or pieces[:1]
+        # native_dropout's mask): leave them out of the concatenation, unless all are (an
+        # empty output, tensor_split's last part: its shape is still the pieces' together)
+        kept = [p for p in pieces if p.numel()] or pieces
         return torch.cat(kept, placement.dim)
     stacked = torch.stack(pieces)
     return {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),

@@ -5,9 +5,12 @@ sizes (and arange's bounds) rewritten by ``localize`` to the rank's share. ``new
 only their input's dtype and device; the rule lets it be laid out in any way.
 ``arange(end)`` has no start argument to move, so it is only offered replicated; the
 ``start`` overloads shard (integer bounds only, where the rank's bounds are exact).
-``empty`` shards like ``zeros`` (its values are unspecified). Random factories (``rand``,
-``randn``, ``randperm``) are replicated only: ranks draw alike from the same seed, and the
-rng pass arranges per-rank draws for dropout alone; ``empty_strided``'s strides are global.
+``empty`` and ``new_empty`` shard like ``zeros`` (their values are unspecified: any layout of
+the output is right once its local shape is; a model fills it afterwards, as DeepSeek-V3's
+attention writes the two halves of its keys into one). Random factories (``rand``, ``randn``,
+``randperm``) are replicated only: ranks draw alike from the same seed, and the rng pass
+arranges per-rank draws for dropout alone; ``empty_strided``'s and ``new_empty_strided``'s
+strides are global.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ from autopar.sizes import chunk_range
 aten = torch.ops.aten
 _SIZE_POS = {aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0,
              aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
-             aten.empty.memory_format: 0}
+             aten.empty.memory_format: 0, aten.new_empty.default: 1}
+_UNSPECIFIED = (aten.empty.memory_format, aten.new_empty.default)
 
 
-@register(*(op for op in _SIZE_POS if op != aten.empty.memory_format), aten.scalar_tensor.default,
+@register(*(op for op in _SIZE_POS if op not in _UNSPECIFIED), aten.scalar_tensor.default,
           aten.arange.default, aten.arange.start, aten.arange.start_step)
 def factory(info: OpInfo) -> list:
     found = [replicated(info)]
@@ -42,11 +46,11 @@ def factory(info: OpInfo) -> list:
     return found + [Strategy((p,), q) for p, q in pairs]
 
 
-register(aten.empty.memory_format, random=True)(factory)
+register(*_UNSPECIFIED, random=True)(factory)
 
 
 @register(aten.rand.default, aten.randn.default, aten.randperm.default,
-          aten.empty_strided.default, random=True)
+          aten.empty_strided.default, aten.new_empty_strided.default, random=True)
 def random_factory(info: OpInfo) -> list:
     return [replicated(info)]
 

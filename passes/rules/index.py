@@ -10,9 +10,9 @@ the positions; rows added at sharded positions (``index_add`` of a source split 
 Selecting and copying commute with every reduction across ranks (a Partial passes); adding
 commutes with sums and averages; ``amax``/``amin`` scatters with max/min.
 
-``sort``/``topk`` need the whole sorted dim; ``histc`` over a fixed range counts each rank's
-elements, so its counts add (``P(sum)``). ``nonzero`` and ``masked_scatter`` depend on the
-positions of every true element of the whole mask: replicated only.
+``sort``/``argsort``/``topk`` need the whole sorted dim; ``histc`` over a fixed range counts each
+rank's elements, so its counts add (``P(sum)``). ``nonzero`` and ``masked_scatter`` depend on
+the positions of every true element of the whole mask: replicated only.
 """
 from __future__ import annotations
 
@@ -148,11 +148,15 @@ def index_put(info: OpInfo) -> list:
 register(aten.index_put_.default)(inplace(index_put))
 
 
-@register(aten.sort.default, aten.topk.default)
+@register(aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+          aten.topk.default)
 def sort_topk(info: OpInfo) -> list:
-    """Values and indices along ``dim`` need the whole dim: shard the others."""
+    """Values and indices along ``dim`` need the whole dim: shard the others (the positions in
+    ``dim`` a rank returns are then the global ones). Sorting along the batch's dim is an order
+    over all of it: data parallelism refuses it (transformers' ``grouped_mm`` experts sort the
+    tokens of the whole batch by expert; its ``batched_mm`` experts keep them apart)."""
     x = info.args[0]
-    dim = norm_dim(arg(info, 1 if info.target == aten.sort.default else 2, "dim", -1), x.ndim)
+    dim = norm_dim(arg(info, 2 if info.target == aten.topk.default else 1, "dim", -1), x.ndim)
     return [replicated(info)] + [Strategy((Shard(d),), like_out(info, Shard(d)))
                                  for d in shardable_dims(x.shape) if d != dim]
 

@@ -99,9 +99,10 @@ def expand(info: OpInfo) -> list:
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-          aten.slice.Tensor, aten.cat.default)
+          aten.tensor_split.indices, aten.tensor_split.sections, aten.slice.Tensor, aten.cat.default)
 def along_other_dims(info: OpInfo) -> list:
-    """Splitting, slicing or concatenating along ``dim`` keeps a shard of any other dim."""
+    """Splitting, slicing or concatenating along ``dim`` keeps a shard of any other dim (the
+    batch's, when Mamba's scan splits its sequence with ``tensor_split``)."""
     nd = tensor_inputs(info)[0].ndim
     pos = 1 if info.target in (aten.cat.default, aten.slice.Tensor) else 2
     dim = norm_dim(arg(info, pos, "dim", 0), nd)
