@@ -37,6 +37,7 @@ from .runtime.module import cast_input
 from .runtime.comm import CommStats
 from .sizes import batch_split_error
 from .schedule import SCHEDULES, Schedule, build_schedule, simulate
+from .variants import ShapeVariants, meta_copy
 
 log = logging.getLogger("autopar")
 
@@ -80,7 +81,23 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
                              f"micro-batch (the batch / microbatches={plan.microbatches}), not the example "
                              "inputs; leave exported out")
         return _compile_pipeline(model, source, ctx, args, kwargs, cluster)
-    gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=True,
+    variants = ShapeVariants(meta_copy(source), lambda src, c, a, k: _lower(src, c, a, k, cluster), cluster)
+    gm = _lower(source, ctx, args, kwargs, cluster, exported=exported, check_modes=True)
+    dm = emit(gm, model, ctx)
+    dm.inspector = Inspector()
+    dm.variants = variants          # another input shape: compiled on first call, on the same parameters
+    ctx.snapshots.append(("emit", dm.module.code))
+    del gm
+    _collect(ctx)
+    return dm
+
+
+def _lower(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cluster, exported=None,
+           check_modes: bool = False):
+    """Capture ``source`` on the global batch ``(args, kwargs)`` and run the plan's passes: this
+    rank's rewritten graph, with the order of its collectives checked against the other ranks'."""
+    plan, mesh = ctx.plan, ctx.mesh
+    gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
                  exported=exported)               # the logical graph, at global shapes
     gm = _autocast(gm, ctx)
     passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
@@ -92,12 +109,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
     _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
     gm = _run_passes(gm, ctx)
     passes.check_collective_order([(gm, ctx)], ctx)   # before any communication: a mismatch is an error, not a hang
-    dm = emit(gm, model, ctx)
-    dm.inspector = Inspector()
-    ctx.snapshots.append(("emit", dm.module.code))
-    del gm
-    _collect(ctx)
-    return dm
+    return gm
 
 
 def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
@@ -163,7 +175,7 @@ def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
         if p is passes.rng and not ctx.rng_local:
             continue
         ctx.snapshots.append((prefix + p.__name__, graph_text(gm)))
-    return gm
+    return passes.check_no_writes(gm, ctx)     # a write left in place could land in a copy its readers never see
 
 
 def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, args: tuple,
@@ -248,7 +260,7 @@ def _stage_context(ctx: CompileContext, spec, sgm, shared) -> CompileContext:
     if plan.tp and tied:    # both copies of a tied weight keep one layout along tp: whole, or an LM head's split
         plan = dataclasses.replace(plan, tp_layout=plan.tp_layout + tied)
     sctx = CompileContext(mesh=ctx.mesh, plan=plan)
-    sctx.params = {name: ctx.params[name] for name in spec.params}
+    sctx.params = {name: ctx.params[name] for name in spec.held}
     sctx.captured_training, sctx.mode_difference = ctx.captured_training, ctx.mode_difference
     sctx.head_policy = ctx.head_policy
     sctx.device_type = ctx.device_type

@@ -38,6 +38,8 @@ from torch import fx, nn
 
 from . import meta
 from .context import CompileContext, ParamInfo
+from .data_dependent import check_static_sizes
+from .functionalize import functionalise, writes, writes_into
 from .ops import random_site
 
 log = logging.getLogger("autopar")
@@ -76,7 +78,7 @@ def _fix_for(exc: BaseException) -> str:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict):
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with the user's line and a fix
         frame = _user_frame(exc)
         where = (f"{frame.filename}:{frame.lineno}: {frame.line}" if frame
@@ -87,6 +89,22 @@ def _export(model: nn.Module, args: tuple, kwargs: dict):
             f"  reason: {type(exc).__name__}: {reason}\n"
             f"  at {where}\n"
             f"  fix: {_fix_for(exc)}") from exc
+    return _functional(ep, model)
+
+
+def _functional(ep, model: nn.Module):
+    """``functionalise(ep)``, its failure an autopar error naming the first write."""
+    try:
+        with spec_copies_quiet():      # it copies the program, tree specs with it
+            return functionalise(ep)
+    except Exception as exc:  # torch's functionalisation refused the program: say which write
+        first = writes(ep.graph)[0]
+        raise CaptureError(
+            f"autopar could not make the in-place writes of {type(model).__name__} pure (first: node "
+            f"{first.name}, {first.target}).\n"
+            f"  reason: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+            "  fix: write the value out of place (y = x.masked_fill(..), torch.cat / slice_scatter instead of "
+            "copy_ into a slice), then compile again") from exc
 
 
 _QUIET_LOCK = threading.RLock()
@@ -340,9 +358,28 @@ def _check_buffer_updates(gm: fx.GraphModule, model: nn.Module) -> None:
                 "compiling (bn.eval() freezes their statistics), or use LayerNorm / GroupNorm instead")
 
 
+def _check_input_writes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse a forward that writes into one of its inputs: each rank runs on its own slice (or
+    cast, or padded copy) of the batch, so the write would not reach the tensor the caller
+    passed in, as it does on one device. (Writes into the forward's own tensors are made pure
+    by ``functionalise``; what is left writes into an input or a buffer.)"""
+    for node in gm.graph.nodes:
+        for dst in (d for d in writes_into(node) if d.op == "placeholder"):
+            raise ValueError(
+                f"{type(model).__name__}'s forward writes in place into its input {dst.name!r} (node {node.name}, "
+                f"{node.target}). Each rank runs on its own slice or copy of the batch, so the write would not "
+                "reach the tensor you passed in as it does on one device. Clone the input before writing "
+                f"into it in forward ({dst.name} = {dst.name}.clone()), or return the new value")
+
+
+_STANDS_FOR_INPUT = (torch.ops.aten.dropout.default, torch.ops.aten.clone.default)
+"""ops that ``_signature`` reads as their input: dropout, and the clone that functionalisation
+(``autopar.functionalize``) makes of dropout in eval mode"""
+
+
 def _signature(gm: fx.GraphModule) -> list:
     """The graph's ops with their constant arguments, dropout removed (a dropout node stands
-    for its input) and attention's dropout probability left out: what must agree between the
+    for its input, as does a clone) and attention's dropout probability left out: what must agree between the
     train and eval graphs for autopar to switch modes at run time."""
     index: dict = {}
     out = []
@@ -357,7 +394,7 @@ def _signature(gm: fx.GraphModule) -> list:
         return repr(a)
 
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.dropout.default:
+        if node.op == "call_function" and node.target in _STANDS_FOR_INPUT:
             index[node] = index.get(node.args[0], node.args[0].name)
             continue
         args = list(node.args)
@@ -443,12 +480,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
         if exported is None:
             ep = _export_once(model, tuple(args), dict(kwargs))
         else:
-            ep = _check_exported(exported, model, tuple(args), dict(kwargs))
+            ep = _functional(_check_exported(exported, model, tuple(args), dict(kwargs)), model)
         with spec_copies_quiet():     # it copies the program's graph, tree specs with it
             gm = ep.module()
     _drop_cycles(gm)
     _drop_guards(gm)
     _check_buffer_updates(gm, model)
+    _check_input_writes(gm, model)
+    check_static_sizes(gm, model)
     ctx.captured_training = model.training
     if check_modes:
         ctx.mode_difference = ModeCheck(model, tuple(args), dict(kwargs), gm)

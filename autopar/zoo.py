@@ -31,6 +31,9 @@ VOCAB = 96
 HIDDEN = 32
 HEADS = 4
 SEQ = 16
+MEL_BINS = 8
+FRAMES = 16
+"""an audio example: MEL_BINS log-mel channels over FRAMES frames (Whisper's encoder halves them)"""
 
 # config fields a tiny model sets when its config class has them (the families name them
 # differently; each name that the class knows is set, the others are left alone)
@@ -41,6 +44,7 @@ _TINY = {
     "num_key_value_heads": 2, "head_dim": HIDDEN // HEADS,
     "intermediate_size": 64, "ffn_hidden_size": 64, "ffn_dim": 64, "d_ff": 64, "hidden_dim": 64, "n_inner": 64,
     "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "seq_length": 64,
+    "cross_attention_hidden_size": HIDDEN,
     "rotary_dim": 4, "partial_rotary_factor": 0.5,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
     # dropout off: parity with dropout is its own test (tests/test_semantics.py)
@@ -61,10 +65,10 @@ class Arch:
     """the transformers class"""
     config: str
     kind: str = "causal"
-    """causal | masked | seq2seq | vision"""
+    """causal | masked | seq2seq | vision | audio"""
     overrides: dict = field(default_factory=dict)
     family: str = "decoder"
-    """decoder | moe | encoder | encoder-decoder | vision (the README table's grouping)"""
+    """decoder | moe | state-space | encoder | encoder-decoder | vision | audio (the README table's grouping)"""
 
 
 def _moe(**kw):
@@ -125,6 +129,38 @@ ARCHS = [
                     "decoder_attention_heads": HEADS, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}),
     Arch("vit", "ViTForImageClassification", "ViTConfig", kind="vision", family="vision",
          overrides={"image_size": 16, "patch_size": 4, "num_channels": 3, "num_labels": 10}),
+    # the architectures of the current open-weight releases
+    Arch("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", overrides={"sliding_window": 8}),
+    Arch("smollm3", "SmolLM3ForCausalLM", "SmolLM3Config"),
+    Arch("glm4", "Glm4ForCausalLM", "Glm4Config"),
+    Arch("ernie4_5", "Ernie4_5ForCausalLM", "Ernie4_5Config"),
+    Arch("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", overrides=_moe(), family="moe"),
+    Arch("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config", family="moe", overrides=_moe(
+        # multi-head latent attention (low-rank q and kv, a rotary part and a plain part per head)
+        # and a sigmoid router over one group of routed experts next to a shared expert
+        n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8,
+        v_head_dim=8, head_dim=4)),
+    Arch("gpt_oss", "GptOssForCausalLM", "GptOssConfig", overrides=_moe(sliding_window=8), family="moe"),
+    Arch("mamba", "MambaForCausalLM", "MambaConfig", family="state-space",
+         overrides={"state_size": 4, "time_step_rank": 2, "expand": 2}),
+    Arch("mamba2", "Mamba2ForCausalLM", "Mamba2Config", family="state-space",
+         overrides={"num_heads": 4, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8,
+                    "time_step_rank": 2, "expand": 2}),
+    Arch("lfm2", "Lfm2ForCausalLM", "Lfm2Config", family="state-space",
+         # a short gated convolution layer, then an attention layer
+         overrides={"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1],
+                    "block_auto_adjust_ff_dim": False}),
+    Arch("modernbert", "ModernBertForMaskedLM", "ModernBertConfig", kind="masked", family="encoder",
+         overrides={"local_attention": 8, "cls_token_id": 1, "sep_token_id": 2}),
+    Arch("t5gemma", "T5GemmaForConditionalGeneration", "T5GemmaConfig", kind="seq2seq",
+         family="encoder-decoder"),
+    Arch("whisper", "WhisperForAudioClassification", "WhisperConfig", kind="audio", family="audio",
+         overrides={"encoder_layers": 1, "encoder_attention_heads": HEADS, "encoder_ffn_dim": 64,
+                    "num_mel_bins": MEL_BINS, "max_source_positions": FRAMES // 2, "classifier_proj_size": 16,
+                    "num_labels": 10}),
+    Arch("dinov2", "Dinov2ForImageClassification", "Dinov2Config", kind="vision", family="vision",
+         overrides={"image_size": 16, "patch_size": 4, "num_channels": 3, "num_labels": 10, "mlp_ratio": 2}),
 ]
 
 PLANS = {
@@ -153,12 +189,8 @@ def build(a: Arch | str, seed: int = 0) -> torch.nn.Module:
     """The architecture's model from a tiny random config (``torch.manual_seed(seed)`` first)."""
     import transformers
     a = arch(a) if isinstance(a, str) else a
-    cfg_cls = getattr(transformers, a.config)
-    cfg = cfg_cls()
-    known = set(cfg.to_dict()) | set(getattr(cfg_cls, "attribute_map", {}))
-    for k, v in {**_TINY, **a.overrides}.items():
-        if k in known or k in a.overrides:
-            setattr(cfg, k, v)
+    cfg = getattr(transformers, a.config)()
+    _shrink(cfg, {**_TINY, **a.overrides}, set(a.overrides))
     cls = getattr(transformers, a.model)
     torch.manual_seed(seed)
     try:      # PyTorch's fused attention where the family supports it, its own matmuls otherwise
@@ -171,12 +203,28 @@ def build(a: Arch | str, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
+def _shrink(cfg, values: dict, forced: set) -> None:
+    """Set each of ``values`` that ``cfg`` knows (or that ``forced`` names), and the tiny fields
+    of its sub-configs (an encoder-decoder's ``encoder``/``decoder`` configs)."""
+    known = set(cfg.to_dict()) | set(getattr(type(cfg), "attribute_map", {}))
+    for k, v in values.items():
+        if k in known or k in forced:
+            setattr(cfg, k, v)
+    for k in sorted(known):
+        sub = getattr(cfg, k, None)
+        if sub is not cfg and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
+            _shrink(sub, _TINY, set())
+
+
 def batch(a: Arch | str, rows: int, seed: int = 0) -> dict:
     """The keyword arguments of one call on ``rows`` examples, labels included."""
     a = arch(a) if isinstance(a, str) else a
     g = torch.Generator().manual_seed(seed)
     if a.kind == "vision":
         return {"pixel_values": torch.randn(rows, 3, 16, 16, generator=g),
+                "labels": torch.randint(0, 10, (rows,), generator=g)}
+    if a.kind == "audio":
+        return {"input_features": torch.randn(rows, MEL_BINS, FRAMES, generator=g),
                 "labels": torch.randint(0, 10, (rows,), generator=g)}
     ids = torch.randint(3, VOCAB, (rows, SEQ), generator=g)
     if a.kind == "causal":

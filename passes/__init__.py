@@ -6,7 +6,8 @@ stage modules generate theirs once, when they are built.
 ``for_plan(plan)`` is the ordered list a graph goes through under a plan (the pipeline pass,
 which cuts the graph into stages first, and the order check, which compares ranks and
 rewrites nothing, are called by the compile driver apart from it, as is autocast, which
-runs on the whole logical graph under mixed precision before anything else):
+runs on the whole logical graph under mixed precision before anything else; so is the write
+check, which after the list refuses any in-place write left in a rank's program):
 
     shard               layouts: one placement per mesh axis on every node
     collectives         the communication the layouts need (dp gathers / buckets, tp redistributions)
@@ -28,9 +29,10 @@ from .overlap import overlap
 from .weight_split import weight_split
 from .recompute import recompute
 from .order_check import check_collective_order
+from .write_check import check_no_writes
 
 __all__ = ["for_plan", "autocast", "shard", "collectives", "localize", "rng", "find_sites", "sequence_parallel", "pipeline", "stage_bounds",
-           "overlap", "weight_split", "recompute", "check_collective_order"]
+           "overlap", "weight_split", "recompute", "check_collective_order", "check_no_writes"]
 
 
 def for_plan(plan) -> list:

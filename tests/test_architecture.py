@@ -15,9 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"autopar": ROOT / "autopar", "autopar.passes": ROOT / "passes", "autopar.cost": ROOT / "cost"}
 
 IR = {"autopar.meta", "autopar.placement", "autopar.sizes", "autopar.ops", "autopar.trace", "autopar.mesh",
-      "autopar.planspec", "autopar.schedule", "autopar.context", "autopar.capture"}
+      "autopar.planspec", "autopar.schedule", "autopar.context", "autopar.capture",
+      "autopar.functionalize", "autopar.data_dependent"}
 FRONT = {"autopar", "autopar.api", "autopar.checkpoint", "autopar.explain", "autopar.testing", "autopar.models", "autopar.demo",
-         "autopar.__main__", "autopar.verification", "autopar.zoo", "autopar._frozen", "autopar.tuning"}
+         "autopar.__main__", "autopar.verification", "autopar.zoo", "autopar._frozen", "autopar.tuning",
+         "autopar.variants"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

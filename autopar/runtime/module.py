@@ -89,20 +89,41 @@ class DistributedModule(nn.Module):
         self._offload: OptimizerOffload | None = None
         self.timelines: list = []       # per rank, from the last record_timeline()
         self.inspector: Inspector | None = None   # set by autopar.compile
+        # (dm, args, kwargs, shapes) -> the program for other input shapes; set by autopar.compile
+        self.variants = None
+        self._programs: dict[tuple, fx.GraphModule] = {}   # local input shapes -> program (not the compiled one)
 
     # ---- running -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         args, kwargs = cast_inputs((args, kwargs), self.plan.param_dtype)
-        self._check_inputs(args, kwargs)
+        module = self._program_for(args, kwargs)
         self._check_mode()
-        masks = getattr(self.module, RNG, None)
+        masks = getattr(module, RNG, None)
         if masks is not None:
             masks.before_forward()
         with self._sync.forward_scope():
             if self._tp is None or getattr(self._tp, "regather", None) is None:
-                return self.module(*args, **kwargs)
+                return module(*args, **kwargs)
             with self._tp.regather.scope():
-                return self.module(*args, **kwargs)
+                return module(*args, **kwargs)
+
+    def _program_for(self, args, kwargs) -> fx.GraphModule:
+        """The program for these inputs: the compiled one at its shapes, else the one for their
+        shapes (compiled by ``variants`` on first call and kept: see ``autopar.variants``)."""
+        shapes = self._check_inputs(args, kwargs)
+        if shapes == tuple(self.ctx.input_shapes):
+            return self.module
+        if shapes not in self._programs:
+            if self.variants is None:
+                raise ValueError(f"inputs of shapes {shapes}: expected this rank's slice of the batch with shapes "
+                                 f"{tuple(self.ctx.input_shapes)} (dp={self.mesh.axis_size('dp')}). Pass "
+                                 "dm.shard_batch(global_batch), or compile again with example inputs of the "
+                                 "global batch to change shapes.")
+            self._programs[shapes] = self.variants(self, args, kwargs, shapes)
+        module = self._programs[shapes]
+        if module.training != self.training:    # kept apart from the module tree: its mode follows here
+            module.train(self.training)
+        return module
 
     def _check_mode(self):
         """The graph was captured in one train/eval mode; the other runs it too when the two
@@ -119,28 +140,33 @@ class DistributedModule(nn.Module):
                 f"they differ in dropout; compile a second module from model.{want.replace('training', 'train')}() "
                 f"for {want}, sharing the weights with dm.load_full_state_dict(...)")
 
-    def _check_inputs(self, args, kwargs):
+    def _check_inputs(self, args, kwargs) -> tuple:
+        """The shapes of the tensor inputs (None for another leaf), after checking what a new
+        shape cannot change: the call's structure, its constants and the tensors' dtypes."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.ctx.in_spec:
             raise TypeError(f"the compiled module was captured with {_describe(self.ctx.in_spec)}, but was "
                             f"called with {_describe(spec)}; call it as the example inputs were given (same "
                             "positional args and keyword names)")
+        shapes = []
         for i, (x, shape) in enumerate(zip(flat, self.ctx.input_shapes)):
             if shape is None:
                 if x != self.ctx.constant_inputs.get(i):
                     raise ValueError(f"input {i} is the constant {self.ctx.constant_inputs.get(i)!r} in the "
                                      f"captured graph, got {x!r}; compile again to change it")
-            elif isinstance(x, torch.Tensor) and i < len(self.ctx.input_dtypes) and \
-                    self.ctx.input_dtypes[i] is not None and x.dtype != self.ctx.input_dtypes[i]:
+            elif not isinstance(x, torch.Tensor):
+                raise ValueError(f"input {i}: expected a tensor (this rank's slice of the batch with shape "
+                                 f"{shape}), got {type(x).__name__}; pass dm.shard_batch(global_batch)")
+            elif i < len(self.ctx.input_dtypes) and self.ctx.input_dtypes[i] is not None and \
+                    x.dtype != self.ctx.input_dtypes[i]:
                 raise ValueError(f"input {i}: expected dtype {self.ctx.input_dtypes[i]} (as the example inputs "
                                  f"were), got {x.dtype}; convert it (x.to({self.ctx.input_dtypes[i]})), or compile "
                                  "again with example inputs of that dtype")
-            elif not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(
-                    f"input {i}: expected this rank's slice of the batch with shape {shape} "
-                    f"(dp={self.mesh.axis_size('dp')}), got {got}. Pass dm.shard_batch(global_batch), "
-                    "and compile again with example inputs of the global batch to change shapes.")
+            elif x.dim() != len(shape):
+                raise ValueError(f"input {i}: expected this rank's slice of the batch with {len(shape)} dims "
+                                 f"(shape {shape}), got shape {tuple(x.shape)}; pass dm.shard_batch(global_batch)")
+            shapes.append(tuple(x.shape) if shape is not None else None)
+        return tuple(shapes)
 
     def shard_batch(self, batch):
         """This rank's data-parallel slice of ``batch`` (tensors split along dim 0)."""
@@ -375,6 +401,7 @@ class DistributedModule(nn.Module):
         """Allocate (uninitialised) storage for a module captured from a meta-device model;
         follow with ``load_full_state_dict``."""
         self.module.to_empty(device=device)
+        self._programs.clear()          # they hold the meta-device tensors: made again on their next call
         for name, spec in self._sync.specs.items():
             # leaving the meta device makes new Parameter objects: point the sync at them
             self._sync._params[name] = self.module.get_parameter(name)

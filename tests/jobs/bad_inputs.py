@@ -86,6 +86,16 @@ class _Noisy(nn.Module):
         return self.fc(x) + 0.1 * torch.randn_like(x)
 
 
+class _WritesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x[:, 0] = 0.0
+        return self.fc(x)
+
+
 class _TrainScale(nn.Module):
     def __init__(self):
         super().__init__()
@@ -292,9 +302,9 @@ def shard_batch_indivisible():
     raise err
 
 
-def run_global_batch_as_input():
+def run_wrong_dims():
     dm = _mlp()
-    err = _raises(lambda: dm(torch.randn(8, 16)))
+    err = _raises(lambda: dm(torch.randn(16)))
     _step(dm)
     raise err
 
@@ -384,6 +394,10 @@ def pipeline_clip_inf():
 def buffers_updated():
     model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
     autopar.compile(model, _mesh(dp=2), example_inputs=(torch.randn(8, 16),), plan=autopar.Plan())
+
+
+def input_written():
+    autopar.compile(_WritesInput(), _mesh(dp=2), example_inputs=(torch.randn(8, 16),), plan=autopar.Plan())
 
 
 def random_op():
@@ -484,8 +498,8 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
     ("batch_not_divisible_by_microbatches", "a batch of 8 in 3 micro-batches", "ValueError",
      r"8 rows along dim 0, which does not divide by microbatches=3.*multiple of 3.*microbatches that divide 8"),
     ("shard_batch_indivisible", "dm.shard_batch of 7 rows over dp=2", "ValueError", r"7 rows along dim 0.*multiple of 2"),
-    ("run_global_batch_as_input", "dm(global batch) instead of its slice", "ValueError",
-     r"expected this rank's slice of the batch with shape \(4, 16\).*got \(8, 16\).*shard_batch"),
+    ("run_wrong_dims", "dm(x) with a 1-d x where the batch is 2-d", "ValueError",
+     r"expected this rank's slice of the batch with 2 dims \(shape \(4, 16\)\), got shape \(16,\).*shard_batch"),
     ("run_wrong_dtype", "float64 inputs to a module compiled on float32", "ValueError",
      r"expected dtype torch.float32.*got torch.float64"),
     ("run_wrong_structure", "dm(x, x): another number of inputs", "TypeError",
@@ -512,6 +526,8 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
      r"clips by the 2-norm"),
     ("buffers_updated", "BatchNorm in training mode (running statistics)", "ValueError",
      r"updates the buffers .*running_mean.*eval mode before compiling"),
+    ("input_written", "forward writes into its input (x[:, 0] = 0)", "ValueError",
+     r"writes in place into its input 'x'.*x = x\.clone\(\)"),
     ("random_op", "torch.randn_like in forward", "NotImplementedError",
      r"randn_like.*draws random numbers.*only for dropout"),
     ("eval_mode_differs", "dm.eval() on a model whose forward branches on self.training", "RuntimeError",
