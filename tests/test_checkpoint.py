@@ -24,6 +24,7 @@ import shutil
 
 import pytest
 
+from jobs.common import saved_checkpoints
 from jobs import checkpoint as J
 
 FAST = {   # target -> sources, 12 pairs (the 8-process 3-D plan, slow to save, is in the slow tier's matrix)
@@ -37,16 +38,7 @@ FAST = {   # target -> sources, 12 pairs (the 8-process 3-D plan, slow to save, 
 @pytest.fixture(scope="module")
 def saved(ranks, tmp_path_factory):
     """plan name -> the directory of a checkpoint saved after 3 steps under it (saved when first asked)."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    done = {}
-
-    def get(name):
-        if name not in done:
-            path = str(root / name.replace(" ", "_"))
-            ranks(J.save_job, J.world_of(name), name, path, timeout=240)
-            done[name] = path
-        return done[name]
-    return get
+    return saved_checkpoints(ranks, tmp_path_factory.mktemp("checkpoints"), J.save_job, J.world_of)
 
 
 def _check(results, target):

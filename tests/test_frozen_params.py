@@ -18,6 +18,7 @@ import pytest
 import torch.nn.functional as F
 
 import autopar
+from jobs.common import saved_checkpoints
 from jobs import frozen as J
 
 FAST = ("1f1b",)
@@ -66,16 +67,7 @@ def test_training_keeps_frozen_and_unused_parameters_slow(ranks, name):
 @pytest.fixture(scope="module")
 def saved(ranks, tmp_path_factory):
     """plan name -> the directory of a checkpoint saved after SPLIT steps under it."""
-    root = tmp_path_factory.mktemp("frozen_checkpoints")
-    done = {}
-
-    def get(name):
-        if name not in done:
-            path = str(root / name.replace(" ", "_"))
-            ranks(J.save_job, J.world_of(name), name, path, timeout=240)
-            done[name] = path
-        return done[name]
-    return get
+    return saved_checkpoints(ranks, tmp_path_factory.mktemp("frozen_checkpoints"), J.save_job, J.world_of)
 
 
 def _check_resumed(results, target):

@@ -41,3 +41,17 @@ def report(rep, label):
     return {"label": label, "ok": rep.ok, "loss_err": rep.loss_err, "grad_err": rep.grad_err,
             "param_err": rep.param_err, "losses": rep.losses, "ref_losses": rep.ref_losses,
             "messages": rep.messages}
+
+
+def saved_checkpoints(ranks, root, save_job, world_of):
+    """``get(plan name)``: the directory of a checkpoint ``save_job`` saved under that plan, on
+    ``world_of(name)`` ranks, saved when first asked (for a module-scoped fixture)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            path = str(root / name.replace(" ", "_"))
+            ranks(save_job, world_of(name), name, path, timeout=240)
+            done[name] = path
+        return done[name]
+    return get

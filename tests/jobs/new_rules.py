@@ -3,6 +3,7 @@ fused q/k/v viewed as (3, heads, head_dim)) on real processes: small models and 
 configs trained against the single-device model (``autopar.testing.parity``)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -37,22 +38,29 @@ def fused_qkv_batch(dim=32):
     return torch.randn(4, 6, dim, generator=g), torch.randn(4, 6, dim, generator=g)
 
 
-def fused_qkv_parity(heads: int, dim: int):
-    """tp over the whole world; the placement tp gave the fused weight; the warnings logged."""
-    x, y = fused_qkv_batch(dim)
-    warnings = []
+@contextlib.contextmanager
+def autopar_warnings():
+    """The messages autopar logs at WARNING or above within the block, in a list."""
+    got = []
 
     class Keep(logging.Handler):
         def emit(self, record):
-            warnings.append(record.getMessage())
+            got.append(record.getMessage())
 
     handler = Keep(level=logging.WARNING)
     logging.getLogger("autopar").addHandler(handler)
     try:
-        mesh = autopar.Mesh(tp=torch.distributed.get_world_size())
-        rep = parity(lambda: FusedQKV(dim, heads), mesh, autopar.Plan(tp=True), (x,), y, mse)
+        yield got
     finally:
         logging.getLogger("autopar").removeHandler(handler)
+
+
+def fused_qkv_parity(heads: int, dim: int):
+    """tp over the whole world; the placement tp gave the fused weight; the warnings logged."""
+    x, y = fused_qkv_batch(dim)
+    with autopar_warnings() as warnings:
+        mesh = autopar.Mesh(tp=torch.distributed.get_world_size())
+        rep = parity(lambda: FusedQKV(dim, heads), mesh, autopar.Plan(tp=True), (x,), y, mse)
     return rep, warnings
 
 
@@ -112,19 +120,9 @@ def hf_parity(name: str, plan: str):
     build, batch = hf_model(name)
     torch.manual_seed(0)
     model = build()
-    warnings = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            warnings.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("autopar").addHandler(handler)
-    try:
+    with autopar_warnings() as warnings:
         rep = parity(lambda: model, autopar.Mesh(**axes), autopar.Plan(**fields), (), None, None, kwargs=batch,
                      steps=zoo.STEPS, eps=zoo.ADAM_EPS)
-    finally:
-        logging.getLogger("autopar").removeHandler(handler)
     summary = (f"rank {rep.rank}: output {rep.output_err:.3g}, loss {rep.loss_err:.3g}, grad {rep.grad_err:.3g}, "
                f"param {rep.param_err:.3g} {rep.messages}")
     return rep.ok, summary, warnings
