@@ -37,7 +37,7 @@ from .runtime.module import cast_input
 from .runtime.comm import CommStats
 from .sizes import batch_split_error
 from .schedule import SCHEDULES, Schedule, build_schedule, simulate
-from .variants import ShapeVariants, meta_copy
+from .variants import ShapeVariants, bind_program, bind_stage, meta_copy
 
 log = logging.getLogger("autopar")
 
@@ -81,7 +81,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
                              f"micro-batch (the batch / microbatches={plan.microbatches}), not the example "
                              "inputs; leave exported out")
         return _compile_pipeline(model, source, ctx, args, kwargs, cluster)
-    variants = ShapeVariants(meta_copy(source), lambda src, c, a, k: _lower(src, c, a, k, cluster), cluster)
+    variants = ShapeVariants(meta_copy(source), lambda src, c, a, k, dm: bind_program(_lower(src, c, a, k, cluster), dm, c))
     gm = _lower(source, ctx, args, kwargs, cluster, exported=exported, check_modes=True)
     dm = emit(gm, model, ctx)
     dm.inspector = Inspector()
@@ -179,12 +179,15 @@ def _run_passes(gm, ctx: CompileContext, prefix: str = ""):
 
 
 def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, args: tuple,
-                      kwargs: dict, cluster=None) -> PipelineModule:
+                      kwargs: dict, cluster=None, like: PipelineModule | None = None) -> PipelineModule:
     """Pipeline parallelism: capture one micro-batch (of ``source``: the model, or under mixed
     precision its copy in the compute dtype), cut the graph into stages, then run the plan's
     passes over each stage this rank holds, as a model of its own; the stages' tensors are
-    ``model``'s."""
+    ``model``'s. ``like``: a pipeline compiled at other input shapes, whose program for these
+    shapes this is: cut where ``like`` was cut, its stages bound to ``like``'s stages' tensors."""
     mesh, plan = ctx.mesh, ctx.plan
+    if like is not None:
+        ctx.stage_starts = tuple(spec.nodes[0] for spec in like.ctx.stages[1:])
     p, m, v, n = mesh.axis_size("pp"), plan.microbatches, plan.virtual_stages, mesh.axis_size("dp")
     if p == 1 and v > 1:
         raise ValueError(f"{mesh} runs every stage on one rank: virtual_stages={v} needs a pp axis of 2 "
@@ -226,14 +229,21 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
         sctx = _stage_context(ctx, spec, sgm, shared)
         laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
     passes.check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)   # before any communication
-    stages, stats = {}, CommStats()      # the stages share one byte counter
+    stages = {}
+    stats = CommStats() if like is None else like.comm_stats     # the stages share one byte counter
     for spec, sctx, sgm in laid:
-        dm = emit(sgm, model, sctx, stats, sites=ctx.rng_sites)
+        if like is None:
+            dm = emit(sgm, model, sctx, stats, sites=ctx.rng_sites)
+        else:
+            dm = bind_stage(sgm, like.stages[str(spec.index)], sctx, ctx.rng_sites)
         dm.inspector = Inspector()
         ctx.snapshots += sctx.snapshots + [(f"stage{spec.index}_emit", dm.module.code)]
         stages[spec.index] = dm            # dm.ctx is the stage's context
     pm = PipelineModule(stages, ctx, schedule, stats)
     pm.inspector = Inspector()
+    if like is None:     # another input shape: compiled on first call, on these stages' tensors
+        pm.variants = ShapeVariants(meta_copy(source), lambda src, c, a, k, old: _compile_pipeline(
+            None, src, c, a, k, cluster, like=old))
     del gm, top
     _collect(ctx)
     return pm

@@ -61,6 +61,8 @@ class CompileContext:
     input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in
     microbatch_rows: int = 0        # global rows of one micro-batch (pipeline)
+    stage_starts: tuple = ()        # pipeline: the first node of every stage but the first, where the
+                                    # cuts must fall (a new input shape is cut where the compiled one was)
     device_type: str = "cpu"        # the device the module runs on ("cuda", "cpu"): the autocast rule's
     recompute_layers: dict = field(default_factory=dict)  # numbered layer -> "none" | "selective" | "full"
                                     # (the plan's mode for every layer, or the cost model's choice

@@ -13,8 +13,9 @@ calls find it in the module's cache.
 
 Every rank of the mesh must call the module with the same local shapes (the global batch
 divides by dp): before compiling, the ranks compare the shapes they were called with, and a
-rank whose shape differs gets an error naming both, on every rank, not a hang. Pipelines run
-whole steps (``train_step``) at the micro-batch they were compiled for, and refuse another.
+rank whose shape differs gets an error naming both, on every rank, not a hang. A pipeline
+compiles a new micro-batch shape alike, its stages cut where the compiled shape's were
+(``CompileContext.stage_starts``) and each bound to the stage module's tensors (``bind_stage``).
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ from torch.utils import _pytree as pytree
 
 from .context import CompileContext
 from .meta import COMM_TP, REPLICAS, RNG, SYNC
-from .runtime.module import attr_path
+from .runtime.module import DistributedModule, attr_path
 from .runtime.rng import RandomMasks
 
 log = logging.getLogger("autopar")
 
-__all__ = ["ShapeVariants", "meta_copy", "MANY_SHAPES"]
+__all__ = ["ShapeVariants", "bind_program", "bind_stage", "meta_copy", "MANY_SHAPES"]
 
 MANY_SHAPES = 8
 """shapes compiled for one module past which each new one is logged as a warning: a compile
@@ -91,21 +92,24 @@ def _off_meta(gm: fx.GraphModule, device: torch.device) -> None:
 
 class ShapeVariants:
     """The programs of a compiled module for input shapes other than the compiled one, made on
-    demand by ``lower`` (the compile driver's capture and passes, handed in by ``compile``)."""
+    demand by ``build`` (the compile driver's, handed in by ``compile``): ``build(source, ctx,
+    args, kwargs, dm)`` captures ``source`` on the global batch ``(args, kwargs)`` into ``ctx``
+    and returns ``dm``'s program for it (``bind_program`` of the rank's graph; a pipeline, its
+    stages bound stage by stage)."""
 
-    def __init__(self, source: nn.Module | None, lower, cluster=None):
+    def __init__(self, source: nn.Module | None, build):
         self.source = source        # the model on the meta device (None: no new shapes)
-        self.lower = lower          # (source, ctx, args, kwargs) -> the rank's rewritten graph
-        self.cluster = cluster
+        self.build = build
 
-    def __call__(self, dm, args: tuple, kwargs: dict, shapes: tuple) -> fx.GraphModule:
-        """``dm``'s program for local inputs of ``shapes`` (``args``/``kwargs`` are one such call)."""
+    def __call__(self, dm, args: tuple, kwargs: dict, shapes: tuple):
+        """``dm``'s program for local inputs of ``shapes`` (``args``/``kwargs`` are one such call:
+        this rank's data-parallel slice)."""
         ctx = dm.ctx
         if self.source is None:
             raise ValueError(f"input shapes {shapes}: the module was compiled for {ctx.input_shapes} and its model "
                              "could not be copied to compile another shape; compile again with example inputs of "
                              "this shape")
-        self._agree(ctx, shapes)
+        _agree(ctx, shapes)
         count = len(dm._programs) + 1
         log.warning("autopar: compiling this module for this rank's input shapes %s (compiled for %s; shape %d "
                     "of its cache): the first call of a new shape compiles, later ones reuse it. Each rank takes "
@@ -119,26 +123,39 @@ class ShapeVariants:
         new = CompileContext(mesh=ctx.mesh, plan=ctx.plan)
         new.model_class, new.model_config = ctx.model_class, ctx.model_config
         new.head_policy, new.device_type = ctx.head_policy, ctx.device_type
-        with torch.enable_grad():      # the training program, as compile captured it, whatever the caller's mode
-            gm = self.lower(self.source, new, gargs, gkwargs)
         new.mode_difference = ctx.mode_difference
-        _same_state(ctx, new, shapes)
-        _off_meta(gm, _device_of(dm.module))
-        return _bind(gm, dm, new)
+        with torch.enable_grad():      # the training program, as compile captured it, whatever the caller's mode
+            return self.build(self.source, new, gargs, gkwargs, dm)
 
-    @staticmethod
-    def _agree(ctx: CompileContext, shapes: tuple) -> None:
-        """Every rank of the mesh was called with ``shapes``, or an error on every rank."""
-        if ctx.mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, shapes)
-        odd = [r for r, s in enumerate(every) if s != every[0]]
-        if odd:
-            raise ValueError(
-                f"the ranks were called with different input shapes (rank 0: {every[0]}, rank {odd[0]}: "
-                f"{every[odd[0]]}); every rank must run the same shapes, so the global batch must divide by "
-                f"dp={ctx.mesh.axis_size('dp')} (drop or pad the last batch: DataLoader(drop_last=True))")
+
+def bind_program(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple = ()) -> fx.GraphModule:
+    """The rewritten graph ``gm`` of a new shape (its context ``ctx``) as ``dm``'s program: the
+    parameters laid out as ``dm`` holds them (else an error naming what differs), the meta
+    copy's device replaced by ``dm``'s, bound to ``dm``'s own tensors and communicators.
+    ``sites``: every random site of the model, when ``gm`` is a pipeline stage (as ``emit``)."""
+    _same_state(dm.ctx, ctx, tuple(ctx.input_shapes))
+    _off_meta(gm, _device_of(dm.module))
+    return _bind(gm, dm, ctx, sites)
+
+
+def bind_stage(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple) -> DistributedModule:
+    """A pipeline stage's graph ``gm`` at a new shape as a stage module over the stage ``dm``'s
+    tensors, gradient sync and tp communicator (``bind_program``)."""
+    return DistributedModule(bind_program(gm, dm, ctx, sites), ctx, dm._sync, dm.comm_stats, dm._tp)
+
+
+def _agree(ctx: CompileContext, shapes: tuple) -> None:
+    """Every rank of the mesh was called with ``shapes``, or an error on every rank."""
+    if ctx.mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, shapes)
+    odd = [r for r, s in enumerate(every) if s != every[0]]
+    if odd:
+        raise ValueError(
+            f"the ranks were called with different input shapes (rank 0: {every[0]}, rank {odd[0]}: "
+            f"{every[odd[0]]}); every rank must run the same shapes, so the global batch must divide by "
+            f"dp={ctx.mesh.axis_size('dp')} (drop or pad the last batch: DataLoader(drop_last=True))")
 
 
 def _same_state(old: CompileContext, new: CompileContext, shapes: tuple) -> None:
@@ -169,7 +186,7 @@ def _first_difference(a, b) -> str:
     return f"{a} against {b}"
 
 
-def _bind(gm: fx.GraphModule, dm, ctx: CompileContext) -> fx.GraphModule:
+def _bind(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple = ()) -> fx.GraphModule:
     """``gm``'s graph over ``dm``'s own parameters, buffers, replicas and communicators (the
     random sites and fused regions are the new program's own)."""
     own = dm.module
@@ -184,7 +201,8 @@ def _bind(gm: fx.GraphModule, dm, ctx: CompileContext) -> fx.GraphModule:
         elif node.op == "call_module":
             root[node.target] = gm.get_submodule(node.target)
     if ctx.rng_local:
-        masks = RandomMasks(ctx.rng_sites, ctx.rng_local, mode=ctx.plan.dropout_rng, device=ctx.device_type)
+        masks = RandomMasks(sites or ctx.rng_sites, ctx.rng_local, external=bool(sites), mode=ctx.plan.dropout_rng,
+                            device=ctx.device_type)
         masks.replayed = set(ctx.rng_replayed) & set(ctx.rng_local)
         root[RNG] = masks
     return fx.GraphModule(root, gm.graph, class_name="AutoparRankShape")

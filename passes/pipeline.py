@@ -109,9 +109,24 @@ def stage_bounds(graph: fx.Graph, ctx: CompileContext, scale: float = 1.0) -> tu
     cross, legal = _crossing(order, pos, output, ctx.microbatch_rows)
     if int(legal[1:-1].sum()) < n_stages - 1:
         raise ValueError(_no_cuts(order, pos, output, ctx.microbatch_rows, n_stages))
+    if ctx.stage_starts:
+        return order, [0] + _given_cuts(order, legal, ctx.stage_starts) + [len(order)]
     state, act = _memory_model(order, ctx)
     cuts = _choose_cuts(cost, cross * scale, legal, (state, act * scale), n_stages, ctx.plan.stage_memory_bytes)
     return order, [0] + cuts + [len(order)]
+
+
+def _given_cuts(order, legal, starts: tuple) -> list[int]:
+    """The cuts at the nodes ``starts`` names (a stage's first node each), checked to be legal."""
+    at = {n.name: i for i, n in enumerate(order)}
+    cuts = []
+    for name in starts:
+        if name not in at or not legal[at[name]]:
+            raise ValueError(f"the pipeline's stage that starts at node {name} cannot start there at these input "
+                             "shapes (the node is not in the graph, or other values than the micro-batch's "
+                             "activations cross the cut); compile again for these shapes")
+        cuts.append(at[name])
+    return cuts
 
 
 def _costs(order, scale: float = 1.0) -> np.ndarray:

@@ -14,20 +14,23 @@ from jobs import shapes
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["zero3", "tp+sp", pytest.param("ddp", marks=pytest.mark.slow),
                                   pytest.param("zero2", marks=pytest.mark.slow),
-                                  pytest.param("tp", marks=pytest.mark.slow)])
+                                  pytest.param("tp", marks=pytest.mark.slow),
+                                  pytest.param("pp 1f1b", marks=pytest.mark.slow)])
 def test_training_through_new_batch_sizes_and_sequence_lengths_matches_one_device(ranks, name):
     """Six steps at (8, 16), (4, 16), (8, 8), (8, 16), (4, 12), (4, 8) (rows, tokens), dropout
-    on, then eval at (6, 10): loss, gradients and parameters of every step and the eval output
-    against the single-device model; one program per new shape."""
+    on, then eval at (4, 10): loss, gradients and parameters of every step and the eval output
+    (a pipeline: its eval_step loss) against the single-device model; one program per new shape."""
     for r in ranks(shapes.train_shapes, 2, name, timeout=240):
         assert max(r["errs"].values()) <= 1.0, r
-        assert r["programs"] == 5      # (4, 16), (8, 8), (4, 12), (4, 8) and eval's (6, 10)
+        assert r["programs"] == 5      # (4, 16), (8, 8), (4, 12), (4, 8) and eval's (4, 10)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_training_through_new_shapes_on_a_2d_mesh(ranks):
-    for r in ranks(shapes.train_shapes, 4, "dp x tp", timeout=360):
+@pytest.mark.parametrize("name", ["dp x tp", "dp x pp"])
+def test_training_through_new_shapes_on_a_2d_mesh(ranks, name):
+    """ZeRO-3 with tp and sp; ZeRO-2 with an interleaved pipeline of 4 stages on 2 ranks."""
+    for r in ranks(shapes.train_shapes, 4, name, timeout=360):
         assert max(r["errs"].values()) <= 1.0, r
 
 

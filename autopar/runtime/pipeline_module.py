@@ -69,6 +69,8 @@ class PipelineModule(DistributedModule):
         self.timelines: list = []   # per rank, from the last record_timeline()
         self.inspector = None       # set by autopar.compile (explain, predict, dump)
         self._no_sync = False
+        self.variants = None        # set by autopar.compile: the pipeline for other input shapes
+        self._programs: dict = {}   # micro-batch shapes -> the PipelineModule for them (not the compiled one)
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -135,8 +137,12 @@ class PipelineModule(DistributedModule):
             inputs = (inputs,)
         m = self.schedule.m
         flat_in, _ = self._inputs(inputs, kwargs, m)
+        other = self._other_shape(flat_in[0], inputs, kwargs)
+        if other is not None:
+            loss = other.train_step(inputs, targets, loss_fn, kwargs=kwargs)
+            self.step_time, self.timeline = other.step_time, other.timeline
+            return loss
         flat_t, t_spec = self._split(targets, m)
-        self._check_microbatch(flat_in[0])
         if self.training and self.ctx.rng_sites:   # every site's mask, in the single-device order
             draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
         state = _StepState()
@@ -210,7 +216,9 @@ class PipelineModule(DistributedModule):
         flat_in, _ = self._inputs(inputs, kwargs, m)
         flat_t, t_spec = self._split(targets, m)
         own_loss = loss_fn is None and has_loss(self.ctx.out_spec)
-        self._check_microbatch(flat_in[0])
+        other = self._other_shape(flat_in[0], inputs, kwargs)
+        if other is not None:
+            return other.eval_step(inputs, targets, loss_fn, kwargs=kwargs)
         if self.training and self.ctx.rng_sites:
             draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
         losses, results, sends = [], [], []
@@ -250,18 +258,32 @@ class PipelineModule(DistributedModule):
             w.wait()
         return bufs
 
-    def _check_microbatch(self, first):
-        shapes = self.ctx.input_shapes
-        for i, (x, shape) in enumerate(zip(first, shapes)):
+    def _other_shape(self, first, inputs, kwargs):
+        """None where the micro-batch ``first`` has the compiled shapes; else the pipeline for its
+        shapes (compiled by ``variants`` on first call and kept, in this module's mode and
+        gradient accumulation; see ``autopar.variants``)."""
+        shapes = []
+        for i, x in enumerate(first):
             want = self.ctx.input_dtypes[i] if i < len(self.ctx.input_dtypes) else None
             if isinstance(x, torch.Tensor) and want is not None and x.dtype != want:
                 raise ValueError(f"input {i}: expected dtype {want} (as the example inputs were), got {x.dtype}; "
                                  f"convert it (x.to({want})), or compile again with example inputs of that dtype")
-            if isinstance(x, torch.Tensor) and shape is not None and tuple(x.shape) != shape:
-                raise ValueError(
-                    f"input {i}: a micro-batch of this rank's slice has shape {tuple(x.shape)}, expected "
-                    f"{shape} (dp={self.mesh.axis_size('dp')}, microbatches={self.schedule.m}); pass "
-                    "dm.shard_batch(global_batch) with the global batch the module was compiled for")
+            shapes.append(tuple(x.shape) if isinstance(x, torch.Tensor) else None)
+        shapes = tuple(shapes)
+        if shapes == tuple(self.ctx.input_shapes):
+            return None
+        if shapes not in self._programs:
+            if self.variants is None:
+                raise ValueError(f"a micro-batch of this rank's slice has shapes {shapes}, expected "
+                                 f"{tuple(self.ctx.input_shapes)} (dp={self.mesh.axis_size('dp')}, microbatches="
+                                 f"{self.schedule.m}); pass dm.shard_batch(global_batch) with the global batch the "
+                                 "module was compiled for")
+            self._programs[shapes] = self.variants(self, inputs, dict(kwargs or {}), shapes)
+        other = self._programs[shapes]
+        if other.training != self.training:
+            other.train(self.training)
+        other._no_sync = self._no_sync
+        return other
 
     def _run(self, a: Action, s: "_StepState", flat_in, flat_t, t_spec, loss_fn):
         st = self.stages[str(a.stage)]

@@ -17,6 +17,9 @@ PLANS = {   # name -> (mesh axes, plan)
     "tp": ({"tp": 2}, autopar.Plan(tp=True)),
     "tp+sp": ({"tp": 2}, autopar.Plan(tp=True, sp=True)),
     "dp x tp": ({"dp": 2, "tp": 2}, autopar.Plan(dp="zero3", tp=True, sp=True)),
+    "pp 1f1b": ({"pp": 2}, autopar.Plan(pp_schedule="1f1b", microbatches=2)),
+    "dp x pp": ({"dp": 2, "pp": 2}, autopar.Plan(dp="zero2", pp_schedule="interleaved", virtual_stages=2,
+                                                  microbatches=2)),
 }
 
 C = GPTConfig(layers=2, seq=16, dropout=0.1)
@@ -33,7 +36,7 @@ def _batch(rows: int, seq: int, seed: int):
 def train_shapes(name: str) -> dict:
     """Compile at (8, 16), train through ``STEPS`` with SGD (momentum) against the single-device model
     (dropout on: the masks of every shape are the single-device model's), then evaluate at
-    another batch; the scaled errors of each step's loss, gradients and parameters."""
+    another batch (4 rows of 10 tokens); the scaled errors of each step's loss, gradients and parameters."""
     torch.set_num_threads(1)
     axes, plan = PLANS[name]
     mesh = autopar.Mesh(**axes)
@@ -55,8 +58,11 @@ def train_shapes(name: str) -> dict:
         loss_ref = lm_loss(ref(tok), tgt)
         loss_ref.backward()
         torch.manual_seed(100 + step)
-        loss = lm_loss(dm(dm.shard_batch(tok)), dm.shard_batch(tgt))
-        loss.backward()
+        if plan.pp_schedule is not None:      # a pipeline runs whole steps
+            loss = dm.train_step(dm.shard_batch(tok), dm.shard_batch(tgt), lm_loss)
+        else:
+            loss = lm_loss(dm(dm.shard_batch(tok)), dm.shard_batch(tgt))
+            loss.backward()
         got = loss.detach().clone()
         if mesh.axis_size("dp") > 1:
             torch.distributed.all_reduce(got, group=mesh.group("dp"))
@@ -70,9 +76,16 @@ def train_shapes(name: str) -> dict:
         errs["param"] = max(errs["param"], max(_scaled_err(full[k], p.detach(), 1e-4, 1e-5) for k, p in names.items()))
     ref.eval()
     dm.eval()
-    tok, _ = _batch(6, 10, seed=99)
+    tok, tgt = _batch(4, 10, seed=99)
     with torch.no_grad():
-        errs["eval"] = _scaled_err(dm(dm.shard_batch(tok)), dm.shard_batch(ref(tok)), 1e-4, 1e-5)
+        if plan.pp_schedule is not None:     # the pipeline's evaluation: the mean loss over the slice
+            got = dm.eval_step(dm.shard_batch(tok), dm.shard_batch(tgt), lm_loss)
+            if mesh.axis_size("dp") > 1:
+                torch.distributed.all_reduce(got, group=mesh.group("dp"))
+                got /= mesh.axis_size("dp")
+            errs["eval"] = _scaled_err(got, lm_loss(ref(tok), tgt), 1e-4, 1e-5)
+        else:
+            errs["eval"] = _scaled_err(dm(dm.shard_batch(tok)), dm.shard_batch(ref(tok)), 1e-4, 1e-5)
     return {"errs": errs, "programs": len(dm._programs)}
 
 
