@@ -101,6 +101,14 @@ def _mb(x: float) -> str:
     return f"{x:,.0f} B ({x / 2**20:.3f} MiB)"
 
 
+def _shapes_section(dm) -> list[str]:
+    """The input shapes the module runs: the compiled ones (what the rest of explain describes)
+    and those compiled since, on first call (``autopar.variants``)."""
+    others = list(getattr(dm, "_programs", {}))
+    line = f"  input shapes (this rank): {tuple(dm.ctx.input_shapes)} as compiled"
+    return [line + (f"; also compiled on first call: {', '.join(str(s) for s in others)}" if others else "")]
+
+
 def explain(dm, cluster=None) -> str:
     """The plan on this rank: its notes, parameters, collectives and bytes per step against the
     formula, memory held against the formula, and the cost model's predicted step."""
@@ -108,6 +116,7 @@ def explain(dm, cluster=None) -> str:
     mode, n = dm.plan.dp, dm.mesh.axis_size("dp")
     lines = [f"autopar plan: {dm.plan} on {dm.mesh} (this is rank {dm.mesh.rank})"]
     lines += [f"  {note}" for note in ctx.notes]
+    lines += _shapes_section(dm)
     psi = sum(s.numel for s in sync.specs.values())
     psi_pad = sum(s.padded_numel for s in sync.specs.values()) if mode != "ddp" else psi
     lines.append(f"\nparameters: Ψ = {psi:,} trainable elements in {len(sync.specs)} tensors"
@@ -409,6 +418,7 @@ def explain_pipeline(pm, cluster=None) -> str:
     ctx, s = pm.ctx, pm.schedule
     lines = [f"autopar plan: {pm.plan} on {pm.mesh} (this is rank {pm.mesh.rank}, pp index {pm.pp_index})"]
     lines += [f"  {note}" for note in ctx.notes]
+    lines += _shapes_section(pm)
     lines.append(f"\npipeline: {len(ctx.stages)} stages over pp={s.p} ({s.v} per rank), {s.m} micro-batches of "
                  f"{ctx.microbatch_rows} rows; cut by forward FLOPs within {BALANCE_SLACK:.0%} of the best "
                  "balance, then where the fewest activation bytes cross")

@@ -56,6 +56,8 @@ def test_a_new_shape_keeps_the_modules_parameters_and_caches_its_program():
         program = dm._programs[((2, 8),)]
         own = dict(dm.module.named_parameters())
         assert all(p is own[n] for n, p in program.named_parameters())
+        assert "input shapes (this rank): ((2, 16),) as compiled; also compiled on first call: ((2, 8),)" \
+            in dm.explain()
         with pytest.raises(ValueError, match=r"input 0: expected this rank's slice of the batch with 2 dims"):
             dm(tok[0])
         with pytest.raises(ValueError, match=r"expected dtype torch.int64"):
