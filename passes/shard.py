@@ -20,7 +20,8 @@ cannot run on the batch shard otherwise is an error that names it, not a silent 
 the program. With ``Plan(tp=True)`` the tp axis is placed by passes/tensor_parallel.py, which
 chooses among the strategies (least communication) instead of matching them: first the
 parameters' placements (``decide``, before the dp walk: it may move row-parallel biases),
-then every node's (``annotate``, on the dp-local shapes). Before both, grouped-query attention
+then every node's (``annotate``, on the dp-local shapes). Before both, a product written by hand
+(``x @ W.T``) becomes ``linear`` (``weight_products``) and grouped-query attention
 with fewer k/v heads than tp ranks reads each rank's k/v heads by index (``kv_heads``). Before
 anything, an index that pairs each row with itself (``x[arange(B), idx]``) is written as a
 gather (``per_sample_index``), whose rule keeps the rows sharded.
@@ -39,6 +40,7 @@ from . import tensor_parallel
 from .kv_heads import kv_heads
 from .analysis import input_nodes, is_value
 from .per_sample_index import per_sample_index
+from .weight_products import weight_products
 from .rules import OpInfo, TensorMeta, format_placement, rule_for, strategies_for
 
 R = Replicate()
@@ -220,6 +222,7 @@ def _doubled(info: OpInfo, current: tuple, c) -> OpInfo:
 def shard(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     per_sample_index(gm, ctx)      # x[arange(B), idx] as a gather: the batch shard follows it
     if ctx.plan.tp:     # parameter placements along tp first: they may move row-parallel biases
+        weight_products(gm, ctx)    # x @ W.T as linear(x, W): a product tp can split
         kv_heads(gm, ctx)           # k/v heads fewer than tp: each rank's, by index (the k/v projections stay whole)
         tensor_parallel.decide(gm, ctx)
     _shard_dp(gm, ctx)

@@ -12,6 +12,7 @@ import torch
 import autopar
 from autopar import meta
 from autopar.models import GPTConfig, TinyGPT, TinyMLP, gpt_batch
+from autopar.testing import fake_rank
 
 from jobs import tensor_parallel
 from jobs.common import MODES, mlp_batch
@@ -260,3 +261,39 @@ def test_row_product_read_by_column_product():
     dm = _compile(tensor_parallel.RowThenColumn(), (x,), autopar.Plan(tp=True), tp=2)
     kinds = [name for name, _ in _tp_nodes(dm)]
     assert kinds == ["tp_copy", "tp_all_reduce", "tp_copy", "tp_gather"], kinds
+
+
+class _HandLinear(torch.nn.Module):
+    """A projection written by hand, as Falcon's: ``x @ W.T`` (transposed as ``.T``, ``.t()`` or
+    ``transpose``), then the bias added."""
+
+    def __init__(self, i, o, how):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(o, i) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(o))
+        self.how = how
+
+    def forward(self, x):
+        w = {"T": lambda: self.weight.T, "t": lambda: self.weight.t(),
+             "transpose": lambda: self.weight.transpose(0, 1)}[self.how]()
+        return x @ w + self.bias
+
+
+@pytest.mark.parametrize("how", ["T", "t", "transpose"])
+def test_a_product_written_by_hand_is_split_as_a_linear_is(how):
+    """x @ W.T is column- then row-parallel as nn.Linear is: the weights split, and the same
+    collectives with the same bytes as the nn.Linear MLP's (no weight gathered)."""
+    def collectives(mlp):
+        with fake_rank(2, 0):
+            dm = autopar.compile(mlp, autopar.Mesh(tp=2), example_inputs=(torch.randn(2, 8, 16),),
+                                 plan=autopar.Plan(tp=True))
+        comms = [(n.meta[meta.COMM].kind, n.meta[meta.COMM].phase, n.meta[meta.COMM].nbytes)
+                 for n in dm.module.graph.nodes if meta.COMM in n.meta]
+        return dm, comms
+
+    dm, got = collectives(torch.nn.Sequential(_HandLinear(16, 64, how), torch.nn.GELU(), _HandLinear(64, 16, how)))
+    layouts = {k: str(v) for k, v in dm.ctx.tp_params.items()}
+    assert layouts["0.weight"] == "S(0)" and layouts["2.weight"] == "S(1)", layouts
+    assert dict(dm.module.named_parameters())["0.weight"].shape == (32, 16)
+    _, want = collectives(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)))
+    assert got == want and all(kind == "all_reduce" for kind, *_ in got), (got, want)
