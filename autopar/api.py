@@ -221,13 +221,17 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = {name: heads.get(name, ("R", None)) for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1}
     ctx.notes += [note for _, note in shared.values() if note]
-    laid = []
-    for spec in ctx.stages:
-        if spec.index % p != mesh.coordinate("pp"):
-            continue
-        sgm = top.get_submodule(f"stage_{spec.index}")
-        sctx = _stage_context(ctx, spec, sgm, shared)
-        laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
+    laid, refused = [], None
+    try:
+        for spec in ctx.stages:
+            if spec.index % p != mesh.coordinate("pp"):
+                continue
+            sgm = top.get_submodule(f"stage_{spec.index}")
+            sctx = _stage_context(ctx, spec, sgm, shared)
+            laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
+    except (ValueError, TypeError, NotImplementedError) as exc:   # said to every rank, then raised
+        refused = exc
+    _agree_stages(refused, mesh)    # ranks compile different stages: one's refusal must stop them all
     passes.check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)   # before any communication
     stages = {}
     stats = CommStats() if like is None else like.comm_stats     # the stages share one byte counter
@@ -247,6 +251,26 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
     del gm, top
     _collect(ctx)
     return pm
+
+
+def _agree_stages(refused: Exception | None, mesh: Mesh) -> None:
+    """Every rank learns whether any rank's stages were refused (``refused``: this rank's
+    error, or None), and each raises: its own error, or one naming the rank that was refused
+    and why. Without this the others would go on to wait for that rank until the timeout."""
+    if mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
+        if refused is not None:
+            raise refused
+        return
+    mine = None if refused is None else f"{type(refused).__name__}: {refused}"
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if refused is not None:
+        raise refused
+    failed = [(r, m) for r, m in enumerate(every) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"the pipeline's stages on rank {rank} could not be compiled, so no stage runs; rank "
+                         f"{rank} says: {message}")
 
 
 COLLECT_BYTES = 64 << 20

@@ -314,3 +314,14 @@ def test_transfers_each_way_between_two_ranks_travel_over_a_group_of_their_own(r
     # the interleaved schedule's wrap-around: activations from the last rank to the first
     if kw["pp_schedule"] == "interleaved":
         assert ("pp:down", world - 1, 0) in sends
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_stage_stops_every_rank_at_once(ranks):
+    """Stage 0 holds a batch statistic (refused under micro-batches), stage 1 compiles: both ranks
+    raise within seconds, rank 1 naming rank 0 and its reason, instead of waiting out the 30 s
+    timeout for a peer that never comes."""
+    (t0, m0, s0), (t1, m1, s1) = ranks(pipeline_jobs.one_stage_refused, 2, 30.0, timeout=90)
+    assert t0 == "ValueError" and "mixes samples" in m0
+    assert t1 == "ValueError" and "stages on rank 0 could not be compiled" in m1 and "mixes samples" in m1
+    assert max(s0, s1) < 20

@@ -268,6 +268,11 @@ class PipelineModule(DistributedModule):
             if isinstance(x, torch.Tensor) and want is not None and x.dtype != want:
                 raise ValueError(f"input {i}: expected dtype {want} (as the example inputs were), got {x.dtype}; "
                                  f"convert it (x.to({want})), or compile again with example inputs of that dtype")
+            have = self.ctx.input_shapes[i] if i < len(self.ctx.input_shapes) else None
+            if isinstance(x, torch.Tensor) and have is not None and x.dim() != len(have):
+                raise ValueError(f"input {i}: a micro-batch of this rank's slice has shape {tuple(x.shape)}, expected "
+                                 f"{len(have)} dims (shape {have}, dp={self.mesh.axis_size('dp')}, microbatches="
+                                 f"{self.schedule.m}); pass dm.shard_batch(global_batch)")
             shapes.append(tuple(x.shape) if isinstance(x, torch.Tensor) else None)
         shapes = tuple(shapes)
         if shapes == tuple(self.ctx.input_shapes):

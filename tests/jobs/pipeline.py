@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -214,3 +215,30 @@ def pp_directions(plan_kwargs):
     finally:
         flight.isend, flight.irecv = send, recv
     return seen
+
+
+class _BatchStatisticFirst(torch.nn.Module):
+    """A statistic over the batch in the first stage only: its micro-batches would change it,
+    so that stage is refused and the others compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h - h.mean(0, keepdim=True)
+        h = self.b(torch.relu(h))
+        return self.d(torch.relu(self.c(torch.relu(h))))
+
+
+def one_stage_refused(timeout: float):
+    """(error type, message, seconds) of compiling ``_BatchStatisticFirst`` under 1F1B with a
+    mesh timeout of ``timeout`` seconds, on every rank."""
+    start = time.perf_counter()
+    try:
+        autopar.compile(_BatchStatisticFirst(), autopar.Mesh(pp=2, timeout=timeout), example_inputs=(torch.randn(8, 16),),
+                        plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+        return None, "", time.perf_counter() - start
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.perf_counter() - start
