@@ -466,10 +466,23 @@ class ParityReport:
     losses: list = field(default_factory=list)
     ref_losses: list = field(default_factory=list)
     messages: list = field(default_factory=list)
+    step_bytes: dict = field(default_factory=dict)
+    """(axis, kind, phase) -> bytes this rank's collectives moved in the first step (forward,
+    backward and optimizer step; the gathers of the comparison itself left out)"""
+    inspected: object = None       # what parity's ``inspect`` returned for the compiled module
 
     @property
     def ok(self) -> bool:
         return max(self.output_err, self.loss_err, self.grad_err, self.param_err, self.noise_param_err) <= 1.0
+
+
+def _bytes_now(stats) -> dict:
+    return dict(stats.bytes) if stats is not None else {}
+
+
+def _bytes_since(stats, mark: dict) -> dict:
+    """Bytes per (axis, kind, phase) that ``stats`` counted since ``mark = _bytes_now(stats)``."""
+    return {k: b - mark.get(k, 0.0) for k, b in _bytes_now(stats).items() if b - mark.get(k, 0.0) > 0}
 
 
 def _scaled_err(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float, mask=None) -> float:
@@ -522,7 +535,7 @@ def _compared(out, loss_fn):
 def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None, exported=None, steps: int = 3,
            lr: float = 1e-3,
            rtol: float = 1e-4, atol: float = 1e-5, noise_floor: float = 1e-5,
-           optimizer=torch.optim.AdamW, device=None, **optimizer_kwargs) -> ParityReport:
+           optimizer=torch.optim.AdamW, device=None, inspect=None, **optimizer_kwargs) -> ParityReport:
     """Train ``model_fn()`` for ``steps`` optimizer steps (AdamW unless ``optimizer`` says
     otherwise, with ``optimizer_kwargs``) on the global batch on one device and
     compiled for ``mesh``/``plan`` on this rank's slice; compare outputs, loss, gradients
@@ -547,6 +560,9 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
 
     ``device``: where the model and batch live (default ``harness_device()``: the CPU, or with
     ``AUTOPAR_TEST_DEVICE=cuda`` this rank's GPU).
+
+    ``inspect(dm)``, if given, is called on the compiled module before training; the report
+    keeps its result (``inspected``) and the first step's bytes per collective (``step_bytes``).
     """
     torch.manual_seed(0)
     device = torch.device(device) if device is not None else harness_device()
@@ -556,6 +572,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     model, exported = copy.deepcopy((ref, exported))     # the program stays the copy's own
     dm = autopar_compile(model, mesh, example_inputs=inputs, example_kwargs=kwargs, plan=plan, exported=exported)
     rep = ParityReport(rank=dist.get_rank() if dist.is_initialized() else 0)
+    if inspect is not None:
+        rep.inspected = inspect(dm)
     mixed = MixedReference(ref, plan.param_dtype) if plan.param_dtype is not None else None
     initial = {k: p.detach().clone() for k, p in ref.named_parameters()} if mixed else {}
     opt_ref = optimizer(ref.parameters(), lr=lr, **optimizer_kwargs)
@@ -568,7 +586,9 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
     def loss_of(out, t):
         return model_loss(out) if loss_fn is None else loss_fn(out, t)
 
+    stats = dm.comm_stats
     for step in range(steps):
+        mark = _bytes_now(stats)
         opt_ref.zero_grad()
         torch.manual_seed(1000 + step)     # dropout: one device and every rank draw from one seed
         if mixed is None:
@@ -592,6 +612,8 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
             elif want is not None:
                 rep.output_err = max(rep.output_err, _scaled_err(got.detach(), dm.shard_batch(want.detach()),
                                                                  rtol, atol))
+        if step == 0:
+            rep.step_bytes = _bytes_since(stats, mark)
         gl = loss.detach().clone()
         if mesh.axis_size("dp") > 1:
             dist.all_reduce(gl, group=mesh.group("dp"))
@@ -626,7 +648,11 @@ def parity(model_fn, mesh, plan, inputs: tuple, target, loss_fn, *, kwargs=None,
         opt_ref.step()
         if mixed is not None:
             mixed.refresh()
+        mark = _bytes_now(stats)
         opt.step()
+        if step == 0:
+            for k, b in _bytes_since(stats, mark).items():
+                rep.step_bytes[k] = rep.step_bytes.get(k, 0.0) + b
         full = dm.full_state_dict()
         lacking = [k for k in names if k not in full]
         if lacking:

@@ -323,6 +323,7 @@ def _core_samples(t, pos, mask, idx, x, x3) -> list:
         (aten.replication_pad3d.default, (t(2, 3, 4, 4, 4), [1] * 6), {}),
         (aten.constant_pad_nd.default, (x, [1, 2]), {}), (aten.constant_pad_nd.default, (x3, [0, 1, 1, 0], 1.5), {}),
         (aten.pad.default, (x, [1, 1], "constant", 0.0), {}), (aten.pad.default, (t(2, 3, 5), [2, 1], "reflect"), {}),
+        (aten.pad.default, (t(4, 6, 3, 2), [0, 0, 0, 0, 0, 2, 0, 0], "constant", 0.0), {}),   # Mamba-2's sequence pad
         (aten.grid_sampler_2d.default, (t(2, 3, 5, 5), unit(2, 4, 4, 2), 0, 0, False), {}),
         (aten.col2im.default, (t(2, 12, 9), [4, 4], [2, 2], [1, 1], [0, 0], [1, 1]), {}),
         # embedding backward and bags, distances

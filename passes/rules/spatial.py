@@ -57,13 +57,20 @@ def window(info: OpInfo) -> list:
 
 @register(aten.constant_pad_nd.default, aten.pad.default)
 def pad(info: OpInfo) -> list:
-    """``pad`` lists (before, after) pairs from the last dim backwards."""
-    spatial = len(info.args[1]) // 2
+    """``pad`` lists (before, after) pairs from the last dim backwards; a dim padded by (0, 0)
+    is left as it is and shards like a leading dim (Mamba-2 pads a 4-D tensor's sequence dim
+    alone, listing zero pairs for the others)."""
+    pads = info.args[1]
     mode = arg(info, 2, "mode", "constant") if info.target == aten.pad.default else "constant"
-    if mode != "constant":
-        return leading(info, spatial, ("sum", "avg", "max", "min"))
     value = arg(info, 2 if info.target == aten.constant_pad_nd.default else 3, "value", 0) or 0
-    return leading(info, spatial, ("sum", "avg", "max", "min") if value == 0 else ("avg", "max", "min"))
+    kinds = ("sum", "avg", "max", "min") if mode != "constant" or value == 0 else ("avg", "max", "min")
+    found = leading(info, len(pads) // 2, kinds)
+    x = tensor_inputs(info)[0]
+    for i in range(min(len(pads) // 2, x.ndim)):
+        d = x.ndim - 1 - i
+        if all(isinstance(p, int) and p == 0 for p in pads[2 * i:2 * i + 2]) and nonempty(x.shape[d], info.n):
+            found.append(Strategy((Shard(d),), Shard(d)))
+    return found
 
 
 @register(aten.grid_sampler_2d.default)
