@@ -122,6 +122,23 @@ def _views_as_reshapes(graph: fx.Graph) -> None:
             node.target = aten.reshape.default
 
 
+_ZEROED = {aten.new_empty.default: aten.new_zeros.default, aten.empty.memory_format: aten.zeros.default,
+           aten.empty_like.default: aten.zeros_like.default}
+
+
+def _empties_as_zeros(graph: fx.Graph) -> None:
+    """An ``empty`` buffer that the writes fill (``k = x.new_empty(..)``, then slices of it
+    written) becomes a pure op's input once functionalised: the scatters read it, and where
+    they leave part of it unwritten, the program's values there would be whatever the memory
+    held. Its values are unspecified, so zeros are one right choice, and they make every
+    value of the program a function of its inputs, which ``autopar.verify`` compares."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _ZEROED:
+            node.target = _ZEROED[node.target]
+            if node.target is aten.zeros.default and "memory_format" in node.kwargs:
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+
+
 def functionalise(ep):
     """``ep`` (an ExportedProgram) with its in-place writes made pure (see the module
     docstring); ``ep`` itself when it writes nothing."""
@@ -131,5 +148,6 @@ def functionalise(ep):
     _restore_dropout(ep.graph)
     _copies_as_values(ep.graph)
     _views_as_reshapes(ep.graph)
+    _empties_as_zeros(ep.graph)
     ep.graph_module.recompile()
     return ep

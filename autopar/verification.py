@@ -205,9 +205,16 @@ class _Logical:
     stack: Optional[dict] = None   # export's nn_module_stack: the module that ran it
 
 
+_UNSPECIFIED = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                aten.empty_strided.default, aten.new_empty_strided.default}
+"""ops whose values are unspecified (memory the program writes before it reads): not compared"""
+
+
 def _logical_nodes(gm: fx.GraphModule) -> dict:
     out = {}
     for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _UNSPECIFIED:
+            continue
         if n.op == "get_attr":
             out[n.name] = _Logical("get_attr", "get_attr", param=str(n.target))
         elif n.op in ("placeholder", "call_function") and isinstance(n.meta.get(meta.VAL), torch.Tensor):
@@ -435,6 +442,8 @@ def _combine(parts: list, p: Placement, axis: str, gradient: bool, groups: int, 
             if e > tol:
                 raise _Disagree(f"{axis} ranks 0 and {i} hold different values of a {p} "
                                 f"{'gradient' if gradient else 'value'} (scaled difference {e:.3g})")
+        if gradient and isinstance(p, Partial) and p.op == "avg":   # X = mean of the parts: dX/dpart = 1/n
+            return parts[0] * len(parts)
         return parts[0]
     stacked = torch.stack(parts)
     return {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),

@@ -100,7 +100,7 @@ def test_a_data_dependent_size_is_refused_with_the_node_its_source_and_a_fix(rou
 def test_the_estimate_refuses_it_too():
     with pytest.raises(DataDependentShapeError, match=r"node nonzero \(aten.nonzero.default\)"):
         autopar.estimate(TokenMoE("nonzero"), autopar.Mesh(dp=2, virtual=True), autopar.Plan(dp="ddp"),
-                         example_inputs=(_batch(),))
+                         example_inputs=(_batch(),), cluster="dgx-h100")
 
 
 def test_the_fixed_size_routing_compiles_under_every_plan():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar import meta
+from autopar import meta, zoo
 from autopar.models import small
 from autopar.passes.rules import RULES
 from autopar.passes.rules.pointwise import _partial
@@ -165,3 +165,15 @@ def test_processes_give_the_same_report_as_threads():
     assert (threads.nodes_checked, threads.gradients_checked) == (procs.nodes_checked, procs.gradients_checked)
     assert set(threads.errors) == set(procs.errors)
     assert procs.largest_scaled_error < 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("plan", ["tp,sp", pytest.param("dp=zero3", marks=pytest.mark.slow)])
+def test_a_model_that_fills_an_empty_buffer_and_averages_across_tp_verifies(plan):
+    """Hugging Face DeepSeek-V3's attention fills keys made by ``new_empty`` slice by slice (a
+    functionalised write: every value defined), and its low-rank norms leave a tp partial
+    average, whose gradient each rank holds a 1/tp share of."""
+    mesh = "dp=2" if plan.startswith("dp") else "tp=2"
+    rep = autopar.verify(zoo.build("deepseek_v3"), mesh, plan, example_inputs=(),
+                         example_kwargs=zoo.batch("deepseek_v3", 4), loss_fn=lambda out: out.loss)
+    assert rep.ok, str(rep)
