@@ -20,7 +20,9 @@ from jobs import mutation
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["tp+sp", "zero3", pytest.param("ddp", marks=pytest.mark.slow),
                                   pytest.param("tp", marks=pytest.mark.slow),
-                                  pytest.param("pp 1f1b", marks=pytest.mark.slow)])
+                                  pytest.param("zero2", marks=pytest.mark.slow),
+                                  pytest.param("pp 1f1b", marks=pytest.mark.slow),
+                                  pytest.param("pp zero-bubble", marks=pytest.mark.slow)])
 def test_every_write_pattern_trains_as_on_one_device(ranks, name):
     """``WritingNet`` (one block per pattern of ``mutation.PATTERNS``: DeepSeek-V3's keys
     filled into ``new_empty``, ``index_put_``, ``masked_fill_`` on a slice, a write through a

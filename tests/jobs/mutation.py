@@ -100,7 +100,9 @@ PLANS = {   # name -> (mesh axes, plan)
     "zero3": ({"dp": 2}, autopar.Plan(dp="zero3")),
     "tp": ({"tp": 2}, autopar.Plan(tp=True)),
     "tp+sp": ({"tp": 2}, autopar.Plan(tp=True, sp=True)),
+    "zero2": ({"dp": 2}, autopar.Plan(dp="zero2")),
     "pp 1f1b": ({"pp": 2}, autopar.Plan(pp_schedule="1f1b", microbatches=2)),
+    "pp zero-bubble": ({"pp": 2}, autopar.Plan(pp_schedule="zero_bubble", microbatches=2)),
     "dp x tp": ({"dp": 2, "tp": 2}, autopar.Plan(dp="zero3", tp=True, sp=True)),
 }
 
