@@ -6,10 +6,16 @@ annotations can be printed, compared and diffed.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 __all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
-           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS"]
+           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS", "VAL_LOCK"]
+
+VAL_LOCK = threading.RLock()
+"""held while a pass computes new ``VAL`` fake tensors by running ops on the graph's: torch's
+fake tensor mode is not thread-safe, and ranks simulated by threads (``autopar.verify``)
+compile programs that share one mode (the export cache hands them one captured program)"""
 
 # ---- node.meta keys ------------------------------------------------------------------------------
 VAL = "val"                 # torch.export's FakeTensor (shape, dtype) of the node's output

@@ -24,7 +24,7 @@ from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from ..context import CompileContext
-from ..meta import VAL
+from ..meta import VAL, VAL_LOCK
 
 __all__ = ["autocast", "AutocastError"]
 
@@ -49,7 +49,7 @@ def autocast(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     device = torch.device(ctx.device_type)
     casts = 0
     captured = {n: _in_dtypes(n) for n in gm.graph.nodes}   # what each value was computed from
-    with mode:
+    with VAL_LOCK, mode:
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node not in captured:
                 continue

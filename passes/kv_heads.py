@@ -133,7 +133,7 @@ def _take_heads(g: fx.Graph, before: fx.Node, x: fx.Node, d: int, m: int, r: int
         pos = g.call_function(aten.arange.start, (0, m), {"dtype": torch.int64, "device": xv.device})
         idx = g.call_function(aten.div.Tensor_mode, (pos, r), {"rounding_mode": "floor"})
         out = g.call_function(aten.index_select.default, (x, d, idx))
-    with mode if mode is not None else contextlib.nullcontext():
+    with meta.VAL_LOCK, mode if mode is not None else contextlib.nullcontext():
         pv = aten.arange.start(0, m, dtype=torch.int64, device=xv.device)
         iv = aten.div.Tensor_mode(pv, r, rounding_mode="floor")
         ov = out_val if out_val is not None else aten.index_select.default(xv, d, iv)

@@ -102,7 +102,8 @@ def per_sample_index(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             def op(target, *args, **kwargs):
                 new = g.call_function(target, args, kwargs)
                 vals = [a.meta[meta.VAL] if isinstance(a, fx.Node) else a for a in args]
-                new.meta[meta.VAL] = target(*vals, **kwargs)
+                with meta.VAL_LOCK:
+                    new.meta[meta.VAL] = target(*vals, **kwargs)
                 new.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
                 return new
 
