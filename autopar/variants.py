@@ -37,9 +37,9 @@ log = logging.getLogger("autopar")
 __all__ = ["ShapeVariants", "bind_program", "bind_stage", "meta_copy", "MANY_SHAPES"]
 
 MANY_SHAPES = 8
-"""shapes compiled for one module past which each new one is logged as a warning: a compile
-per shape suits a last smaller batch or a few sequence lengths (pad to a few buckets), not a
-new length every step"""
+"""shapes compiled for one module past which the warning each new shape logs also advises
+padding: a compile per shape suits a last smaller batch or a few sequence lengths (pad to a
+few buckets), not a new length every step"""
 
 
 def meta_copy(model: nn.Module) -> nn.Module | None:
