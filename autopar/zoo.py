@@ -469,10 +469,18 @@ def _pp_volume(trainable: list, sent: _Sent, held: Holdings) -> str:
 
 
 def _run_cells(names: list, plans: list, steps: int) -> list:
+    """The cells, quiet (autopar's warnings and Python's are the table's notes, not the log's),
+    the process's logging and warning filters restored after: a pool runs other jobs too."""
     torch.set_num_threads(1)
-    logging.getLogger("autopar").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    return [run_cell(n, p, steps) for n in names for p in plans]
+    logger = logging.getLogger("autopar")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            return [run_cell(n, p, steps) for n in names for p in plans]
+    finally:
+        logger.setLevel(level)
 
 
 def run(names=None, plans=None, steps: int = STEPS, log=None) -> list:
