@@ -341,10 +341,7 @@ def _check_buffer_updates(gm: fx.GraphModule, model: nn.Module) -> None:
             flag, stats = _MUTATES_STATS[node.target]
             if len(node.args) > flag and node.args[flag]:
                 written = [node.args[i] for i in stats if len(node.args) > i and node.args[i] is not None]
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            written += [a for a, s in zip(node.args, schema.arguments)
-                        if s.alias_info is not None and s.alias_info.is_write]
+        written += writes_into(node)
         for a in written:
             if isinstance(a, fx.Node) and a.op == "get_attr":
                 found.setdefault(a.target, node)

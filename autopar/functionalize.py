@@ -101,7 +101,7 @@ def _copies_as_values(graph: fx.Graph) -> None:
             if tuple(have.shape) != tuple(want.shape):
                 value = graph.call_function(aten.expand.default, (value, list(want.shape)))
                 value.meta[meta.VAL] = want
-        for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        for k in meta.ORIGIN:
             if k in node.meta and isinstance(value, fx.Node) and value is not src:
                 value.meta.setdefault(k, node.meta[k])
         node.replace_all_uses_with(value)

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 
 __all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
-           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS", "VAL_LOCK"]
+           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS", "VAL_LOCK", "ORIGIN"]
 
 VAL_LOCK = threading.RLock()
 """held while a pass computes new ``VAL`` fake tensors by running ops on the graph's: torch's
@@ -23,6 +23,7 @@ LAYOUT = "autopar_layout"   # autopar.placement.Layout of the node's output
 PARAM = "autopar_param"     # canonical parameter name (original model's qualified name) of a get_attr
 COMM = "autopar_comm"       # CommInfo of a collective node (kind, axis, bytes)
 SOURCE = "stack_trace"      # torch.export's source location of the node
+ORIGIN = (SOURCE, "nn_module_stack")   # where a node came from: a node inserted in its place takes these
 STRATEGY = "autopar_strategy"  # {mesh axis: passes.rules.Strategy} the shard pass chose for a node
 LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocabulary parallelism)
 RNG_SITE = "autopar_rng_site"  # index of a random site (dropout) in the single-device forward's draw order

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .mesh import Mesh
 from .passes.tensor_parallel import whole_share
 from .planspec import Plan
+from .runtime.comm import CommStats
 from .runtime.dpsync import dp_gather
 from .runtime.tpcomm import tp_gather
 from .testing import RankPool, parity
@@ -346,7 +347,7 @@ def _holdings(dm) -> Holdings:
         gathered = tuple(_tp_weight_gathers(dm.module))
         kept = whole_share(dm.ctx, top=2).describe()
         warned = any(n.startswith("warning: tensor parallelism keeps") for n in dm.ctx.notes)
-    return Holdings(sum(p.numel() * p.element_size() for p in params), gathered, kept, warned)
+    return Holdings(_nbytes(params), gathered, kept, warned)
 
 
 _ALONG = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
@@ -391,7 +392,9 @@ def volume_check(plan: str, model: torch.nn.Module, step: dict, held: Holdings) 
     """
     axes, fields = PLANS[plan]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    sent = _Sent(step)
+    counted = CommStats()
+    counted.bytes.update(step)
+    sent = counted.total        # (axis, kind=None, phase=None) -> the step's bytes, summed over what is unnamed
     stray = sorted({ax for (ax, _, _), b in step.items() if b and ax not in axes})
     if stray:
         return f"bytes moved on mesh axes the plan lacks: {', '.join(stray)}", ""
@@ -415,18 +418,7 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-class _Sent:
-    """One step's bytes by (axis, kind, phase), summed over what is left unnamed."""
-
-    def __init__(self, step: dict):
-        self.step = step
-
-    def __call__(self, axis: str, kind: str | None = None, phase: str | None = None) -> float:
-        return sum(b for (ax, k, ph), b in self.step.items()
-                   if ax == axis and (kind is None or k == kind) and (phase is None or ph == phase))
-
-
-def _dp_volume(n: int, zero3: bool, trainable: list, sent: _Sent, held: Holdings) -> str:
+def _dp_volume(n: int, zero3: bool, trainable: list, sent, held: Holdings) -> str:
     psi, ring = _nbytes(trainable), (n - 1) / n
     unused = _nbytes(p for p in trainable if p.grad is None)
     if zero3:
@@ -446,7 +438,7 @@ def _dp_volume(n: int, zero3: bool, trainable: list, sent: _Sent, held: Holdings
     return ""
 
 
-def _tp_volume(trainable: list, sent: _Sent, held: Holdings) -> tuple[str, str]:
+def _tp_volume(trainable: list, sent, held: Holdings) -> tuple[str, str]:
     psi = _nbytes(trainable)
     if held.gathered_weights:
         return f"tp all-gathers whole weights in forward: {', '.join(held.gathered_weights[:3])}", ""
@@ -460,7 +452,7 @@ def _tp_volume(trainable: list, sent: _Sent, held: Holdings) -> tuple[str, str]:
     return "", ""
 
 
-def _pp_volume(trainable: list, sent: _Sent, held: Holdings) -> str:
+def _pp_volume(trainable: list, sent, held: Holdings) -> str:
     if held.param_bytes >= _nbytes(trainable):
         return f"a pipeline stage holds every parameter ({_kib(held.param_bytes)})"
     if not sent("pp"):

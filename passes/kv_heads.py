@@ -128,7 +128,7 @@ def _take_heads(g: fx.Graph, before: fx.Node, x: fx.Node, d: int, m: int, r: int
     """``index_select(x, d, arange(m) // r)``, inserted before ``before``."""
     xv = x.meta[meta.VAL]
     mode = detect_fake_mode([xv])
-    kept = {k: before.meta[k] for k in (meta.SOURCE, "nn_module_stack") if k in before.meta}
+    kept = {k: before.meta[k] for k in meta.ORIGIN if k in before.meta}
     with g.inserting_before(before):
         pos = g.call_function(aten.arange.start, (0, m), {"dtype": torch.int64, "device": xv.device})
         idx = g.call_function(aten.div.Tensor_mode, (pos, r), {"rounding_mode": "floor"})

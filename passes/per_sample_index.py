@@ -39,7 +39,6 @@ _VIEWS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.
           aten.alias.default}
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout}
 _ADDS = {aten.add.Tensor, aten.add.Scalar}
-_KEPT_META = ("nn_module_stack", meta.SOURCE)
 
 
 def _integer(val) -> bool:
@@ -104,7 +103,7 @@ def per_sample_index(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 vals = [a.meta[meta.VAL] if isinstance(a, fx.Node) else a for a in args]
                 with meta.VAL_LOCK:
                     new.meta[meta.VAL] = target(*vals, **kwargs)
-                new.meta.update({k: node.meta[k] for k in _KEPT_META if k in node.meta})
+                new.meta.update({k: node.meta[k] for k in meta.ORIGIN if k in node.meta})
                 return new
 
             idx = op(aten.reshape.default, op(aten.expand.default, t, list(shape)), [rows, m])

@@ -562,7 +562,7 @@ def _split_bias(gm: fx.GraphModule, node: fx.Node, pm: ParamMatmul) -> None:
     with g.inserting_after(node):
         add = g.call_function(aten.add.Tensor, (node, pm.bias))
     node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
-    add.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, meta.SOURCE, "nn_module_stack")})
+    add.meta.update({k: v for k, v in node.meta.items() if k in (meta.VAL, *meta.ORIGIN)})
 
 
 def decide(gm: fx.GraphModule, ctx: CompileContext) -> None:

@@ -20,7 +20,6 @@ from .analysis import param_name
 __all__ = ["weight_products"]
 
 aten = torch.ops.aten
-_KEPT_META = ("nn_module_stack", meta.SOURCE)
 
 
 def _transposed_weight(node) -> fx.Node | None:
@@ -48,7 +47,7 @@ def weight_products(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         with graph.inserting_before(node):
             lin = graph.call_function(aten.linear.default, (x, w))
-        lin.meta = {k: node.meta[k] for k in (meta.VAL, *_KEPT_META) if k in node.meta}
+        lin.meta = {k: node.meta[k] for k in (meta.VAL, *meta.ORIGIN) if k in node.meta}
         node.replace_all_uses_with(lin)
         graph.erase_node(node)
         if not wt.users:
