@@ -5,6 +5,7 @@
     python -m autopar calibrate [--force]
     python -m autopar verify --model tiny-gpt --mesh dp=2,tp=2 --plan "dp=zero3,tp,sp"
     python -m autopar zoo [--archs llama,mixtral] [--plans zero3,tp] [--steps 2]
+    python -m autopar fuzz --minutes 60 [--seed 0] [--plans tp,tp+sp] [--out fuzz_out]
 """
 import argparse
 import sys
@@ -17,7 +18,7 @@ from .demo import main as demo
 from .models import NAMED, SMALL, named, small
 from .planspec import Plan
 from .verification import verify
-from . import zoo
+from . import fuzz, zoo
 
 
 def main(argv=None) -> int:
@@ -50,7 +51,15 @@ def main(argv=None) -> int:
     z.add_argument("--archs", default=None, help=f"comma-separated, of: {','.join(a.name for a in zoo.ARCHS)}")
     z.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join(zoo.PLANS)}")
     z.add_argument("--steps", type=int, default=zoo.STEPS, help="AdamW steps per cell")
+    f = sub.add_parser("fuzz", help="random models under every plan against one device (autopar.fuzz)")
+    f.add_argument("--minutes", type=float, default=1.0, help="how long to generate models")
+    f.add_argument("--seed", type=int, default=0, help="the first model's seed (the next ones follow)")
+    f.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join(fuzz.PLANS)}")
+    f.add_argument("--out", default="fuzz_out", help="where each failure's shrunk model is written as a module")
+    f.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     args = ap.parse_args(argv)
+    if args.cmd == "fuzz":
+        return _fuzz(args)
     if args.cmd == "zoo":
         return _zoo(args)
     if args.cmd == "verify":
@@ -81,6 +90,32 @@ def _zoo(args) -> int:
     print(zoo.table(cells))
     print(f"\n({time.perf_counter() - t0:.0f} s, {args.steps} AdamW steps per cell)")
     return 0 if all(c.ok for c in cells) else 1
+
+
+def _fuzz(args) -> int:
+    import os
+    plans = args.plans.split(",") if args.plans else list(fuzz.PLANS)
+    for p in plans:
+        if p not in fuzz.PLANS:
+            raise SystemExit(f"unknown fuzz plan {p!r}; the fuzzer has {', '.join(fuzz.PLANS)}")
+    log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
+    summary = fuzz.run(range(args.seed, 10 ** 9), plans, minutes=args.minutes, log=log)
+    print(summary.table())
+    failures = summary.failures()
+    seen = set()
+    for v in failures:
+        kind = (v.plan, v.kind, v.error_type)
+        if args.no_shrink or kind in seen:      # one shrunk model per plan and kind of failure
+            continue
+        seen.add(kind)
+        log(f"shrinking {v}")
+        spec, got = fuzz.shrink(fuzz.generate(v.seed), v.plan, v, log=log)
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"seed{v.seed}_{v.plan.replace('×', 'x').replace('+', '_')}.py")
+        with open(path, "w") as fh:
+            fh.write(fuzz.source(spec, v.plan))
+        print(f"\n{got}\n  shrunk: {spec.describe()}\n  module: {path}")
+    return 1 if failures else 0
 
 
 def _plan(args) -> int:

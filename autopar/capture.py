@@ -52,9 +52,11 @@ class CaptureError(ValueError):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-# torch.export keeps tracing state in globals: two threads exporting (and unlifting) at once
-# corrupt each other's, as ranks simulated by threads do (autopar.verify), each compiling
-_EXPORT_LOCK = threading.Lock()
+EXPORT_LOCK = threading.Lock()
+"""torch.export keeps tracing state in globals: two threads exporting (and unlifting) at once
+corrupt each other's, as ranks simulated by threads do (autopar.verify), each compiling. A pass
+that traces through fx proxies (``fuse_by_partitions``) holds it too: while an export runs, a
+proxy's node would take the export's node metadata (``fx.traceback``'s preserved meta)."""
 _OWN_FILES = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "api.py")}
 
 
@@ -446,7 +448,7 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
-        with _EXPORT_LOCK:
+        with EXPORT_LOCK:
             other = _export(model, tuple(args), dict(kwargs)).module()
     except CaptureError as exc:
         return f"it does not capture ({str(exc).splitlines()[1].strip()})"
@@ -473,7 +475,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
     the model's own ExportedProgram on these inputs, used instead of exporting again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
-    with _EXPORT_LOCK:
+    with EXPORT_LOCK:
         if exported is None:
             ep = _export_once(model, tuple(args), dict(kwargs))
         else:

@@ -251,7 +251,7 @@ def run_threads(fn, world_size: int, *args, timeout: float = 180.0):
     failed = {r: e for r, e in errors.items() if not isinstance(e[0], SystemExit)}   # SystemExit: woken
     if failed:
         rank = min(failed)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failed[rank][1]}")
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failed[rank][1]}") from failed[rank][0]
     if stuck:
         raise TimeoutError(f"ranks {stuck} of {world_size} did not finish within {timeout:.0f}s "
                            "(a collective that some rank never reached?)")

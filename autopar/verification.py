@@ -16,7 +16,10 @@ then rebuilds each logical node's global value from the ranks' local ones by the
 and compares them in graph order (forward), then the gradients in reverse graph order (the order
 backward computes them), and returns a ``VerifyReport``: the first node that diverges beyond the
 tolerance, with its layout and the nearest collective feeding it, or "verified" with the largest
-scaled error, ``max|a - b| / (max|b| + tiny)``.
+scaled error, ``max|a - b| / max(max|b|, floor)``. The floor is ``NOISE`` times the largest value
+feeding the node (forward) or the largest gradient of the nodes reading it (backward): a value
+that is zero but for rounding (a gradient that cancels, ``d(t / t.sum())/dt`` of one element) is
+float noise on both sides, and noise is not compared with noise.
 
 Putting a value together (``_combine``), one mesh axis at a time, tp first (it splits what is
 local to dp, as ``passes.localize`` does), then dp:
@@ -77,6 +80,10 @@ __all__ = ["verify", "VerifyReport", "Divergence"]
 
 aten = torch.ops.aten
 TINY = 1e-30
+NOISE = 1e-2
+"""the scaled error's floor, as a share of the values around the node (module docstring): a
+rounding error of a few eps times those, over a tolerance of 1e-4, stays below it, and a missing
+reduction (an error the size of the value) stays far above"""
 SPLIT_ORDER = ("dp", "tp")    # tp splits what is local to dp (passes/localize.py AXIS_ORDER)
 
 
@@ -236,6 +243,14 @@ class _Reference:
     grouped: dict = field(default_factory=dict)   # node -> parts of an interleaved tp shard (set later)
     gm: Optional[fx.GraphModule] = None
     random: bool = False                          # draws dropout masks
+
+    @property
+    def nodes(self) -> dict:
+        if self.gm is None:
+            return {}
+        if getattr(self, "_nodes", None) is None:
+            self._nodes = {n.name: n for n in self.gm.graph.nodes}
+        return self._nodes
 
 
 def _reference(model, axes, plan, args, kwargs, target, loss_fn, seed) -> _Reference:
@@ -407,14 +422,23 @@ def _rank_job(model, axes, plan, args, kwargs, target, loss_fn, logical, seed) -
 
 # ---- putting values together --------------------------------------------------------------------------------
 
-def scaled_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / (max|b| + tiny)``; inf when the shapes differ."""
+def scaled_error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|a - b| / max(max|b|, floor)`` over the finite elements of ``b`` (a mask's -inf); inf
+    when the shapes differ or an element is finite in one and not the other, or an infinity
+    of the other sign."""
     if tuple(a.shape) != tuple(b.shape):
         return math.inf
     if not b.numel():
         return 0.0
     a, b = a.double(), b.double()
-    return float((a - b).abs().max() / (b.abs().max() + TINY))
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)) or not torch.equal(a[~finite].nan_to_num(0.0),
+                                                                      b[~finite].nan_to_num(0.0)):
+        return math.inf
+    if not finite.any():
+        return 0.0
+    a, b = a[finite], b[finite]
+    return float((a - b).abs().max() / (max(float(b.abs().max()), floor) + TINY))
 
 
 def _cat(parts: list, dim: int, groups: int) -> torch.Tensor:
@@ -484,15 +508,38 @@ class _Comparison:
         self.rank0 = records[0]
         self.errors: dict = {}
         self.largest = (0.0, "-")
+        self._floors: dict = {}
 
     def _record(self, name: str, phase: str, err: float):
         self.errors.setdefault(name, {})[phase] = err
         if err > self.largest[0] or self.largest[1] == "-":
             self.largest = (err, name if phase == "forward" else f"{name} ({phase})")
 
+    def _floor(self, name: str, phase: str) -> float:
+        """``NOISE`` times the largest value feeding ``name`` (forward) or the largest gradient
+        of the nodes reading it (gradient), in the single-device graph, or theirs if larger:
+        rounding noise is carried along (a gradient that cancels is noise, and so is what a
+        product makes of it)."""
+        memo = self._floors.setdefault(phase, {})
+        if name in memo:
+            return memo[name]
+        order = list(self.ref.nodes.values())
+        for node in (order if phase == "forward" else reversed(order)):    # each after what it reads
+            if phase == "forward":
+                around = [(n.name, self.ref.values.get(n.name)) for n in node.all_input_nodes]
+            else:       # a reader of several outputs (topk) is read through its getitems
+                readers = [r for u in node.users
+                           for r in ((u,) if isinstance(self.ref.values.get(u.name), torch.Tensor) else u.users)]
+                around = [(r.name, self.ref.grads.get(r.name)) for r in readers]
+            memo[node.name] = max((max(NOISE * float(t.detach().abs().max()), memo.get(n, 0.0)) for n, t in around
+                                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()),
+                                  default=0.0)
+        return memo.get(name, 0.0)
+
     def check(self, name: str, phase: str, ref_val: torch.Tensor, c: float = 1.0) -> Optional[Divergence]:
         """Compare one node's value or gradient; a Divergence if it exceeds the tolerance."""
         lg, where = self.ref.logical[name], self.rank0.where.get(name)
+        floor = self._floor(name, phase)
         layout = where.layout if where is not None else None
         tol = self.tol if self.tol is not None else _default_tol(ref_val)
         detail = ""
@@ -500,7 +547,7 @@ class _Comparison:
             got = (self.rank0.full_params if phase == "forward" else self.rank0.full_grads).get(lg.param)
             if got is None:
                 return None
-            err = scaled_error(got * c if phase == "gradient" else got, ref_val)
+            err = scaled_error(got * c if phase == "gradient" else got, ref_val, floor)
         else:
             store = "values" if phase == "forward" else "grads"
             pieces = {tuple(r.coords[a] for a in self.axes): getattr(r, store).get(name) for r in self.records}
@@ -515,7 +562,7 @@ class _Comparison:
             if got is None and not detail:
                 return None
             if got is not None:
-                err = scaled_error(got, ref_val)
+                err = scaled_error(got, ref_val, floor)
                 if math.isinf(err):
                     detail = f"put together it has shape {tuple(got.shape)}, one device {tuple(ref_val.shape)}"
         self._record(name, phase, err)

@@ -18,6 +18,7 @@ from torch import fx
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
 
 from autopar import meta
+from autopar.capture import EXPORT_LOCK
 from autopar.context import CompileContext
 from autopar.placement import Layout, Shard
 from autopar.passes.tensor_parallel import sp_op
@@ -85,7 +86,8 @@ def sequence_parallel(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     ok = regions(gm, by_layer=ctx.plan.recompute != "none")
     ops = [[n.name for n in g] for g in ok]
     metas = [{n.name: dict(n.meta) for n in g} for g in ok]
-    fuse_by_partitions(gm, [dict.fromkeys(g) for g in ok], prefix=PREFIX)
+    with EXPORT_LOCK:     # its proxies read fx's preserved node meta, which an export in another thread sets
+        fuse_by_partitions(gm, [dict.fromkeys(g) for g in ok], prefix=PREFIX)
     for k, names in enumerate(ops):
         node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == f"{PREFIX}{k}")
         sub = gm.get_submodule(node.target)

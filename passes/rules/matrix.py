@@ -4,8 +4,8 @@ From ``"Bmk,kn->Bmn"`` the strategies follow generically, one per letter:
   * a letter of the output (batch ``B``, rows ``m``, columns ``n``): shard it in the output
     and in every operand holding it at full size; operands that lack it (or broadcast it
     from size 1) stay replicated;
-  * a contraction letter (``k``): shard it in both operands; each rank then holds a partial
-    product, so the output is ``P(sum)``;
+  * a contraction letter (``k``): shard it in every operand holding it, the others
+    replicated; each rank then holds a partial product, so the output is ``P(sum)``;
   * a product is linear in each operand: one operand ``P(sum)`` or ``P(avg)``, the others
     replicated, gives the same Partial.
 An additive term (``addmm``'s and ``linear``'s bias, ``None`` in the operand list) is aligned
@@ -38,7 +38,8 @@ def einsum_strategies(info: OpInfo, terms: list, out_letters: str) -> list:
             output = Shard(out_letters.index(c))
         else:                                   # contracted: each rank a partial product
             size = next(x.shape[t.index(c)] for t, x in zip(letters, ins) if c in t)
-            pl = [Shard(t.index(c)) if c in t else Partial() for t in letters]
+            pl = [Shard(t.index(c)) if c in t else Partial() if term is None else R
+                  for t, term in zip(letters, terms)]
             output = Partial()
         if size > 1:
             found.append(Strategy(tuple(pl), output))
@@ -88,6 +89,24 @@ def matmul(info: OpInfo) -> list:
     tb = "k" if b == 1 else batch[len(batch) - (b - 2):] + "kn"
     out = batch + ("m" if a > 1 else "") + ("n" if b > 1 else "")
     return einsum_strategies(info, [ta, tb], out)
+
+
+@register(aten.einsum.default)
+def einsum(info: OpInfo) -> list:
+    """``torch.einsum(equation, operands)`` with one letter per dim (no ``...``), each at most
+    once in an operand: the generic product rule over its letters. Other equations (an
+    ellipsis, a diagonal ``ii``) keep only the replicated strategy."""
+    equation = info.args[0].replace(" ", "")
+    ins = tensor_inputs(info)
+    lhs, arrow, out = equation.partition("->")
+    terms = lhs.split(",")
+    if not arrow:       # implicit output: the letters that occur once, in alphabetical order
+        out = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+    if ("." in equation or len(terms) != len(ins) or any(len(set(t)) != len(t) or len(t) != x.ndim
+                                                          for t, x in zip(terms, ins))
+            or len(set(out)) != len(out)):
+        return [replicated(info)]
+    return einsum_strategies(info, terms, out)
 
 
 @register(aten._cdist_forward.default)

@@ -99,6 +99,10 @@ def default_samples(seed: int = 0) -> list:
         # matrix products
         (aten.mm.default, (t(6, 4), t(4, 8)), {}), (aten.mm.default, (t(3, 5), t(5, 7)), {}),
         (aten.bmm.default, (t(4, 6, 8), t(4, 8, 6)), {}),
+        (aten.einsum.default, ("bsh,ehf->bsef", [t(2, 5, 4), t(3, 4, 6)]), {}),
+        (aten.einsum.default, ("bsef,efh,bse->bsh", [t(2, 3, 4, 6), t(4, 6, 5), t(2, 3, 4)]), {}),
+        (aten.einsum.default, ("ij,jk", [t(6, 4), t(4, 7)]), {}),
+        (aten.einsum.default, ("ii->i", [t(4, 4)]), {}),
         (aten.addmm.default, (t(8), t(6, 4), t(4, 8)), {}),
         (aten.addmm.default, (t(6, 1), t(6, 12), t(12, 3)), {"beta": 0.5, "alpha": 2.0}),
         (aten.baddbmm.default, (t(4, 6, 6), t(4, 6, 8), t(4, 8, 6)), {}),
