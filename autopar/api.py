@@ -3,7 +3,10 @@
 ``compile`` is the driver: capture the model into one graph, then run the plan's list of
 passes (``passes.for_plan``) over it (a pipeline first cuts it into stages and runs the list
 over each stage this rank holds), check that every rank will issue the same collectives,
-and emit this rank's module. Every pass's result is snapshotted for ``dm.dump()``.
+and emit this rank's module. Every pass's result is snapshotted for ``dm.dump()``. Each rank
+captures and runs the passes alone; before the first collective the ranks agree through the
+store (``runtime.flight.agreed``): a rank that failed stops every rank at once, the others
+naming it and its error, instead of leaving them waiting in a collective it never issues.
 ``estimate`` and ``plan`` are thin wrappers over the cost model (``autopar.cost``).
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .cost.profile import copy_captured, is_layer, profile
 from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
-from .runtime import DistributedModule, PipelineModule, emit, slice_batch
+from .runtime import DistributedModule, PipelineModule, emit, flight, slice_batch
 from .runtime.module import cast_input
 from .runtime.comm import CommStats
 from .sizes import batch_split_error
@@ -97,17 +100,18 @@ def _lower(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cl
     """Capture ``source`` on the global batch ``(args, kwargs)`` and run the plan's passes: this
     rank's rewritten graph, with the order of its collectives checked against the other ranks'."""
     plan, mesh = ctx.plan, ctx.mesh
-    gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
-                 exported=exported)               # the logical graph, at global shapes
-    gm = _autocast(gm, ctx)
-    passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
-    # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
-    ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
-    ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
-    ctx.snapshots.append(("capture", graph_text(gm)))
-    ctx.profile_source = _profile(gm, ctx)
-    _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
-    gm = _run_passes(gm, ctx)
+    with flight.agreed(mesh):     # every rank alone until each has its graph: one's failure stops them all
+        gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
+                     exported=exported)               # the logical graph, at global shapes
+        gm = _autocast(gm, ctx)
+        passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
+        # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
+        ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
+        ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
+        ctx.snapshots.append(("capture", graph_text(gm)))
+        ctx.profile_source = _profile(gm, ctx)
+        _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
+        gm = _run_passes(gm, ctx)
     passes.check_collective_order([(gm, ctx)], ctx)   # before any communication: a mismatch is an error, not a hang
     return gm
 
@@ -185,6 +189,32 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
     passes over each stage this rank holds, as a model of its own; the stages' tensors are
     ``model``'s. ``like``: a pipeline compiled at other input shapes, whose program for these
     shapes this is: cut where ``like`` was cut, its stages bound to ``like``'s stages' tensors."""
+    with flight.agreed(ctx.mesh):     # ranks lower different stages alone: one's failure must stop them all
+        schedule, laid = _lower_stages(source, ctx, args, kwargs, cluster, like)
+    passes.check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)   # before any communication
+    stages = {}
+    stats = CommStats() if like is None else like.comm_stats     # the stages share one byte counter
+    for spec, sctx, sgm in laid:
+        if like is None:
+            dm = emit(sgm, model, sctx, stats, sites=ctx.rng_sites)
+        else:
+            dm = bind_stage(sgm, like.stages[str(spec.index)], sctx, ctx.rng_sites)
+        dm.inspector = Inspector()
+        ctx.snapshots += sctx.snapshots + [(f"stage{spec.index}_emit", dm.module.code)]
+        stages[spec.index] = dm            # dm.ctx is the stage's context
+    pm = PipelineModule(stages, ctx, schedule, stats)
+    pm.inspector = Inspector()
+    if like is None:     # another input shape: compiled on first call, on these stages' tensors
+        pm.variants = ShapeVariants(meta_copy(source), lambda src, c, a, k, old: _compile_pipeline(
+            None, src, c, a, k, cluster, like=old))
+    _collect(ctx)
+    return pm
+
+
+def _lower_stages(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cluster,
+                  like: PipelineModule | None) -> tuple[Schedule, list]:
+    """The schedule, and (stage spec, its context, its rewritten graph) per stage this rank
+    holds: what each rank of a pipeline compiles alone (``_compile_pipeline``)."""
     mesh, plan = ctx.mesh, ctx.plan
     if like is not None:
         ctx.stage_starts = tuple(spec.nodes[0] for spec in like.ctx.stages[1:])
@@ -221,56 +251,14 @@ def _compile_pipeline(model: nn.Module, source: nn.Module, ctx: CompileContext, 
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = {name: heads.get(name, ("R", None)) for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1}
     ctx.notes += [note for _, note in shared.values() if note]
-    laid, refused = [], None
-    try:
-        for spec in ctx.stages:
-            if spec.index % p != mesh.coordinate("pp"):
-                continue
-            sgm = top.get_submodule(f"stage_{spec.index}")
-            sctx = _stage_context(ctx, spec, sgm, shared)
-            laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
-    except (ValueError, TypeError, NotImplementedError) as exc:   # said to every rank, then raised
-        refused = exc
-    _agree_stages(refused, mesh)    # ranks compile different stages: one's refusal must stop them all
-    passes.check_collective_order([(sgm, sctx) for _, sctx, sgm in laid], ctx)   # before any communication
-    stages = {}
-    stats = CommStats() if like is None else like.comm_stats     # the stages share one byte counter
-    for spec, sctx, sgm in laid:
-        if like is None:
-            dm = emit(sgm, model, sctx, stats, sites=ctx.rng_sites)
-        else:
-            dm = bind_stage(sgm, like.stages[str(spec.index)], sctx, ctx.rng_sites)
-        dm.inspector = Inspector()
-        ctx.snapshots += sctx.snapshots + [(f"stage{spec.index}_emit", dm.module.code)]
-        stages[spec.index] = dm            # dm.ctx is the stage's context
-    pm = PipelineModule(stages, ctx, schedule, stats)
-    pm.inspector = Inspector()
-    if like is None:     # another input shape: compiled on first call, on these stages' tensors
-        pm.variants = ShapeVariants(meta_copy(source), lambda src, c, a, k, old: _compile_pipeline(
-            None, src, c, a, k, cluster, like=old))
-    del gm, top
-    _collect(ctx)
-    return pm
-
-
-def _agree_stages(refused: Exception | None, mesh: Mesh) -> None:
-    """Every rank learns whether any rank's stages were refused (``refused``: this rank's
-    error, or None), and each raises: its own error, or one naming the rank that was refused
-    and why. Without this the others would go on to wait for that rank until the timeout."""
-    if mesh.virtual or not dist.is_initialized() or dist.get_world_size() == 1:
-        if refused is not None:
-            raise refused
-        return
-    mine = None if refused is None else f"{type(refused).__name__}: {refused}"
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if refused is not None:
-        raise refused
-    failed = [(r, m) for r, m in enumerate(every) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise ValueError(f"the pipeline's stages on rank {rank} could not be compiled, so no stage runs; rank "
-                         f"{rank} says: {message}")
+    laid = []
+    for spec in ctx.stages:
+        if spec.index % p != mesh.coordinate("pp"):
+            continue
+        sgm = top.get_submodule(f"stage_{spec.index}")
+        sctx = _stage_context(ctx, spec, sgm, shared)
+        laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
+    return schedule, laid
 
 
 COLLECT_BYTES = 64 << 20

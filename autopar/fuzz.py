@@ -58,19 +58,26 @@ PLANS = {
 }
 """plan name -> (mesh, plan text): each generated model runs under each"""
 
+DTYPE = torch.float64
+TOL = 1e-9
+"""the models run in float64 and are compared within this scaled error: rounding differences of
+two summation orders are then ~1e-13 (float32's ~1e-4 would blur with a small real error), and a
+value that is wrong is off by far more than either"""
+
 BATCH = 4
 """rows of the global batch: even over dp=2 (an uneven batch is refused, and not what this tests)"""
 
 # Each family's choices, the simplest first (the shrinker moves a choice towards the front).
 FAMILIES = {
     "Attention": dict(fused=[False, "split", "view"], qk_norm=["none", "head", "full"],
-                      rope=["none", "table", "gather"], kernel=["sdpa", "explicit"], causal=[True, False],
+                      qk_kind=["rms", "rms_torch", "layer"],
+                      rope=["none", "table", "gather"], kernel=["sdpa", "explicit", "alibi"], causal=[True, False],
                       window=[0, 3], bias=[False, True], heads=[2, 4, 3], kv=["mha", "gqa", "mqa"],
                       head_dim=[4, 8, 6]),
     "MLP": dict(gated=[False, True], fused=[False, True], act=["relu", "silu", "gelu"],
                 inner_norm=["none", "rms", "layer", "group"], groups=[2, 4, 3], bias=[False, True],
                 ffn=[16, 24, 20, 12]),
-    "SeqMixer": dict(kernel=[2, 3, 4], scan=["cumsum", "cummax", "logcumsumexp"], norm=["none", "rms", "group"],
+    "SeqMixer": dict(kernel=[2, 3, 4], scan=["cumsum", "cummax", "logcumsumexp", "decay"], norm=["none", "rms", "group"],
                      groups=[2, 4], inner=[8, 16, 12, 10]),
     "Writes": dict(mode=["slice_mul", "masked_fill", "first_token", "new_empty", "add_relu", "view_write"],
                    width=[8, 12, 16, 10]),
@@ -80,7 +87,7 @@ FAMILIES = {
 """block family -> its choices; a generated block draws one value of each"""
 
 MODEL_CHOICES = dict(tied=[False, True], positions=[False, True], scale=[1.0, 0.5],
-                     final_norm=["none", "rms", "layer", "rms_torch"])
+                     final_norm=["none", "rms", "layer", "rms_torch"], residual=["pre", "post", "parallel"])
 NORMS = ["none", "rms", "layer", "rms_torch"]
 DIMS = dict(hidden=[16, 24, 12, 20], seq=[8, 6, 7], vocab=[32, 40, 37])
 MAX_BLOCKS = 3
@@ -135,8 +142,9 @@ def _constructor(spec: Spec, index: int) -> tuple[str, dict]:
         heads = c["heads"]
         kv = {"mha": heads, "gqa": heads // 2 if heads % 2 == 0 else 1, "mqa": 1}[c["kv"]]
         return fam, dict(hidden=h, heads=heads, kv_heads=kv, head_dim=c["head_dim"], fused=c["fused"],
-                         qk_norm=c["qk_norm"], rope=c["rope"], kernel=c["kernel"], causal=c["causal"],
-                         window=c["window"] if c["kernel"] == "explicit" else 0, bias=c["bias"], seq=s)
+                         qk_norm=c["qk_norm"], qk_kind=c["qk_kind"], rope=c["rope"], kernel=c["kernel"],
+                         causal=c["causal"], window=c["window"] if c["kernel"] != "sdpa" else 0, bias=c["bias"],
+                         seq=s)
     if fam == "MLP":
         return fam, dict(hidden=h, ffn=c["ffn"], gated=c["gated"], fused=c["fused"] and c["gated"], act=c["act"],
                          inner_norm=c["inner_norm"], groups=_divisor(c["ffn"], c["groups"]), bias=c["bias"])
@@ -156,16 +164,17 @@ def _constructor(spec: Spec, index: int) -> tuple[str, dict]:
 def _model_args(spec: Spec) -> dict:
     m = dict(spec.model)
     return dict(vocab=spec.vocab, hidden=spec.hidden, seq=spec.seq, norms=[b[2] for b in spec.blocks],
-                final_norm=m["final_norm"], tied=m["tied"], positions=m["positions"], scale=m["scale"])
+                final_norm=m["final_norm"], tied=m["tied"], positions=m["positions"], scale=m["scale"],
+                residual=m["residual"])
 
 
 def build(spec: Spec) -> torch.nn.Module:
-    """The model of ``spec``, its weights drawn from ``torch.manual_seed(spec.seed)``."""
+    """The model of ``spec``, its weights drawn from ``torch.manual_seed(spec.seed)``, in ``DTYPE``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         blocks = [getattr(fuzz_models, cls)(**kw) for cls, kw in map(lambda i: _constructor(spec, i),
                                                                       range(len(spec.blocks)))]
-        return fuzz_models.FuzzModel(blocks=blocks, **_model_args(spec))
+        return fuzz_models.FuzzModel(blocks=blocks, **_model_args(spec)).to(DTYPE)
 
 
 def example(spec: Spec) -> torch.Tensor:
@@ -206,13 +215,13 @@ def source(spec: Spec, plan: Optional[str] = None) -> str:
               "def build():",
               f"    torch.manual_seed({spec.seed})",
               f"    blocks = [\n        {blocks},\n    ]",
-              f"    return FuzzModel(blocks=blocks, {args})", "", "",
+              f"    return FuzzModel(blocks=blocks, {args}).to({DTYPE})", "", "",
               "def example():",
               f"    g = torch.Generator().manual_seed({spec.seed})",
               f"    return torch.randint(0, {spec.vocab}, ({BATCH}, {spec.seq}), generator=g)", "", "",
               'if __name__ == "__main__":',
               "    import autopar",
-              f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=(example(),)))", ""]
+              f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=(example(),), tol={TOL:g}))", ""]
     return "\n".join(lines)
 
 
@@ -257,9 +266,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def check(spec: Spec, plan: str, tol: Optional[float] = None, timeout: float = 120.0) -> Verdict:
+def check(spec: Spec, plan: str, tol: float = TOL, timeout: float = 120.0) -> Verdict:
     """Run ``spec``'s model under ``plan`` (a key of ``PLANS``) on threaded ranks against the
-    single-device model; the cell's verdict (module docstring)."""
+    single-device model, within scaled error ``tol``; the cell's verdict (module docstring)."""
     mesh, text = PLANS[plan]
     t0 = time.perf_counter()
     logger = logging.getLogger("autopar")
@@ -366,9 +375,10 @@ class Summary:
         return "\n".join(rows)
 
 
-def run(seeds=None, plans=None, minutes: Optional[float] = None, log=None) -> Summary:
+def run(seeds=None, plans=None, minutes: Optional[float] = None, log=None, stop_at_wrong: bool = False) -> Summary:
     """Check each model of ``seeds`` (an iterable; default 0, 1, 2, ...) under each of ``plans``
-    (default every plan of ``PLANS``), until the seeds run out or ``minutes`` pass."""
+    (default every plan of ``PLANS``), until the seeds run out or ``minutes`` pass (or, with
+    ``stop_at_wrong``, a verdict is wrong)."""
     plans = list(plans or PLANS)
     seeds = iter(seeds) if seeds is not None else iter(range(10 ** 9))
     out = Summary()
@@ -384,5 +394,8 @@ def run(seeds=None, plans=None, minutes: Optional[float] = None, log=None) -> Su
             out.verdicts.append(v)
             if log and v.kind != "correct":
                 log(str(v))
+            if stop_at_wrong and v.kind == "wrong":
+                out.seconds = time.perf_counter() - t0
+                return out
     out.seconds = time.perf_counter() - t0
     return out

@@ -52,12 +52,14 @@ class Attention(nn.Module):
     """Multi-head attention with ``kv_heads`` key/value heads (grouped-query when fewer than
     ``heads``). ``fused``: one projection for q, k and v, parted by ``split`` or by a ``view``
     to heads; ``qk_norm``: ``head`` (over each head's width), ``full`` (over q's and k's whole
-    width, before the heads are parted), or ``none``; ``rope``: rotary embedding from cos/sin
+    width, before the heads are parted), or ``none``, a ``Norm`` of kind ``qk_kind``; ``rope``: rotary embedding from cos/sin
     buffers (``table``) or read from them by position (``gather``); ``kernel``: ``sdpa``
-    (``enable_gqa`` for fewer kv heads) or ``explicit`` (scores, mask, softmax; kv heads
-    repeated); ``window``: a sliding window (0: none)."""
+    (``enable_gqa`` for fewer kv heads), ``explicit`` (scores, mask, softmax; kv heads
+    repeated) or ``alibi`` (explicit, with ALiBi's per-head linear bias added to the scores);
+    ``window``: a sliding window (0: none)."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, fused, qk_norm, rope, kernel, causal, window, bias, seq):
+    def __init__(self, hidden, heads, kv_heads, head_dim, fused, qk_norm, qk_kind, rope, kernel, causal, window,
+                 bias, seq):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.fused, self.qk_norm, self.rope, self.kernel = fused, qk_norm, rope, kernel
@@ -71,16 +73,16 @@ class Attention(nn.Module):
             self.v = nn.Linear(hidden, kv, bias=bias)
         self.o = nn.Linear(q, hidden, bias=bias)
         if qk_norm == "head":
-            self.q_norm, self.k_norm = Norm("rms", head_dim), Norm("rms", head_dim)
+            self.q_norm, self.k_norm = Norm(qk_kind, head_dim), Norm(qk_kind, head_dim)
         elif qk_norm == "full":
-            self.q_norm, self.k_norm = Norm("rms", q), Norm("rms", kv)
+            self.q_norm, self.k_norm = Norm(qk_kind, q), Norm(qk_kind, kv)
         if rope != "none":
             inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
             angles = torch.outer(torch.arange(seq).float(), inv)
             angles = torch.cat((angles, angles), dim=-1)
             self.register_buffer("cos", angles.cos(), persistent=False)
             self.register_buffer("sin", angles.sin(), persistent=False)
-        if kernel == "explicit":
+        if kernel in ("explicit", "alibi"):
             i = torch.arange(seq)
             allowed = torch.ones(seq, seq, dtype=torch.bool)
             if causal:
@@ -88,6 +90,10 @@ class Attention(nn.Module):
             if window:
                 allowed &= i[:, None] - i[None, :] < window
             self.register_buffer("allowed", allowed, persistent=False)
+        if kernel == "alibi":
+            slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+            distance = (i[None, :] - i[:, None]).float()
+            self.register_buffer("alibi", slopes[:, None, None] * distance, persistent=False)
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -123,6 +129,8 @@ class Attention(nn.Module):
             rep = self.heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            if self.kernel == "alibi":
+                scores = scores + self.alibi[:, :s, :s]
             scores = scores.masked_fill(~self.allowed[:s, :s], float("-inf"))
             out = scores.softmax(dim=-1) @ v
         return self.o(out.transpose(1, 2).reshape(b, s, q_w))
@@ -162,8 +170,10 @@ class MLP(nn.Module):
 class SeqMixer(nn.Module):
     """A Mamba-style mixer: a projection to ``inner`` channels and a gate, a depthwise causal
     convolution along the sequence (``kernel`` taps), a scan along the sequence (``scan``:
-    ``cumsum`` of decayed inputs, ``cummax``, ``logcumsumexp``), a gated norm over the inner
-    width (``norm``), and a projection back."""
+    ``cumsum`` of gated inputs, ``cummax``, ``logcumsumexp``, or ``decay``: the linear
+    recurrence ``h_t = a_t h_{t-1} + u_t`` with input-dependent decays ``a_t = exp(-softplus(dt)
+    * exp(A_log))`` as a cumulative sum of logs, as Mamba-2's chunked scan), a gated norm over
+    the inner width (``norm``), and a projection back."""
 
     def __init__(self, hidden, inner, kernel, scan, norm, groups):
         super().__init__()
@@ -171,6 +181,7 @@ class SeqMixer(nn.Module):
         self.in_proj = nn.Linear(hidden, 2 * inner, bias=False)
         self.conv = nn.Conv1d(inner, inner, kernel, groups=inner, padding=kernel - 1)
         self.dt = nn.Linear(inner, inner)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(0.5, 1.0, inner)))
         self.norm = Norm(norm, inner, groups)
         self.out_proj = nn.Linear(inner, hidden, bias=False)
 
@@ -183,8 +194,12 @@ class SeqMixer(nn.Module):
             h = torch.cumsum(u * torch.sigmoid(self.dt(u)), dim=1) / (1 + torch.arange(s, device=x.device))[:, None]
         elif self.scan == "cummax":
             h = torch.cummax(self.dt(u), dim=1).values
-        else:
+        elif self.scan == "logcumsumexp":
             h = torch.logcumsumexp(self.dt(u), dim=1)
+        else:
+            log_a = -F.softplus(self.dt(u)) * torch.exp(self.A_log) * 0.1
+            cum = torch.cumsum(log_a, dim=1)
+            h = torch.exp(cum) * torch.cumsum(u * torch.exp(-cum), dim=1)
         return self.out_proj(self.norm(h * F.silu(z)))
 
 
@@ -282,12 +297,15 @@ class MoE(nn.Module):
 
 
 class FuzzModel(nn.Module):
-    """Token embedding (and learned positions), the blocks each as a pre-norm residual
-    ``x + block(norm(x))``, a final norm and an LM head, tied to the embedding or not; a
-    buffer scales the embedding (``scale``: a non-persistent buffer read in forward)."""
+    """Token embedding (and learned positions), the blocks with their residuals (``residual``:
+    ``pre``-norm ``x + block(norm(x))``, ``post``-norm ``norm(x + block(x))``, or ``parallel``:
+    blocks side by side on one normed input, ``x + sum(block(norm(x)))``), a final norm and an
+    LM head, tied to the embedding or not; a buffer scales the embedding (``scale``: a
+    non-persistent buffer read in forward)."""
 
-    def __init__(self, vocab, hidden, seq, blocks, norms, final_norm, tied, positions, scale):
+    def __init__(self, vocab, hidden, seq, blocks, norms, final_norm, tied, positions, scale, residual="pre"):
         super().__init__()
+        self.residual = residual
         self.embed = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq, hidden) if positions else None
         self.blocks = nn.ModuleList(blocks)
@@ -302,6 +320,12 @@ class FuzzModel(nn.Module):
         x = self.embed(tokens) * self.scale
         if self.pos is not None:
             x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.residual == "parallel":
+            h = self.norms[0](x)
+            x = x + sum(block(h) for block in self.blocks)
         for norm, block in zip(self.norms, self.blocks):
-            x = x + block(norm(x))
+            if self.residual == "pre":
+                x = x + block(norm(x))
+            elif self.residual == "post":
+                x = norm(x + block(x))
         return self.head(self.final(x))

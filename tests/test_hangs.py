@@ -1,6 +1,8 @@
 """Run-time hangs become errors: a rank that dies, stalls, or issues another collective makes
 every other rank raise ``CollectiveError`` within the mesh's timeout, with what each rank was
-last doing (the flight recorder). Fresh processes per test: ranks die."""
+last doing (the flight recorder); a rank that raises, at compile time or in its forward, makes
+the others raise within seconds, naming it and its error. Fresh processes per test where ranks
+die or a collective is left behind; the session's pool where none is."""
 import json
 import os
 import re
@@ -10,10 +12,12 @@ import pytest
 
 import autopar
 from autopar.runtime import flight
-from autopar.testing import run
+from autopar.testing import run, run_threads
 from jobs import hangs
 
 TIMEOUT = 3.0     # the mesh's timeout in these jobs (seconds)
+LONG = 30.0       # a mesh's timeout that a rank raising must not make its peers wait out
+LAG = 3.0         # seconds a rank that raised alike with its peer resumes after it
 
 
 def _dump_of(message: str) -> dict:
@@ -105,6 +109,63 @@ def test_a_pipeline_rank_that_dies_mid_step_makes_its_peer_raise():
     _dump_of(msg)
 
 
+# ---- a rank that raises ---------------------------------------------------------------------------
+
+def _check_refused(per_rank):
+    (t0, m0, s0), (t1, m1, s1) = per_rank
+    assert t1 == "CaptureError" and "could not capture TinyMLP" in m1
+    assert t0 == "PeerError" and m0.startswith("rank 1 could not compile its part of the program") and \
+        m0.endswith(f"CaptureError: {m1}")
+    assert max(s0, s1) < 10, (s0, s1)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_to_compile_stops_every_rank_at_once(ranks):
+    """Rank 1's capture refuses its example inputs (one feature short): both ranks raise within
+    seconds instead of rank 0 waiting out the 30 s timeout, rank 0 naming rank 1 and its error."""
+    _check_refused(ranks(hangs.refused_on_one_rank, 2, LONG, timeout=60))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_to_compile_stops_every_rank_at_once_as_threads():
+    """The same with the ranks as threads of one process, sharing one store."""
+    _check_refused(run_threads(hangs.refused_on_one_rank, 2, LONG, timeout=60))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_in_forward_and_lives_on_makes_its_peer_raise_within_seconds():
+    """Rank 1's forward raises and its process carries on (its caller caught the error): rank 0,
+    waiting in the backward's gradient all-reduce for it, gives up within seconds of the 30 s
+    timeout, naming rank 1 and its error. Before that, both ranks raised alike and rank 1
+    resumed ``LAG`` seconds late: rank 0 waited for it (its peer's error stood, but rank 0 had
+    raised at the same point)."""
+    r0, r1 = run(hangs.raised_in_forward, 2, LONG, LAG, timeout=60)
+    assert r1 == {"error": "injected into rank 1's forward"}
+    assert r0["waited"] > LAG - 0.5, r0["waited"]
+    lines = r0["message"].splitlines()
+    m = re.match(r"rank 0: all_reduce #(\d+) on dp:grads \(ranks \[0, 1\]\) '[^']*' \([\d.]+ KiB\) failed [\d.]+ s "
+                 r"after it was issued: given up: rank 1 raised in its forward before issuing it$", lines[0])
+    assert m, r0["message"]
+    assert re.match(r"rank 1 raised in its forward, \d+\.\d s before: RuntimeError: injected into rank 1's forward$",
+                    lines[1]), r0["message"]
+    assert f"did not issue all_reduce #{m.group(1)} on dp:grads" in r0["message"]
+    assert r0["after"] < 10, r0["after"]
+    _dump_of(r0["message"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_pipeline_rank_that_raises_is_named_when_its_peer_times_out():
+    """A transfer cannot wait in slices on gloo: rank 0, waiting for the gradient rank 1 raised
+    before sending, times out, and its error names rank 1's."""
+    r0, r1 = run(hangs.pipeline_raised, 2, TIMEOUT, timeout=60)
+    assert r1 == {"error": "injected into rank 1's stage"}
+    assert re.match(r"rank 0: recv #\d+ from rank 1 on pp:down .* \(timed out\)", r0["message"]), r0["message"]
+    assert re.search(r"^rank 1 raised in its train_step, \d+\.\d s before: RuntimeError: injected into rank 1's "
+                     r"stage$", r0["message"], re.M), r0["message"]
+    _dump_of(r0["message"])
+
+
 # ---- without processes ---------------------------------------------------------------------------
 
 def test_mesh_timeout():
@@ -149,3 +210,7 @@ def test_message_says_how_each_rank_stands():
     assert "rank 1 (last heard 1.0 s ago): issued recv #4 from rank 0 too, not complete" in msg
     assert "rank 2 (last heard 1.0 s ago)\n" in msg
     assert "reports could not be read from the store (DistNetworkError: Connection refused)" in msg
+    # a rank whose error stands is named under the first line
+    raised = {2: {"error": "ValueError: bad input", "in": "forward", "time": 103.0, "positions": {}}}
+    msg = flight.message(0, failed, RuntimeError("x"), {}, None, None, raised=raised)
+    assert msg.splitlines()[1] == "rank 2 raised in its forward, 2.0 s before: ValueError: bad input"

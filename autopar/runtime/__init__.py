@@ -6,7 +6,8 @@
     tpcomm            the tp axis: Megatron's f/g, gathers, reduce-scatters, vocabulary parallelism
     collmatmul        all-gather + matmul and matmul + reduce-scatter as ring steps
     flight            the flight recorder: every collective noted; one that fails (timeout, dead
-                      peer, mismatch) raises CollectiveError with what every rank was last doing
+                      peer, mismatch, a peer that raised) raises CollectiveError with what every
+                      rank was last doing; compile's agreement through the store (PeerError)
     wgrad             the zero-bubble weight-gradient stash
     recompute         regions of the forward graph recomputed in backward (activation recomputation)
     rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)

@@ -94,19 +94,24 @@ class AxisComm(nn.Module):
 
     def _run(self, kind: str, label: str, nbytes: int, launch, async_op: bool):
         """Issue a collective of ``nbytes`` (noted by the flight recorder, whose handle raises
-        ``CollectiveError`` if it fails); under tracing, time it (and wrap an asynchronous handle)."""
+        ``CollectiveError`` if it fails); under tracing, time it (and wrap an asynchronous handle).
+        A synchronous call is issued asynchronously and waited for at once: the wait is the
+        recorder's, which on gloo gives up within seconds when a peer raised instead of issuing
+        it (``flight.Watched``)."""
         trace = self.stats.trace
-        if trace is None:
-            return flight.launch(self.group, kind, label, nbytes, launch, async_op)
-        name = f"{kind}[{self.axis}] {label}".strip()
-        t0 = time.perf_counter()
-        work = flight.launch(self.group, kind, label, nbytes, launch, async_op)
+        t0 = time.perf_counter() if trace is not None else 0.0
+        work = flight.launch(self.group, kind, label, nbytes, launch, True)
         if not async_op:
-            t1 = time.perf_counter()
-            trace.append(("comm", name, t0, t1))
-            trace.append(("wait", name, t0, t1))
+            if work is not None:
+                work.wait()
+            if trace is not None:
+                name, t1 = f"{kind}[{self.axis}] {label}".strip(), time.perf_counter()
+                trace.append(("comm", name, t0, t1))
+                trace.append(("wait", name, t0, t1))
+            return None
+        if trace is None:
             return work
-        return TracedWork(work, name, t0, trace)
+        return TracedWork(work, f"{kind}[{self.axis}] {label}".strip(), t0, trace)
 
     def _in_place(self) -> bool:
         """Whether this axis's backend stages a copy of a flat all-gather's output or a

@@ -18,12 +18,35 @@ stalled is still heard from, one that died or froze falls silent ("last heard 12
 heartbeat since: dead or frozen"). The failing rank's whole ring, with the reports it read,
 is dumped as JSON to a file the message names.
 
+A rank that raises in the runtime (``published``: the compiled module's forward, a pipeline's
+step, the optimizer step), with an error other than a ``CollectiveError``, posts it to the
+store before it propagates (key ``autopar/failed/<rank>``: the error and how many collectives
+it had issued on each group), and withdraws it when it next runs or communicates. A failure
+message names the ranks whose error stands ("rank 1 raised ValueError: ..."). When the
+failing rank's process stays alive (a caller caught the error), its peers would wait in a
+collective for the mesh's timeout: gloo can neither abort nor interrupt a collective in flight
+(``ProcessGroupGloo.abort`` leaves it waiting), so on gloo an asynchronous collective's
+``wait`` waits in slices of ``WAIT_SLICE`` seconds; past the first the publisher thread reads
+the peers' errors from the store once every ``PUBLISH_EVERY`` seconds, and a wait for a peer
+that raised before issuing this collective, where this rank did not raise alike, fails (in
+about two seconds). What cannot wait in slices waits for the timeout: a collective issued
+synchronously, and a transfer (gloo's receive takes a wait's timeout as its own and fails).
+
+Compile communicates only after every rank compiled its part: ``agreed`` has each rank post
+"ok" or its error to the store and wait (bounded by the mesh's timeout) until every rank has,
+and a rank whose peer failed raises ``PeerError`` naming that rank and its error. Its keys are
+numbered by a per-rank count of agreements (``store.add``), the same on every rank that runs
+the same program, whether the ranks are processes or threads of one.
+
 There is one recorder per process, as torch's flight recorder for NCCL has: a hang involves
 whatever the process was doing, across every module and mesh it runs.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
+import functools
 import json
 import os
 import tempfile
@@ -34,7 +57,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "Recorder", "RECORDER", "Watched", "launch", "isend", "irecv"]
+__all__ = ["CollectiveError", "PeerError", "Recorder", "RECORDER", "Watched", "launch", "isend", "irecv",
+           "published", "agreed"]
 
 RING = 32            # entries kept per process (all of them go to the dump file)
 PUBLISHED = 16       # newest entries a rank publishes to the store
@@ -43,8 +67,12 @@ PUBLISH_EVERY = 1.0  # seconds between two publications of a ring that changed
 HEARTBEAT_EVERY = 2.0  # seconds between two heartbeats of a rank whose ring did not change
 READ_ALL_UP_TO = 64  # a failure reads every rank's report up to this world size, else its group's
 READ_WITHIN = 10.0   # seconds a failure waits for the store to answer
+WAIT_SLICE = datetime.timedelta(seconds=0.5)   # gloo: a handle's wait checks for a peer that raised this often
 KEY = "autopar/flight/{}"
 ALIVE = "autopar/flight/{}/alive"
+FAILED = "autopar/failed/{}"       # a rank's standing error (JSON), "" once withdrawn
+FAILED_CHANGES = "autopar/failed"  # counts posts and withdrawals: the watcher reads the errors when it moves
+AGREE = "autopar/agree/{}"
 
 
 class CollectiveError(RuntimeError):
@@ -57,11 +85,28 @@ class CollectiveError(RuntimeError):
         self.path = path
 
 
-class _Group:
-    __slots__ = ("name", "ranks", "seq")
+class PeerError(RuntimeError):
+    """Another rank failed where every rank goes on together (compile): ``rank`` is the first
+    that did, ``error`` its error as "Type: message"."""
 
-    def __init__(self, name: str, ranks: list[int]):
-        self.name, self.ranks, self.seq = name, ranks, {}
+    def __init__(self, message: str, rank: int, error: str):
+        super().__init__(message)
+        self.rank, self.error = rank, error
+
+
+class _PeerRaised(RuntimeError):
+    """The cause of a collective abandoned because a peer raised before issuing it."""
+
+
+class _Group:
+    __slots__ = ("name", "ranks", "seq", "sliced")
+
+    def __init__(self, name: str, ranks: list[int], sliced: bool):
+        self.name, self.ranks, self.seq, self.sliced = name, ranks, {}, sliced
+
+    def position(self, kind: str | None = None, peer: int | None = None) -> str:
+        """The key of a sequence on this group in ``Recorder.positions``."""
+        return f"{self.name} {self.ranks}" + ("" if peer is None else f" {kind} {peer}")
 
 
 class Entry:
@@ -83,14 +128,22 @@ class Recorder:
         self._groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._publisher: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.waiting: Entry | None = None    # gloo: the entry a wait is past its first slice on
+        self._peers: tuple = (None, {})      # (that entry, rank -> its standing error): the watcher's read
+        self._watched = None                 # (FAILED_CHANGES, entry) the watcher last read at
+        self._raised: dict[int, dict] = {}   # rank of this process -> positions at its last error
+        self._standing: set[int] = set()     # ranks of this process whose posted error stands
 
     # ---- the collective path: no communication -----------------------------------------------
     def issue(self, group, kind: str, label: str, nbytes: int, peer: int | None = None) -> Entry:
+        if self._standing:
+            self.resume()
         if group is None:
             group = dist.distributed_c10d._get_default_group()
         g = self._groups.get(group)
         if g is None:
-            g = self._groups[group] = _Group(group.group_desc, dist.get_process_group_ranks(group))
+            g = self._groups[group] = _Group(group.group_desc, dist.get_process_group_ranks(group),
+                                             dist.get_backend(group) == "gloo")
         key = None if peer is None else (kind, peer)
         e = Entry()
         e.group, e.seq = g, g.seq.get(key, 0) + 1
@@ -108,6 +161,77 @@ class Recorder:
             e.state, e.ended = "completed", time.time()
             self.changes += 1
 
+    def positions(self) -> dict[str, int]:
+        """How many collectives this process issued on each group (and transfers, per kind and
+        peer), keyed by ``_Group.position``: the same key names the same sequence on every rank."""
+        return {g.position(*(key or (None, None))): seq for g in list(self._groups.values())
+                for key, seq in list(g.seq.items())}
+
+    # ---- a rank that raised --------------------------------------------------------------------
+    def raised(self, exc: BaseException, where: str) -> None:
+        """Post this rank's error ``exc``, raised in its ``where``, to the store for its peers
+        (once: the calls around the one that raised see it again)."""
+        if getattr(exc, "_autopar_posted", False) or not _store_shared():
+            return
+        with contextlib.suppress(AttributeError):
+            exc._autopar_posted = True
+        rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+        info = {"error": f"{type(exc).__name__}: {_first_line(exc)}", "in": where, "time": time.time(),
+                "positions": self.positions()}
+        self._raised[rank] = info["positions"]
+        self._standing.add(rank)
+        ring = json.dumps(self.report())       # the ring as it stands, for the peers' messages
+        _bounded(lambda: (store.set(FAILED.format(rank), json.dumps(info)), store.add(FAILED_CHANGES, 1),
+                          store.set(KEY.format(rank), ring)))
+
+    def resume(self) -> None:
+        """This rank runs again: withdraw its standing error."""
+        rank = dist.get_rank() if dist.is_initialized() else None
+        if rank in self._standing:
+            self._standing.discard(rank)
+            store = dist.distributed_c10d._get_default_store()
+            _bounded(lambda: (store.set(FAILED.format(rank), ""), store.add(FAILED_CHANGES, 1)))
+
+    def _watch(self, store) -> None:
+        """While a wait is past its first slice: the peers' standing errors, read again when one
+        was posted or withdrawn, or the wait is another's."""
+        e = self.waiting
+        if e is None:
+            return
+        at = (int(store.add(FAILED_CHANGES, 0)), e)
+        if at == self._watched:
+            return
+        peers = {}
+        if at[0]:        # some rank has posted an error since the store began
+            world, me = dist.get_world_size(), dist.get_rank()
+            for r in (range(world) if world <= READ_ALL_UP_TO else e.group.ranks):
+                raw = store.get(FAILED.format(r)) if r != me and store.check([FAILED.format(r)]) else b""
+                if raw:
+                    peers[r] = json.loads(raw)
+        self._watched, self._peers = at, (e, peers)
+
+    def blame(self, e: Entry) -> tuple[int, dict] | None:
+        """A peer whose standing error was raised before it issued ``e`` (so it will not), where
+        this rank did not raise at the same point (then both are on their way back): (its rank,
+        its error); None if none is known."""
+        seen, peers = self._peers
+        if seen is not e:
+            return None
+        me = dist.get_rank()
+        for r, info in sorted(peers.items()):
+            if e.peer is None and r in e.group.ranks:
+                theirs = mine = e.group.position()
+            elif e.peer == r:       # a transfer: its counterpart on the peer
+                theirs = e.group.position("recv" if e.kind == "send" else "send", me)
+                mine = e.group.position(e.kind, r)
+            else:
+                continue
+            issued = info["positions"].get(theirs, 0)
+            alike = me in self._raised and self._raised[me].get(mine, 0) == issued
+            if issued < e.seq and not alike:
+                return r, info
+        return None
+
     # ---- publishing ------------------------------------------------------------------------------
     def report(self, n: int = PUBLISHED) -> dict:
         return {"rank": dist.get_rank(), "pid": os.getpid(), "time": time.time(),
@@ -123,9 +247,10 @@ class Recorder:
                 self._publisher.start()
 
     def _publish_loop(self) -> None:
-        """Publish the ring when it changed, else a heartbeat (the time) now and then; end when
-        the default process group is gone (the next collective, under a new one, starts
-        another thread). A store that refuses (gone, or a fake one) is not tried again."""
+        """Publish the ring when it changed, else a heartbeat (the time) now and then, and
+        while a wait is past its first slice read the peers' errors (``_watch``); end when the
+        default process group is gone (the next collective, under a new one, starts another
+        thread). A store that refuses (gone, or a fake one) is not tried again."""
         published, beat, refused = -1, 0.0, None
         while True:
             time.sleep(PUBLISH_EVERY)
@@ -135,14 +260,17 @@ class Recorder:
             store = None
             try:
                 store = dist.distributed_c10d._get_default_store()
-                changes, now = self.changes, time.time()
-                if store is refused or (changes == published and now - beat < HEARTBEAT_EVERY):
+                if store is refused:
                     continue
+                changes, now = self.changes, time.time()
                 if changes != published:
                     self.publish(store)
-                else:
+                    published, beat = changes, now
+                elif now - beat >= HEARTBEAT_EVERY:
                     store.set(ALIVE.format(dist.get_rank()), repr(now))
-                published, beat = changes, now
+                    beat = now
+                if self.waiting is not None:
+                    self._watch(store)
             except Exception:
                 refused = store
 
@@ -156,17 +284,19 @@ class Recorder:
         if dist.get_backend() == "fake":
             return None
         rank = dist.get_rank()
-        reports, unreachable = self._read_reports(e)
+        reports, raised, unreachable = self._read_reports(e)
         reports[rank] = self.report()
         path = os.path.join(tempfile.gettempdir(), f"autopar_flight_rank{rank}_pid{os.getpid()}.json")
         try:
             with open(path, "w") as f:
                 json.dump({"rank": rank, "error": str(exc), "failed": e.as_dict(),
                            "entries": [x.as_dict() for x in self.ring],
-                           "reports": {str(r): rep for r, rep in sorted(reports.items())}}, f, indent=1)
+                           "reports": {str(r): rep for r, rep in sorted(reports.items())},
+                           "raised": {str(r): x for r, x in sorted(raised.items())}}, f, indent=1)
         except OSError:
             path = None
-        return CollectiveError(message(rank, e.as_dict(), exc, reports, unreachable, path, self._timeout(e)), path)
+        return CollectiveError(message(rank, e.as_dict(), exc, reports, unreachable, path, self._timeout(e), raised),
+                               path)
 
     def _timeout(self, e: Entry) -> float | None:
         """The failed collective's group timeout in seconds, where the backend tells it."""
@@ -178,21 +308,22 @@ class Recorder:
                     return None
         return None
 
-    def _read_reports(self, e: Entry) -> tuple[dict, str | None]:
-        """The other ranks' last reports (None: never published), and why some could not be
-        read: the store lives in one rank's process, which may be gone or unreachable (a store
-        operation then waits for the store's own timeout, so the reads run on a thread that
-        this one leaves behind after ``READ_WITHIN`` seconds)."""
+    def _read_reports(self, e: Entry) -> tuple[dict, dict, str | None]:
+        """The other ranks' last reports (None: never published), their standing errors, and
+        why some could not be read: the store lives in one rank's process, which may be gone or
+        unreachable (a store operation then waits for the store's own timeout, so the reads run
+        on a thread that this one leaves behind after ``READ_WITHIN`` seconds)."""
         out: dict = {}
+        raised: dict = {}
         why: list = []
-        reader = threading.Thread(target=self._read_into, args=(e, out, why), daemon=True)
+        reader = threading.Thread(target=self._read_into, args=(e, out, raised, why), daemon=True)
         reader.start()
         reader.join(READ_WITHIN)
         if reader.is_alive():
-            return dict(out), f"no answer from the store within {READ_WITHIN:g} s"
-        return out, why[0] if why else None
+            return dict(out), dict(raised), f"no answer from the store within {READ_WITHIN:g} s"
+        return out, raised, why[0] if why else None
 
-    def _read_into(self, e: Entry, out: dict, why: list) -> None:
+    def _read_into(self, e: Entry, out: dict, raised: dict, why: list) -> None:
         try:
             store = dist.distributed_c10d._get_default_store()
             self.publish(store)                # the final word of this rank
@@ -200,11 +331,14 @@ class Recorder:
             ranks = range(world) if world <= READ_ALL_UP_TO else e.group.ranks
             for r in ranks:
                 if r != me:
-                    key, alive = KEY.format(r), ALIVE.format(r)
+                    key, alive, failed = KEY.format(r), ALIVE.format(r), FAILED.format(r)
                     rep = json.loads(store.get(key)) if store.check([key]) else None
                     if rep is not None and store.check([alive]):
                         rep["time"] = max(rep["time"], float(store.get(alive)))
                     out[r] = rep
+                    error = store.get(failed) if store.check([failed]) else b""
+                    if error:
+                        raised[r] = json.loads(error)
         except Exception as err:
             why.append(f"{type(err).__name__}: {_first_line(err)}")
 
@@ -222,7 +356,8 @@ class Watched:
 
     def wait(self, *args) -> bool:
         try:
-            ok = self._work.wait(*args)
+            sliced = self._entry.group.sliced and self._entry.peer is None and not args
+            ok = self._wait_in_slices() if sliced else self._work.wait(*args)
         except RuntimeError as exc:
             err = RECORDER.failure(self._entry, exc)
             if err is None:
@@ -230,6 +365,27 @@ class Watched:
             raise err from exc
         RECORDER.complete(self._entry)
         return ok
+
+    def _wait_in_slices(self) -> bool:
+        """Wait ``WAIT_SLICE`` at a time; between slices, give up if a peer raised before issuing
+        this collective (``Recorder.blame``, from what the publisher thread reads meanwhile)."""
+        e = self._entry
+        try:
+            while True:
+                try:
+                    if self._work.wait(WAIT_SLICE):
+                        return True
+                except RuntimeError:
+                    if self._work.is_completed():      # it failed: not a slice that ran out
+                        raise
+                RECORDER.waiting = e
+                blamed = RECORDER.blame(e)
+                if blamed is not None:
+                    rank, info = blamed
+                    raise _PeerRaised(f"given up: rank {rank} raised in its {info['in']} before issuing it")
+        finally:
+            if RECORDER.waiting is e:
+                RECORDER.waiting = None
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -271,19 +427,124 @@ def irecv(tensor, peer: int, group, label: str, tag: int = 0) -> Watched:
                   group, tag, peer=peer)
 
 
+# ---- failing together -------------------------------------------------------------------------
+
+def published(where: str):
+    """Decorate a runtime entry point (``where``: "forward", "train_step", ...): an error it
+    raises, other than a ``CollectiveError``, is posted for the peers before it propagates
+    (``Recorder.raised``); entering it again withdraws this rank's standing error. A method of a
+    module on a virtual mesh posts nothing."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            if RECORDER._standing:
+                RECORDER.resume()
+            try:
+                return fn(self, *args, **kwargs)
+            except CollectiveError:
+                raise
+            except Exception as exc:
+                if not getattr(getattr(self, "mesh", None), "virtual", False):
+                    RECORDER.raised(exc, where)
+                raise
+        return call
+    return wrap
+
+
+@contextlib.contextmanager
+def agreed(mesh):
+    """Around the part of compile each rank does alone (capture and passes, before anything is
+    communicated): on leaving it, every rank of ``mesh`` posts its outcome and waits for every
+    other's (``agree``); this rank's own error propagates as it is, and a rank whose own part
+    went well raises ``PeerError`` if another's failed."""
+    try:
+        yield
+    except Exception as exc:
+        with contextlib.suppress(Exception):     # this rank's own error is the one to raise
+            agree(mesh, exc)
+        raise
+    agree(mesh)
+
+
+def agree(mesh, error: BaseException | None = None) -> None:
+    """Post this rank's outcome (``error``, None for "ok") under the next agreement's keys and
+    wait, for at most the mesh's timeout, until every rank has; then, if some rank failed, the
+    ranks that did not raise ``PeerError`` naming the first to fail (the ranks wait for each
+    other once more, so that the store's host outlives the others' reads). Nothing to do on
+    a virtual mesh, a world of one, or the fake process group."""
+    if mesh.virtual or not _store_shared():
+        return
+    store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    base = AGREE.format(store.add(AGREE.format(f"count/{rank}"), 1))   # the same on every rank
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    if text is not None and store.add(f"{base}/failed", 1) == 1:
+        store.set(f"{base}/first", f"{rank}\n{text}")
+    store.set(f"{base}/{rank}", text or "")
+    if not _all_arrive(store, f"{base}/posted", world, mesh.timeout):
+        if text is None:
+            missing = [r for r in range(world) if not store.check([f"{base}/{r}"])]
+            raise TimeoutError(f"ranks {missing} did not finish compiling within the mesh's timeout "
+                               f"({mesh.timeout.total_seconds():g} s): they died, stalled, or are not compiling "
+                               "this program; this rank compiled")
+        return
+    failed = int(store.add(f"{base}/failed", 0))
+    if not failed:
+        return
+    first, first_error = store.get(f"{base}/first").decode().split("\n", 1)
+    _all_arrive(store, f"{base}/read", world, datetime.timedelta(seconds=READ_WITHIN))
+    if text is None:
+        more = f" ({failed - 1} more failed too)" if failed > 1 else ""
+        raise PeerError(f"rank {first} could not compile its part of the program, so no rank can run it{more}: "
+                        f"{first_error}", int(first), first_error)
+
+
+def _all_arrive(store, key: str, world: int, timeout: datetime.timedelta) -> bool:
+    """A barrier through the store: whether every rank arrived at ``key`` within ``timeout``."""
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "")
+    try:
+        store.wait([f"{key}/all"], timeout)
+        return True
+    except dist.DistStoreError:
+        return False
+
+
+def _store_shared() -> bool:
+    """Whether this rank has peers that share the default store (not the fake group's)."""
+    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+
+
+def _bounded(fn) -> None:
+    """``fn()`` (store operations) on a thread this one waits for at most ``READ_WITHIN``
+    seconds: a store whose host is gone may not answer before its own timeout. Its errors are
+    dropped: posting is a courtesy to the peers, never a reason to fail."""
+    def run():
+        with contextlib.suppress(Exception):
+            fn()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(READ_WITHIN)
+
+
 # ---- the message ------------------------------------------------------------------------------
 
 def message(rank: int, failed: dict, exc: BaseException, reports: dict, unreachable: str | None,
-            path: str | None, timeout: float | None = None) -> str:
-    """The text of a ``CollectiveError``: the failed collective, then what each rank was last
-    doing, oldest entry first, with how the rank stands against the failed collective."""
+            path: str | None, timeout: float | None = None, raised: dict | None = None) -> str:
+    """The text of a ``CollectiveError``: the failed collective, the ranks whose error stands
+    (``raised``: rank -> what ``Recorder.raised`` posted), then what each rank was last doing,
+    oldest entry first, with how the rank stands against the failed collective."""
     now = failed["ended"]
     text = _first_line(exc)
-    cause = (" (timed out)" if "timed out" in text.lower() else
-             " (a peer closed its connection)" if "closed by peer" in text or "reset by peer" in text else "")
-    lines = [f"rank {rank}: {_name(failed)} failed {now - failed['issued']:.1f} s after it was issued{cause}: "
-             f"{type(exc).__name__}: {text}",
-             "What each rank was last doing (flight recorder, oldest first):"]
+    if isinstance(exc, _PeerRaised):      # its text says it all
+        cause, what = "", text
+    else:
+        cause = (" (timed out)" if "timed out" in text.lower() else
+                 " (a peer closed its connection)" if "closed by peer" in text or "reset by peer" in text else "")
+        what = f"{type(exc).__name__}: {text}"
+    lines = [f"rank {rank}: {_name(failed)} failed {now - failed['issued']:.1f} s after it was issued{cause}: {what}"]
+    lines += [f"rank {r} raised in its {x['in']}, {max(now - x['time'], 0.0):.1f} s before: {x['error']}"
+              for r, x in sorted((raised or {}).items())]
+    lines.append("What each rank was last doing (flight recorder, oldest first):")
     for r in sorted(reports):
         rep = reports[r]
         if rep is None:

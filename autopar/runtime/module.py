@@ -34,7 +34,7 @@ from .timeline import record
 from .tpcomm import _pad_rows, gather_tp_param
 
 __all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
-           "cast_inputs", "refuse_per_tensor_offload"]
+           "cast_inputs", "refuse_per_tensor_offload", "post_step_errors"]
 
 
 def cast_input(x, dtype):
@@ -94,6 +94,7 @@ class DistributedModule(nn.Module):
         self._programs: dict[tuple, fx.GraphModule] = {}   # local input shapes -> program (not the compiled one)
 
     # ---- running -----------------------------------------------------------------------
+    @flight.published("forward")
     def forward(self, *args, **kwargs):
         args, kwargs = cast_inputs((args, kwargs), self.plan.param_dtype)
         module = self._program_for(args, kwargs)
@@ -206,6 +207,7 @@ class DistributedModule(nn.Module):
             opt.register_step_post_hook(lambda *_: self._sync.gather_replicas())
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
+        post_step_errors(opt)
         self._optimizer = weakref.ref(opt)   # explain() reports its state
         return opt
 
@@ -495,6 +497,31 @@ class DistributedModule(nn.Module):
         timeline.json: the measured step of every rank beside the predicted one (``cluster``:
         default the calibrated local preset, if on disk)."""
         return self._inspect("dump").dump(self, path, cluster)
+
+
+@flight.published("optimizer step")
+def _step(opt: torch.optim.Optimizer, *args, **kwargs):
+    return type(opt).step(opt, *args, **kwargs)
+
+
+class _PostedStep:
+    """``opt.step`` of an optimizer ``post_step_errors`` was given: its class's step (with its
+    hooks), run by ``_step``. It holds the optimizer weakly (a bound method would make a cycle
+    that keeps the optimizer and its state alive until a garbage collection); ``__func__`` is
+    what an LR scheduler's wrapper of ``opt.step`` binds to the optimizer."""
+    __slots__ = ("_opt", "__func__")
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self._opt, self.__func__ = weakref.ref(opt), _step
+
+    def __call__(self, *args, **kwargs):
+        return _step(self._opt(), *args, **kwargs)
+
+
+def post_step_errors(opt: torch.optim.Optimizer) -> None:
+    """``opt.step`` posts an error it raises for the peers (``flight.published``), set as an
+    instance attribute, as an LR scheduler's wrapper is."""
+    opt.step = _PostedStep(opt)
 
 
 def refuse_per_tensor_offload(plan) -> str:

@@ -31,7 +31,7 @@ from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
 from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, has_loss, model_loss,
-                     refuse_per_tensor_offload, slice_batch)
+                     post_step_errors, refuse_per_tensor_offload, slice_batch)
 from .optim import check_optimizer
 from .rng import draw_masks
 
@@ -125,6 +125,7 @@ class PipelineModule(DistributedModule):
                           for x in leaves])
         return parts, spec
 
+    @flight.published("train_step")
     def train_step(self, inputs=(), targets=None, loss_fn=None, *, kwargs=None):
         """One step over this rank's data-parallel slice: forward and backward of every
         micro-batch by the schedule; gradients reduced over dp and summed over tied copies.
@@ -203,6 +204,7 @@ class PipelineModule(DistributedModule):
         finally:
             self._no_sync = prev
 
+    @flight.published("eval_step")
     def eval_step(self, inputs=(), targets=None, loss_fn=None, *, kwargs=None):
         """Forward only, without autograd (``torch.no_grad``), over this rank's data-parallel
         slice in micro-batches through the stages (point-to-point, as GPipe's forward). Returns
@@ -503,6 +505,7 @@ class PipelineModule(DistributedModule):
             opt.register_step_post_hook(lambda *_: self.gather_params())
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
+        post_step_errors(opt)
         self._optimizer = weakref.ref(opt)
         return opt
 

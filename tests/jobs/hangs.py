@@ -121,3 +121,96 @@ def pipeline_killed_rank(timeout: float):
             stage.register_forward_pre_hook(die)
     dm.train_step((x,), y, mse)      # rank 0 raises here
     return "finished"
+
+
+# ---- a rank that raises: its peers fail fast, naming it --------------------------------------------
+
+def refused_on_one_rank(timeout: float):
+    """Rank 1's example inputs are one feature short, which its capture refuses; rank 0's are
+    right. (error type, message, seconds in compile) on every rank."""
+    x, _ = mlp_batch()
+    if dist.get_rank() == 1:
+        x = x[:, :-1]
+    start = time.monotonic()
+    try:
+        autopar.compile(TinyMLP(), autopar.Mesh(dp=2, timeout=timeout), example_inputs=(x,),
+                        plan=autopar.Plan(dp="ddp"))
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def raised_in_forward(timeout: float, lag: float):
+    """First both ranks' forwards raise alike (a wrong dtype) and both go on, rank 1 ``lag``
+    seconds later, which rank 0 waits out in the gradient all-reduce: its peer's error stood,
+    but it had raised alike. Then rank 1's forward alone raises (a hook on its graph) and rank
+    1 carries on, its process alive; rank 0 goes on to the backward's gradient all-reduce,
+    which rank 1 never issues. Rank 1 stays up until rank 0 has its error, and rank 0 (whose
+    process hosts the store) until rank 1 has seen that."""
+    dm, opt, x, y = _ddp(timeout)
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        dm(*dm.shard_batch((x.double(),)))
+    except ValueError:
+        pass
+    if dist.get_rank() == 1:
+        time.sleep(lag)
+    start = time.monotonic()
+    opt.zero_grad()
+    step(dm, opt, (x,), y, mse)
+    waited = time.monotonic() - start
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        def broken(module, args):
+            raise RuntimeError("injected into rank 1's forward")
+        dm.module.register_forward_pre_hook(broken)
+        try:
+            dm(*dm.shard_batch((x,)))
+        except RuntimeError as exc:
+            out = {"error": str(exc)}
+        store.wait(["hangs/raised/made"], datetime.timedelta(seconds=30))
+        store.set("hangs/raised/seen", "1")
+        return out
+    try:
+        opt.zero_grad()
+        step(dm, opt, (x,), y, mse)
+        out = None
+    except CollectiveError as exc:
+        out = dict(_failed(exc, start), waited=waited)
+    store.set("hangs/raised/made", "1")
+    store.wait(["hangs/raised/seen"], datetime.timedelta(seconds=30))
+    return out
+
+
+def pipeline_raised(timeout: float):
+    """1F1B over two stages: rank 1 (the last stage) raises in its first forward of the second
+    step and carries on; rank 0 waits for a gradient it will not send."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x, y = mlp_batch()
+    dm = autopar.compile(WideMLP(d=16), autopar.Mesh(pp=2, timeout=timeout), example_inputs=(x,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    store = dist.distributed_c10d._get_default_store()
+    dm.train_step((x,), y, mse)
+    dist.barrier()
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        def broken(module, args):
+            raise RuntimeError("injected into rank 1's stage")
+        for stage in dm.stages.values():
+            stage.register_forward_pre_hook(broken)
+        try:
+            dm.train_step((x,), y, mse)
+        except RuntimeError as exc:
+            out = {"error": str(exc)}
+        store.wait(["hangs/raised/made"], datetime.timedelta(seconds=30))
+        store.set("hangs/raised/seen", "1")
+        return out
+    try:
+        dm.train_step((x,), y, mse)
+        out = None
+    except CollectiveError as exc:
+        out = _failed(exc, start)
+    store.set("hangs/raised/made", "1")
+    store.wait(["hangs/raised/seen"], datetime.timedelta(seconds=30))
+    return out
