@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 import random
 import re
 import time
 import traceback
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +43,7 @@ from typing import Optional
 import torch
 
 from . import fuzz_models
+from .testing import quiet
 from .verification import verify
 
 __all__ = ["Spec", "Verdict", "PLANS", "FAMILIES", "generate", "build", "example", "source", "check", "shrink",
@@ -271,12 +270,8 @@ def check(spec: Spec, plan: str, tol: float = TOL, timeout: float = 120.0) -> Ve
     single-device model, within scaled error ``tol``; the cell's verdict (module docstring)."""
     mesh, text = PLANS[plan]
     t0 = time.perf_counter()
-    logger = logging.getLogger("autopar")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore")
+        with quiet():
             report = verify(build(spec), mesh, text, example_inputs=(example(spec),), tol=tol, spawn=False,
                             timeout=timeout)
         kind, detail, etype = ("correct", "", "") if report.ok else ("wrong", str(report), "")
@@ -286,8 +281,6 @@ def check(spec: Spec, plan: str, tol: float = TOL, timeout: float = 120.0) -> Ve
         refused = isinstance(root, REFUSALS) and _raised_by_us(root)
         kind, detail, etype = ("refused" if refused else "crashed"), _one_line(root), type(root).__name__
         trace = "" if refused else "".join(traceback.format_exception(root))
-    finally:
-        logger.setLevel(level)
     return Verdict(spec.seed, plan, kind, detail, etype, time.perf_counter() - t0, trace)
 
 

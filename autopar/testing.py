@@ -21,11 +21,13 @@ from functools import partial
 import datetime
 import gc
 import io
+import logging
 import os
 import socket
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -306,6 +308,21 @@ class RankPool:
                 q.put(None)
         _stop(self._procs, grace)
         self._procs = None
+
+
+@contextlib.contextmanager
+def quiet():
+    """Within the block autopar logs errors only and Python's warnings are ignored (a table's
+    notes, not the log's); the logger's level and the warning filters are restored after."""
+    logger = logging.getLogger("autopar")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

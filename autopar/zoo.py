@@ -14,10 +14,8 @@ rank holds against the plan's formula (``volume_check``), and prints the table t
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +27,7 @@ from .planspec import Plan
 from .runtime.comm import CommStats
 from .runtime.dpsync import dp_gather
 from .runtime.tpcomm import tp_gather
-from .testing import RankPool, parity
+from .testing import RankPool, parity, quiet
 
 __all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table", "plan_world",
            "Holdings", "volume_check"]
@@ -464,15 +462,8 @@ def _run_cells(names: list, plans: list, steps: int) -> list:
     """The cells, quiet (autopar's warnings and Python's are the table's notes, not the log's),
     the process's logging and warning filters restored after: a pool runs other jobs too."""
     torch.set_num_threads(1)
-    logger = logging.getLogger("autopar")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore")
-            return [run_cell(n, p, steps) for n in names for p in plans]
-    finally:
-        logger.setLevel(level)
+    with quiet():
+        return [run_cell(n, p, steps) for n in names for p in plans]
 
 
 def run(names=None, plans=None, steps: int = STEPS, log=None) -> list:

@@ -160,23 +160,38 @@ def raised_in_forward(timeout: float, lag: float):
     step(dm, opt, (x,), y, mse)
     waited = time.monotonic() - start
     start = time.monotonic()
+
+    def peer():
+        opt.zero_grad()
+        step(dm, opt, (x,), y, mse)
+    out = _rank1_raises(store, [dm.module], "forward", lambda: dm(*dm.shard_batch((x,))), peer, start)
+    return out if dist.get_rank() == 1 or out is None else dict(out, waited=waited)
+
+
+def _rank1_raises(store, modules: list, where: str, call, peer, start: float):
+    """Rank 1 runs ``call`` with a hook that raises in the forward of each of ``modules`` and
+    carries on, its process alive; rank 0 runs ``peer``, which waits for a collective rank 1
+    never issues. Rank 1 stays up until rank 0 has its error, and rank 0 (whose process hosts
+    the store) until rank 1 has seen that. Rank 1 returns its error, rank 0 what it raised
+    (``_failed``) or None."""
     if dist.get_rank() == 1:
         def broken(module, args):
-            raise RuntimeError("injected into rank 1's forward")
-        dm.module.register_forward_pre_hook(broken)
+            raise RuntimeError(f"injected into rank 1's {where}")
+        for m in modules:
+            m.register_forward_pre_hook(broken)
+        out = None
         try:
-            dm(*dm.shard_batch((x,)))
+            call()
         except RuntimeError as exc:
             out = {"error": str(exc)}
         store.wait(["hangs/raised/made"], datetime.timedelta(seconds=30))
         store.set("hangs/raised/seen", "1")
         return out
     try:
-        opt.zero_grad()
-        step(dm, opt, (x,), y, mse)
+        peer()
         out = None
     except CollectiveError as exc:
-        out = dict(_failed(exc, start), waited=waited)
+        out = _failed(exc, start)
     store.set("hangs/raised/made", "1")
     store.wait(["hangs/raised/seen"], datetime.timedelta(seconds=30))
     return out
@@ -194,23 +209,5 @@ def pipeline_raised(timeout: float):
     dm.train_step((x,), y, mse)
     dist.barrier()
     start = time.monotonic()
-    if dist.get_rank() == 1:
-        def broken(module, args):
-            raise RuntimeError("injected into rank 1's stage")
-        for stage in dm.stages.values():
-            stage.register_forward_pre_hook(broken)
-        try:
-            dm.train_step((x,), y, mse)
-        except RuntimeError as exc:
-            out = {"error": str(exc)}
-        store.wait(["hangs/raised/made"], datetime.timedelta(seconds=30))
-        store.set("hangs/raised/seen", "1")
-        return out
-    try:
-        dm.train_step((x,), y, mse)
-        out = None
-    except CollectiveError as exc:
-        out = _failed(exc, start)
-    store.set("hangs/raised/made", "1")
-    store.wait(["hangs/raised/seen"], datetime.timedelta(seconds=30))
-    return out
+    run = lambda: dm.train_step((x,), y, mse)     # noqa: E731
+    return _rank1_raises(store, list(dm.stages.values()), "stage", run, run, start)
