@@ -86,7 +86,10 @@ FAMILIES = {
 """block family -> its choices; a generated block draws one value of each"""
 
 MODEL_CHOICES = dict(tied=[False, True], positions=[False, True], scale=[1.0, 0.5],
-                     final_norm=["none", "rms", "layer", "rms_torch"], residual=["pre", "post", "parallel"])
+                     final_norm=["none", "rms", "layer", "rms_torch"], residual=["pre", "post", "parallel"],
+                     loss=["mean_square", "cross_entropy"])
+"""the model's own choices; ``loss``: verify's mean square of the logits, or the model's
+cross-entropy against target tokens (the LM head's vocabulary-parallel loss under tp)"""
 NORMS = ["none", "rms", "layer", "rms_torch"]
 DIMS = dict(hidden=[16, 24, 12, 20], seq=[8, 6, 7], vocab=[32, 40, 37])
 MAX_BLOCKS = 3
@@ -122,10 +125,11 @@ def generate(seed: int) -> Spec:
     """The model of ``seed``: 1 to ``MAX_BLOCKS`` blocks of random families and choices."""
     rng = random.Random(seed)
     dims = {k: rng.choice(v) for k, v in DIMS.items()}
-    model = tuple((k, rng.choice(v)) for k, v in MODEL_CHOICES.items())
+    model = {k: rng.choice(v) for k, v in MODEL_CHOICES.items() if k != "loss"}
     blocks = tuple((fam, tuple((k, rng.choice(v)) for k, v in FAMILIES[fam].items()), rng.choice(NORMS))
                    for fam in (rng.choice(list(FAMILIES)) for _ in range(rng.randint(1, MAX_BLOCKS))))
-    return Spec(seed, dims["hidden"], dims["seq"], dims["vocab"], model, blocks)
+    model["loss"] = rng.choice(MODEL_CHOICES["loss"])
+    return Spec(seed, dims["hidden"], dims["seq"], dims["vocab"], tuple(model.items()), blocks)
 
 
 def _divisor(n: int, want: int) -> int:
@@ -176,10 +180,23 @@ def build(spec: Spec) -> torch.nn.Module:
         return fuzz_models.FuzzModel(blocks=blocks, **_model_args(spec)).to(DTYPE)
 
 
-def example(spec: Spec) -> torch.Tensor:
-    """The global batch: ``BATCH`` rows of ``spec.seq`` tokens."""
+def example(spec: Spec) -> tuple:
+    """The global batch: ``BATCH`` rows of ``spec.seq`` tokens (and as many target tokens, for
+    a model that computes its cross-entropy)."""
     g = torch.Generator().manual_seed(spec.seed)
-    return torch.randint(0, spec.vocab, (BATCH, spec.seq), generator=g)
+    tokens = torch.randint(0, spec.vocab, (BATCH, spec.seq), generator=g)
+    if dict(spec.model)["loss"] == "mean_square":
+        return (tokens,)
+    return tokens, torch.randint(0, spec.vocab, (BATCH, spec.seq), generator=g)
+
+
+def _own_loss(loss):
+    """verify's ``loss_fn`` for a model that returns its loss: the loss itself."""
+    return loss
+
+
+def _loss_fn(spec: Spec):
+    return None if dict(spec.model)["loss"] == "mean_square" else _own_loss
 
 
 # ---- the standalone module of a model --------------------------------------------------------------
@@ -217,10 +234,16 @@ def source(spec: Spec, plan: Optional[str] = None) -> str:
               f"    return FuzzModel(blocks=blocks, {args}).to({DTYPE})", "", "",
               "def example():",
               f"    g = torch.Generator().manual_seed({spec.seed})",
-              f"    return torch.randint(0, {spec.vocab}, ({BATCH}, {spec.seq}), generator=g)", "", "",
-              'if __name__ == "__main__":',
+              f"    tokens = torch.randint(0, {spec.vocab}, ({BATCH}, {spec.seq}), generator=g)"]
+    if _loss_fn(spec) is None:
+        lines += ["    return (tokens,)", "", ""]
+    else:
+        lines += [f"    return tokens, torch.randint(0, {spec.vocab}, ({BATCH}, {spec.seq}), generator=g)", "", "",
+                  "def own_loss(loss):", "    return loss", "", ""]
+    loss = "" if _loss_fn(spec) is None else ", loss_fn=own_loss"
+    lines += ['if __name__ == "__main__":',
               "    import autopar",
-              f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=(example(),), tol={TOL:g}))", ""]
+              f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=example(){loss}, tol={TOL:g}))", ""]
     return "\n".join(lines)
 
 
@@ -272,8 +295,8 @@ def check(spec: Spec, plan: str, tol: float = TOL, timeout: float = 120.0) -> Ve
     t0 = time.perf_counter()
     try:
         with quiet():
-            report = verify(build(spec), mesh, text, example_inputs=(example(spec),), tol=tol, spawn=False,
-                            timeout=timeout)
+            report = verify(build(spec), mesh, text, example_inputs=example(spec), loss_fn=_loss_fn(spec), tol=tol,
+                            spawn=False, timeout=timeout)
         kind, detail, etype = ("correct", "", "") if report.ok else ("wrong", str(report), "")
         trace = ""
     except Exception as exc:          # the verdict: refused or crashed, by who raised what

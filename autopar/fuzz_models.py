@@ -301,7 +301,8 @@ class FuzzModel(nn.Module):
     ``pre``-norm ``x + block(norm(x))``, ``post``-norm ``norm(x + block(x))``, or ``parallel``:
     blocks side by side on one normed input, ``x + sum(block(norm(x)))``), a final norm and an
     LM head, tied to the embedding or not; a buffer scales the embedding (``scale``: a
-    non-persistent buffer read in forward)."""
+    non-persistent buffer read in forward). Called with ``targets`` it returns the language
+    model's loss, the cross-entropy of the logits, as Hugging Face models called with labels."""
 
     def __init__(self, vocab, hidden, seq, blocks, norms, final_norm, tied, positions, scale, residual="pre"):
         super().__init__()
@@ -316,7 +317,7 @@ class FuzzModel(nn.Module):
             self.head.weight = self.embed.weight
         self.register_buffer("scale", torch.full((hidden,), scale), persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
         x = self.embed(tokens) * self.scale
         if self.pos is not None:
             x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
@@ -328,4 +329,7 @@ class FuzzModel(nn.Module):
                 x = x + block(norm(x))
             elif self.residual == "post":
                 x = norm(x + block(x))
-        return self.head(self.final(x))
+        logits = self.head(self.final(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -191,7 +191,7 @@ def _mean_square(out) -> torch.Tensor:
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         raise ValueError("the model returns no floating tensor: pass a loss_fn")
-    return sum(t.float().pow(2).mean() for t in leaves)
+    return sum((t if t.dtype == torch.float64 else t.float()).pow(2).mean() for t in leaves)
 
 
 def _loss(loss_fn, out, target):

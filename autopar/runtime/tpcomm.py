@@ -325,7 +325,8 @@ def tp_vocab_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int
 class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, lo, hi, reduction, ignore_index):
-        logits = logits.float() if logits.dtype != torch.float32 else logits
+        if logits.dtype.itemsize < 4:      # 16-bit logits: the softmax's sums in float32, as torch's
+            logits = logits.float()
         m = logits.max(dim=-1).values if logits.shape[-1] else logits.new_full(logits.shape[:-1], -float("inf"))
         comm.all_reduce_(m, label="vocab-parallel cross_entropy: max", op=dist.ReduceOp.MAX)
         e = torch.exp(logits - m.unsqueeze(-1))
