@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("fuzz", help="random models under every plan against one device (autopar.fuzz)")
     f.add_argument("--minutes", type=float, default=1.0, help="how long to generate models")
     f.add_argument("--seed", type=int, default=0, help="the first model's seed (the next ones follow)")
-    f.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join(fuzz.PLANS)}")
+    f.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join((*fuzz.PLANS, *fuzz.PIPELINE_PLANS))}")
     f.add_argument("--out", default="fuzz_out", help="where each failure's shrunk model is written as a module")
     f.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
     args = ap.parse_args(argv)
@@ -94,10 +94,11 @@ def _zoo(args) -> int:
 
 def _fuzz(args) -> int:
     import os
-    plans = args.plans.split(",") if args.plans else list(fuzz.PLANS)
+    known = (*fuzz.PLANS, *fuzz.PIPELINE_PLANS)
+    plans = args.plans.split(",") if args.plans else list(known)
     for p in plans:
-        if p not in fuzz.PLANS:
-            raise SystemExit(f"unknown fuzz plan {p!r}; the fuzzer has {', '.join(fuzz.PLANS)}")
+        if p not in known:
+            raise SystemExit(f"unknown fuzz plan {p!r}; the fuzzer has {', '.join(known)}")
     log = lambda line: print(line, file=sys.stderr, flush=True)   # noqa: E731
     summary = fuzz.run(range(args.seed, 10 ** 9), plans, minutes=args.minutes, log=log)
     print(summary.table())

@@ -232,8 +232,12 @@ def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
 
 def _export_once(model: nn.Module, args: tuple, kwargs: dict):
     """``_export``, or, with ``AUTOPAR_EXPORT_CACHE=1``, the program a model with the same
-    digest exported before (``_exports``)."""
-    if os.environ.get("AUTOPAR_EXPORT_CACHE", "0") in ("", "0"):
+    digest exported before (``_exports``). Not on a thread other than the main one: ranks
+    simulated by threads compile one model alike at once, and their programs then run
+    backward side by side from one stored program (a crash seen there: an index on the meta
+    device in backward); each exports its own, as processes do."""
+    if (os.environ.get("AUTOPAR_EXPORT_CACHE", "0") in ("", "0")
+            or threading.current_thread() is not threading.main_thread()):
         return _export(model, args, kwargs)
     key = _export_key(model, args, kwargs)
     if key is not None and key in _exports:

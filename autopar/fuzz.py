@@ -24,8 +24,10 @@ blocks and turns each choice to its simplest value while the verdict stays the s
 call). ``python -m autopar fuzz --minutes N`` runs open-ended; the tests run a fixed-seed
 budget.
 
-Pipelines are not among the plans: ``verify`` compares plans without stages (their send and
-receive need processes), and each stage's program is compiled by the same passes as these.
+Pipelines (``PIPELINE_PLANS``) run on local processes, their send and receive needing them
+(``verify``'s threaded ranks have none): the model trains one SGD step on a ``RankPool``
+under ``autopar.testing.parity``, whose loss, gradients and parameters after the step are
+compared with the single-device model's, within the same tolerance.
 """
 from __future__ import annotations
 
@@ -43,7 +45,9 @@ from typing import Optional
 import torch
 
 from . import fuzz_models
-from .testing import quiet
+from .mesh import Mesh
+from .planspec import Plan
+from .testing import RankPool, parity, quiet
 from .verification import verify
 
 __all__ = ["Spec", "Verdict", "PLANS", "FAMILIES", "generate", "build", "example", "source", "check", "shrink",
@@ -55,7 +59,14 @@ PLANS = {
     "tp+sp": ("tp=2", "tp,sp"),
     "dp×tp": ("dp=2,tp=2", "dp=zero3,tp,sp"),
 }
-"""plan name -> (mesh, plan text): each generated model runs under each"""
+"""plan name -> (mesh, plan text): each generated model runs under each, on threaded ranks"""
+
+PIPELINE_PLANS = {
+    "1f1b": ("pp=2", "pp_schedule=1f1b,microbatches=2"),
+}
+"""plan name -> (mesh, plan text): the pipelines, on processes"""
+PIPELINE_TIMEOUT = 10.0
+"""the pipelines' mesh timeout (seconds): a transfer whose peer failed waits this long"""
 
 DTYPE = torch.float64
 TOL = 1e-9
@@ -272,7 +283,8 @@ REFUSALS = (ValueError, TypeError, NotImplementedError)
 
 
 def _root(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None and "rank" in str(exc)[:40]:    # run_threads: a rank's error, chained
+    """The error a rank raised, out of ``run_threads``' report of it."""
+    while exc.__cause__ is not None and re.match(r"rank \d+ of \d+ failed", str(exc)):
         exc = exc.__cause__
     return exc
 
@@ -288,22 +300,80 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def _classified(exc: BaseException) -> tuple:
+    """(kind, detail, error type, traceback) of an exception a cell raised."""
+    root = _root(exc)
+    refused = isinstance(root, REFUSALS) and _raised_by_us(root)
+    trace = "" if refused else "".join(traceback.format_exception(root))
+    return ("refused" if refused else "crashed"), _one_line(root), type(root).__name__, trace
+
+
+def _mean_square(out, target):
+    return out.pow(2).mean()
+
+
+def _pipeline_rank(spec: Spec, plan: str, tol: float) -> tuple:
+    """One rank of a pipeline cell (a ``RankPool`` job): (kind, detail, error type, traceback)."""
+    mesh_text, text = PIPELINE_PLANS[plan]
+    try:
+        with quiet():
+            mesh = Mesh(timeout=PIPELINE_TIMEOUT, **{k: int(v) for k, v in (a.split("=") for a in mesh_text.split(","))})
+            own = _loss_fn(spec) is not None
+            rep = parity(lambda: build(spec), mesh, Plan.parse(text), example(spec), None,
+                         None if own else _mean_square, steps=1, lr=0.1, optimizer=torch.optim.SGD, rtol=tol,
+                         atol=tol * 1e-3, noise_floor=0.0)
+        if rep.ok:
+            return "correct", "", "", ""
+        return ("wrong", f"rank {rep.rank}: loss {rep.loss_err:.3g}, gradients {rep.grad_err:.3g}, parameters "
+                f"{rep.param_err:.3g} (scaled errors over the tolerance) {'; '.join(rep.messages)}".strip(), "", "")
+    except Exception as exc:       # the verdict: refused or crashed
+        return _classified(exc)
+
+
+_POOLS: dict = {}
+
+
+def _pipeline_check(spec: Spec, plan: str, tol: float) -> tuple:
+    """Every rank's verdict of a pipeline cell, put together: wrong if a rank found the values
+    off, else the error of a rank that raised first-hand (not a peer's ``PeerError``)."""
+    world = 2
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world] = RankPool(world, timeout=PIPELINE_TIMEOUT)
+    try:
+        got = pool.run(_pipeline_rank, spec, plan, tol, timeout=4 * PIPELINE_TIMEOUT)
+    except Exception as exc:          # the pool itself failed (a rank died): a crash
+        return "crashed", _one_line(exc), type(exc).__name__, str(exc)
+    if any(g[0] != "correct" for g in got):
+        pool.close()               # a cell that failed may leave a collective behind: a fresh pool next
+        _POOLS.pop(world, None)
+    for kind in ("wrong", "crashed", "refused"):
+        first = ([g for g in got if g[0] == kind and g[2] not in _SECOND_HAND] or
+                 [g for g in got if g[0] == kind])
+        if first:
+            return first[0]
+    return got[0]
+
+
+_SECOND_HAND = ("PeerError", "CollectiveError")
+"""errors a rank raises because another failed: the other's error is the verdict"""
+
+
 def check(spec: Spec, plan: str, tol: float = TOL, timeout: float = 120.0) -> Verdict:
-    """Run ``spec``'s model under ``plan`` (a key of ``PLANS``) on threaded ranks against the
-    single-device model, within scaled error ``tol``; the cell's verdict (module docstring)."""
-    mesh, text = PLANS[plan]
+    """Run ``spec``'s model under ``plan`` (a key of ``PLANS`` or ``PIPELINE_PLANS``) against
+    the single-device model, within scaled error ``tol``; the cell's verdict (module docstring)."""
     t0 = time.perf_counter()
+    if plan in PIPELINE_PLANS:
+        kind, detail, etype, trace = _pipeline_check(spec, plan, tol)
+        return Verdict(spec.seed, plan, kind, detail, etype, time.perf_counter() - t0, trace)
+    mesh, text = PLANS[plan]
     try:
         with quiet():
             report = verify(build(spec), mesh, text, example_inputs=example(spec), loss_fn=_loss_fn(spec), tol=tol,
                             spawn=False, timeout=timeout)
-        kind, detail, etype = ("correct", "", "") if report.ok else ("wrong", str(report), "")
-        trace = ""
+        kind, detail, etype, trace = ("correct", "", "", "") if report.ok else ("wrong", str(report), "", "")
     except Exception as exc:          # the verdict: refused or crashed, by who raised what
-        root = _root(exc)
-        refused = isinstance(root, REFUSALS) and _raised_by_us(root)
-        kind, detail, etype = ("refused" if refused else "crashed"), _one_line(root), type(root).__name__
-        trace = "" if refused else "".join(traceback.format_exception(root))
+        kind, detail, etype, trace = _classified(exc)
     return Verdict(spec.seed, plan, kind, detail, etype, time.perf_counter() - t0, trace)
 
 
@@ -393,9 +463,9 @@ class Summary:
 
 def run(seeds=None, plans=None, minutes: Optional[float] = None, log=None, stop_at_wrong: bool = False) -> Summary:
     """Check each model of ``seeds`` (an iterable; default 0, 1, 2, ...) under each of ``plans``
-    (default every plan of ``PLANS``), until the seeds run out or ``minutes`` pass (or, with
+    (default every plan of ``PLANS`` and ``PIPELINE_PLANS``), until the seeds run out or ``minutes`` pass (or, with
     ``stop_at_wrong``, a verdict is wrong)."""
-    plans = list(plans or PLANS)
+    plans = list(plans or (*PLANS, *PIPELINE_PLANS))
     seeds = iter(seeds) if seeds is not None else iter(range(10 ** 9))
     out = Summary()
     t0 = time.perf_counter()

@@ -427,19 +427,21 @@ class DistributedModule(nn.Module):
             groups.append(self._tp.group)
         return groups
 
-    def _grad_pow_sum(self, norm_type: float = 2.0, skip=lambda name: False) -> torch.Tensor:
+    def _grad_pow_sum(self, norm_type: float = 2.0, skip=lambda name: False, dtype=None) -> torch.Tensor:
         """Sum of |g|^norm_type over every gradient element of this module's dp and tp shards,
-        each element once (a tensor replicated along tp counted on the axis's first rank);
-        ``skip(name)`` leaves a parameter out (a pipeline's second copy of a tied weight)."""
+        each element once (a tensor replicated along tp counted on the axis's first rank), in
+        ``dtype`` (default ``sum_dtype`` of the module's parameters); ``skip(name)`` leaves a
+        parameter out (a pipeline's second copy of a tied weight)."""
         first = self._tp is None or self._tp.index == 0
-        total = torch.zeros((), device=self._device())
+        total = torch.zeros((), device=self._device(), dtype=dtype or sum_dtype(self.ctx.params))
         for name, p in self.module.named_parameters():
             if p.grad is None or skip(name):
                 continue
             if first or self.ctx.tp_params.get(name) is None or self.ctx.tp_params[name].sharded:
-                total += p.grad.float().pow(norm_type).sum()
+                total += p.grad.to(total.dtype).pow(norm_type).sum()
         for group in self._norm_groups():
-            flight.launch(group, "all_reduce", "grad norm", 4, dist.all_reduce, total, dist.ReduceOp.SUM, group)
+            flight.launch(group, "all_reduce", "grad norm", total.element_size(), dist.all_reduce, total,
+                          dist.ReduceOp.SUM, group)
         return total
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -447,9 +449,10 @@ class DistributedModule(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if norm_type == math.inf:
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=self._device()))
-            total = local.clone().float()
+            total = local.clone().to(sum_dtype(self.ctx.params))
             for group in self._norm_groups():
-                flight.launch(group, "all_reduce", "grad norm (max)", 4, dist.all_reduce, total, dist.ReduceOp.MAX, group)
+                flight.launch(group, "all_reduce", "grad norm (max)", total.element_size(), dist.all_reduce, total,
+                              dist.ReduceOp.MAX, group)
         else:
             total = self._grad_pow_sum(norm_type).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -530,6 +533,13 @@ def refuse_per_tensor_offload(plan) -> str:
             "copies of the parameters gathered on every rank, offload steps host copies of this rank's own "
             "shards; the two are not built together. Use an elementwise optimizer (AdamW, SGD, ...) with "
             "offload, or Plan(offload=None) with per_tensor=True")
+
+
+def sum_dtype(params: dict) -> torch.dtype:
+    """The dtype a step's loss and a gradient norm are summed in, the same on every rank (they
+    are reduced together): float64 where the model (``ctx.params``) has a float64 parameter,
+    else float32 (16-bit losses and gradients are summed in float32)."""
+    return torch.float64 if any(info.dtype == torch.float64 for info in params.values()) else torch.float32
 
 
 def model_loss(output) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ..schedule import Action, Schedule, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, has_loss, model_loss,
+from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, has_loss, model_loss, sum_dtype,
                      post_step_errors, refuse_per_tensor_offload, slice_batch)
 from .optim import check_optimizer
 from .rng import draw_masks
@@ -110,9 +110,10 @@ class PipelineModule(DistributedModule):
 
     @staticmethod
     def _loss(result, target_leaves, t_spec, loss_fn):
-        """A micro-batch's loss: ``loss_fn(output, target)``, or the model's own."""
+        """A micro-batch's loss: ``loss_fn(output, target)`` (``target`` None when no targets were
+        given, as a module's ``loss_fn(dm(x), None)``), or the model's own."""
         if loss_fn is not None:
-            return loss_fn(result, pytree.tree_unflatten(target_leaves, t_spec))
+            return loss_fn(result, None if t_spec is None else pytree.tree_unflatten(target_leaves, t_spec))
         return model_loss(result)
 
     def _split(self, tree, m: int):
@@ -184,9 +185,10 @@ class PipelineModule(DistributedModule):
         return self._step_loss(state)
 
     def _step_loss(self, state):
-        # in fp32 on every rank (a mixed-precision loss may be bf16 on the last stage alone)
-        loss = torch.stack([x.float() for x in state.losses]).sum() if state.losses else \
-            torch.zeros((), device=self._device())
+        # in one dtype on every rank (a mixed-precision loss may be bf16 on the last stage alone)
+        dtype = sum_dtype(self.ctx.params)
+        loss = torch.stack([x.to(dtype) for x in state.losses]).sum() if state.losses else \
+            torch.zeros((), device=self._device(), dtype=dtype)
         last_rank = self._rank_of_stage(self.schedule.n_stages - 1)
         if self._pp_group is not None and self.p > 1:
             flight.launch(self._pp_group, "broadcast", "the step's loss", loss.numel() * loss.element_size(),
@@ -591,12 +593,13 @@ class PipelineModule(DistributedModule):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise NotImplementedError("a pipelined module clips by the 2-norm; pass norm_type=2.0")
-        total = torch.zeros((), device=self._device())
+        dtype = sum_dtype(self.ctx.params)
+        total = torch.zeros((), device=self._device(), dtype=dtype)
         for k, st in self.stages.items():
             first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
-            total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True))
+            total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True), dtype=dtype)
         if self._pp_group is not None and self.p > 1:
-            flight.launch(self._pp_group, "all_reduce", "grad norm", 4, dist.all_reduce, total,
+            flight.launch(self._pp_group, "all_reduce", "grad norm", total.element_size(), dist.all_reduce, total,
                           dist.ReduceOp.SUM, self._pp_group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
