@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import random
 import re
 import time
@@ -62,9 +63,9 @@ PLANS = {
 """plan name -> (mesh, plan text): each generated model runs under each, on threaded ranks"""
 
 PIPELINE_PLANS = {
-    "1f1b": ("pp=2", "pp_schedule=1f1b,microbatches=2"),
+    "1f1b": ({"pp": 2}, "pp_schedule=1f1b,microbatches=2"),
 }
-"""plan name -> (mesh, plan text): the pipelines, on processes"""
+"""plan name -> (mesh axes, plan text): the pipelines, on processes"""
 PIPELINE_TIMEOUT = 10.0
 """the pipelines' mesh timeout (seconds): a transfer whose peer failed waits this long"""
 
@@ -222,8 +223,9 @@ def _chunks() -> dict:
 
 
 def source(spec: Spec, plan: Optional[str] = None) -> str:
-    """``spec`` as a standalone module: imports, the classes it uses, ``build()`` and ``example()``
-    (and how to verify it under ``plan``, a key of ``PLANS``)."""
+    """``spec`` as a standalone module: imports, the classes it uses, ``build()`` and ``example()``,
+    and how to check it under ``plan``: ``verify`` for a plan of ``PLANS``; for a pipeline
+    (``PIPELINE_PLANS``, run on processes) the fuzzer's own ``check`` of ``spec``."""
     chunks = _chunks()
     calls = [_constructor(spec, i) for i in range(len(spec.blocks))]
     want, todo = set(), ["FuzzModel"] + [cls for cls, _ in calls]
@@ -252,9 +254,12 @@ def source(spec: Spec, plan: Optional[str] = None) -> str:
         lines += [f"    return tokens, torch.randint(0, {spec.vocab}, ({BATCH}, {spec.seq}), generator=g)", "", "",
                   "def own_loss(loss):", "    return loss", "", ""]
     loss = "" if _loss_fn(spec) is None else ", loss_fn=own_loss"
-    lines += ['if __name__ == "__main__":',
-              "    import autopar",
-              f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=example(){loss}, tol={TOL:g}))", ""]
+    lines += ['if __name__ == "__main__":', "    import autopar"]
+    if plan in PIPELINE_PLANS:
+        lines += ["    from autopar import fuzz", f"    print(fuzz.check(fuzz.{spec!r}, {plan!r}))", ""]
+    else:
+        lines += [f"    print(autopar.verify(build(), {mesh!r}, {text!r}, example_inputs=example(){loss}, tol={TOL:g}))",
+                  ""]
     return "\n".join(lines)
 
 
@@ -314,10 +319,10 @@ def _mean_square(out, target):
 
 def _pipeline_rank(spec: Spec, plan: str, tol: float) -> tuple:
     """One rank of a pipeline cell (a ``RankPool`` job): (kind, detail, error type, traceback)."""
-    mesh_text, text = PIPELINE_PLANS[plan]
+    axes, text = PIPELINE_PLANS[plan]
     try:
         with quiet():
-            mesh = Mesh(timeout=PIPELINE_TIMEOUT, **{k: int(v) for k, v in (a.split("=") for a in mesh_text.split(","))})
+            mesh = Mesh(timeout=PIPELINE_TIMEOUT, **axes)
             own = _loss_fn(spec) is not None
             rep = parity(lambda: build(spec), mesh, Plan.parse(text), example(spec), None,
                          None if own else _mean_square, steps=1, lr=0.1, optimizer=torch.optim.SGD, rtol=tol,
@@ -331,12 +336,13 @@ def _pipeline_rank(spec: Spec, plan: str, tol: float) -> tuple:
 
 
 _POOLS: dict = {}
+"""world size -> the RankPool the pipeline cells of that size run on, kept between cells"""
 
 
 def _pipeline_check(spec: Spec, plan: str, tol: float) -> tuple:
     """Every rank's verdict of a pipeline cell, put together: wrong if a rank found the values
     off, else the error of a rank that raised first-hand (not a peer's ``PeerError``)."""
-    world = 2
+    world = math.prod(PIPELINE_PLANS[plan][0].values())
     pool = _POOLS.get(world)
     if pool is None or not pool.alive:
         pool = _POOLS[world] = RankPool(world, timeout=PIPELINE_TIMEOUT)

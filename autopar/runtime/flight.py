@@ -29,8 +29,10 @@ collective for the mesh's timeout: gloo can neither abort nor interrupt a collec
 ``wait`` waits in slices of ``WAIT_SLICE`` seconds; past the first the publisher thread reads
 the peers' errors from the store once every ``PUBLISH_EVERY`` seconds, and a wait for a peer
 that raised before issuing this collective, where this rank did not raise alike, fails (in
-about two seconds). What cannot wait in slices waits for the timeout: a collective issued
-synchronously, and a transfer (gloo's receive takes a wait's timeout as its own and fails).
+about two seconds). The runtime's collectives (``comm.AxisComm``) are issued asynchronously
+and waited on, synchronous calls included. What cannot wait in slices waits for the timeout:
+a collective ``launch``ed synchronously (a pipeline's step loss and gradient norm), and a
+transfer (gloo's receive takes a wait's timeout as its own and fails).
 
 Compile communicates only after every rank compiled its part: ``agreed`` has each rank post
 "ok" or its error to the store and wait (bounded by the mesh's timeout) until every rank has,
