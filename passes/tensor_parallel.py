@@ -492,7 +492,7 @@ class _Walk:
                 raise ValueError(
                     f"tensor parallelism splits dim {d} (size {a[d]}) of {node.args[0].name} over tp={self.t}, "
                     f"and {node.name} reshapes it into {tuple(b[i] for i in gb)}: the leading {lead} "
-                    f"(attention heads, or a norm's groups) does not divide by tp={self.t}. Use a tp size that divides {lead}, "
+                    f"(attention heads) does not divide by tp={self.t}. Use a tp size that divides {lead}, "
                     "or keep the projections whole with Plan(tp_layout=...)")
 
 

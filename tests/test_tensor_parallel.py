@@ -152,7 +152,7 @@ def test_explain_and_dump_show_tp_layouts(tmp_path):
 def test_heads_that_do_not_divide_are_an_error():
     c = GPTConfig(heads=2, dim=32)
     tok, _ = gpt_batch(c, 8)
-    with pytest.raises(ValueError, match=r"leading 2 \(attention heads, or a norm.s groups\) does not divide by tp=4"):
+    with pytest.raises(ValueError, match=r"leading 2 \(attention heads\) does not divide by tp=4"):
         _compile(TinyGPT(c), (tok,), autopar.Plan(tp=True), tp=4)
 
 
