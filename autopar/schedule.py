@@ -4,8 +4,9 @@ A schedule says, for every rank on the pipeline axis, in which order it runs the
 (F), backward (B) and, when the backward is split, weight-gradient (W) pass of each
 (stage, micro-batch). Keeping it as data rather than as code in the runtime lets us build the
 classic schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1), print and parse them,
-insert the point-to-point sends/receives (``lower``), and replay them in event time
-(``simulate``) to catch deadlocks and measure the bubble before any process is started.
+insert the point-to-point sends/receives (``lower``), group them into the batches a rank posts
+together (``batch_transfers``), and replay them in event time (``simulate``) to catch deadlocks
+and measure the bubble before any process is started.
 Timelines render as SVG, ASCII or a Chrome trace.
 """
 from __future__ import annotations
@@ -19,8 +20,8 @@ from xml.sax.saxutils import escape
 from .trace import ChromeTrace
 
 __all__ = ["KINDS", "COMPUTE", "SCHEDULES", "Action", "Schedule", "ScheduleDeadlock", "Timeline",
-           "build_schedule", "bubble_formula", "execute", "lower", "simulate", "matching_send", "matching_recv",
-           "action_costs", "deadlock_message"]
+           "build_schedule", "bubble_formula", "execute", "lower", "batch_transfers", "simulate", "matching_send",
+           "matching_recv", "action_costs", "deadlock_message"]
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPUTE = ("F", "B", "W")
@@ -265,6 +266,48 @@ def lower(schedule: Schedule) -> tuple:
                 prog.append(a)
         programs.append(tuple(prog))
     return tuple(programs)
+
+
+def batch_transfers(schedule: Schedule, programs=None) -> tuple:
+    """Per rank, its lowered program (``programs``, default ``lower(schedule)``) with the
+    transfers grouped into the batches it posts together (``batch_isend_irecv``): a tuple of
+    steps, each a compute action or a tuple of SEND/RECV actions.
+
+    NCCL runs a rank's transfers on a communicator in issue order, and a transfer holds its
+    stream until the peer's counterpart runs, so the order must never put a transfer ahead of
+    one its counterpart waits for. The program is replayed in event time (``execute``, its
+    default costs); a message sent at time T is posted at T on both sides: each rank has one
+    batch per time T, holding its sends at T and the receives of its peers' sends at T. A rank
+    posts its batches in time order, each as early as that allows: after the batch before it
+    and after the compute that produced its sends, if any (a receive alone is then posted
+    before the computes that run while its message is on its way; the one that needs it comes
+    after, as it starts after T). Why no rank can wait for ever, by induction over the times:
+    once every batch before T completed, every compute placed before a batch at T can run (its
+    receives were at earlier times), so every rank's batch at T reaches the head of its stream,
+    and each transfer there meets its counterpart in the peer's batch at T."""
+    programs = lower(schedule) if programs is None else programs
+    ends = {a: end for evs in execute(schedule, programs).events for a, _, end in evs}
+
+    def sent_at(x: Action) -> float:
+        send = x if x.kind.startswith("SEND") else matching_send(x)
+        return ends[Action(send.stage, send.kind[-1], send.mb)]
+
+    out = []
+    for prog in programs:
+        by_time: dict[float, list] = {}
+        for a in prog:
+            if a.kind not in COMPUTE:
+                by_time.setdefault(sent_at(a), []).append(a)
+        times, steps, done = sorted(by_time), [], set()
+        for a in [x for x in prog if x.kind in COMPUTE] + [None]:
+            while times and all(Action(x.stage, x.kind[-1], x.mb) in done
+                                for x in by_time[times[0]] if x.kind.startswith("SEND")):
+                steps.append(tuple(by_time[times.pop(0)]))
+            if a is not None:
+                steps.append(a)
+                done.add(a)
+        out.append(tuple(steps))
+    return tuple(out)
 
 
 class ScheduleDeadlock(RuntimeError):

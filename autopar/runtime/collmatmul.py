@@ -7,6 +7,10 @@ other's entire result. Decomposing both along the sharded dim into one chunk per
 breaks that dependency (Wang et al., ASPLOS 2023): the chunks travel a ring of
 point-to-point transfers, and while one chunk is in flight the rank multiplies the chunk
 it already has. The total volume is that of the ring collective; only the order changes.
+Each step's send to the next rank and receive from the previous one are posted as one batch
+(``flight.batch``): every rank's k-th batch meets its neighbours' k-th, so on NCCL, where a
+receive posted alone would hold the stream its send waits behind (at tp=2 the next and the
+previous rank are one), no rank waits for ever.
 
     all_gather_matmul      linear(all_gather(x, dim), w, b)          x: S(dim), w: any local weight
     matmul_reduce_scatter  reduce_scatter(linear(x, w), dim) + b     x: R along dim, S(-1); w: [out, in_local]
@@ -19,8 +23,6 @@ counters do not depend on whether a linear was decomposed.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from ..sizes import ring_bytes
 from . import flight
 from .comm import AxisComm
+from .timing import now
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -41,18 +44,27 @@ def _peers(comm: AxisComm) -> tuple[int, int]:
             dist.get_global_rank(comm.group, (r - 1) % p))
 
 
-def _waited(work, comm: AxisComm, label: str) -> None:
-    """Wait for a ring transfer; under ``record_timeline`` a wait that blocked is recorded."""
+def _waited(work, comm: AxisComm, label: str, device) -> None:
+    """Wait for a ring transfer; under ``record_timeline`` a wait that blocked is recorded (its
+    ends wait for ``device``'s compute: ``timing.now``)."""
     trace = comm.stats.trace
-    t0 = time.perf_counter()
+    if trace is None:
+        work.wait()
+        return
+    t0 = now(device)
     work.wait()
-    if trace is not None and time.perf_counter() - t0 > 2e-5:
-        trace.append(("wait", label, t0, time.perf_counter()))
+    t1 = now(device)
+    if t1 - t0 > 2e-5:
+        trace.append(("wait", label, t0, t1))
 
 
-def _span(comm: AxisComm, label: str, t0: float) -> None:
+def _start(comm: AxisComm, device) -> float:
+    return now(device) if comm.stats.trace is not None else 0.0
+
+
+def _span(comm: AxisComm, label: str, t0: float, device) -> None:
     if comm.stats.trace is not None:
-        comm.stats.trace.append(("comm", label, t0, time.perf_counter()))
+        comm.stats.trace.append(("comm", label, t0, now(device)))
 
 
 def _ring_gather(local: torch.Tensor, comm: AxisComm, compute, label: str = "") -> torch.Tensor:
@@ -62,7 +74,7 @@ def _ring_gather(local: torch.Tensor, comm: AxisComm, compute, label: str = "") 
     p, r = comm.size, comm.index
     s = local.shape[0]
     nxt, prv = _peers(comm)
-    t0 = time.perf_counter()
+    t0 = _start(comm, local.device)
     buf = local.new_empty((p * s,) + tuple(local.shape[1:]))
     buf[r * s:(r + 1) * s].copy_(local)
     sends = []
@@ -72,40 +84,46 @@ def _ring_gather(local: torch.Tensor, comm: AxisComm, compute, label: str = "") 
         recv = None
         if i < p - 1:
             k = (j - 1) % p
-            recv = flight.irecv(buf[k * s:(k + 1) * s], prv, comm.group, f"{label or 'ring'} block {k}")
-            sends.append(flight.isend(block, nxt, comm.group, f"{label or 'ring'} block {j}"))
+            recv, send = flight.batch([
+                flight.Transfer("recv", buf[k * s:(k + 1) * s], prv, comm.group, f"{label or 'ring'} block {k}"),
+                flight.Transfer("send", block, nxt, comm.group, f"{label or 'ring'} block {j}")])
+            sends.append(send)
         compute(j, block)
         if recv is not None:
-            _waited(recv, comm, label)
+            _waited(recv, comm, label, local.device)
     for w in sends:
-        _waited(w, comm, label)
-    _span(comm, label, t0)
+        _waited(w, comm, label, local.device)
+    _span(comm, label, t0, local.device)
     return buf
 
 
-def _ring_reduce_scatter(partial, comm: AxisComm, label: str = "") -> torch.Tensor:
+def _ring_reduce_scatter(partial, comm: AxisComm, label: str = "", device=None) -> torch.Tensor:
     """Reduce-scatter around the ring: ``partial(j)`` is this rank's addend for block j (a
     fresh tensor). The running sum of block j starts at rank j + 1 and ends at rank j, so at
     step i a rank adds its addend for block (index - 1 - i) to the sum received from the
-    previous rank and passes it on; its own block's total is what it holds at the end."""
+    previous rank and passes it on; its own block's total is what it holds at the end. A step
+    posts its send with the receive of the next step's sum (one batch).
+    ``device``: where the addends are computed (what a timing under ``record_timeline`` waits for)."""
     p, r = comm.size, comm.index
     nxt, prv = _peers(comm)
-    t0 = time.perf_counter()
-    sends, inbox, acc = [], None, None
+    t0 = _start(comm, device)
+    sends, inbox, acc, recv = [], None, None, None
     for i in range(p):
         j = (r - 1 - i) % p
-        recv = flight.irecv(inbox, prv, comm.group, f"{label or 'ring'} block {j}") if i > 0 else None
         acc = partial(j).contiguous()        # computed while the running sum travels
         if recv is not None:
-            _waited(recv, comm, label)
+            _waited(recv, comm, label, device)
             acc.add_(inbox)
         if i < p - 1:
-            sends.append(flight.isend(acc, nxt, comm.group, f"{label or 'ring'} block {j}"))
             if inbox is None:
                 inbox = torch.empty_like(acc)
+            send, recv = flight.batch([
+                flight.Transfer("send", acc, nxt, comm.group, f"{label or 'ring'} block {j}"),
+                flight.Transfer("recv", inbox, prv, comm.group, f"{label or 'ring'} block {(j - 1) % p}")])
+            sends.append(send)
     for w in sends:
-        _waited(w, comm, label)
-    _span(comm, label, t0)
+        _waited(w, comm, label, device)
+    _span(comm, label, t0, device)
     return acc
 
 
@@ -173,7 +191,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             comm.stats.record(comm.axis, "reduce_scatter", "backward",
                               ring_bytes("reduce_scatter", nbytes, p))
             gx = _ring_reduce_scatter(lambda j: gt[j * s:(j + 1) * s] @ weight, comm,
-                                      f"matmul + reduce_scatter[{comm.axis}] (ring, grad)")
+                                      f"matmul + reduce_scatter[{comm.axis}] (ring, grad)", gt.device)
             gx = gx.movedim(0, dim).contiguous()
         if ctx.needs_input_grad[1]:
             gw = gt.reshape(-1, gt.shape[-1]).t() @ gathered.view(-1, gathered.shape[-1])
@@ -191,7 +209,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         comm.stats.record(comm.axis, "reduce_scatter", "forward",
                           ring_bytes("reduce_scatter", full, p))
         out = _ring_reduce_scatter(lambda j: xt[j * s:(j + 1) * s] @ weight.t(), comm,
-                                   f"matmul + reduce_scatter[{comm.axis}] (ring)")
+                                   f"matmul + reduce_scatter[{comm.axis}] (ring)", xt.device)
         if bias is not None:
             out.add_(bias)              # once, after the reduction
         ctx.save_for_backward(x, weight)

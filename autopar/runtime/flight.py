@@ -2,11 +2,22 @@
 rank was last doing.
 
 Every collective and point-to-point transfer of the runtime is issued through ``launch`` (or
-``isend``/``irecv``), which notes it in this process's ring of the last ``RING`` entries: the
-group (its description, ``dp`` or ``dp:grads`` as the ``Mesh`` names it, and its ranks), the
-kind, a sequence number (per group for collectives; per group, kind and peer for transfers, so
-that the same number names the same collective on every rank), the label, the bytes, and
-whether it completed. Noting is a few attribute writes; nothing is communicated.
+``isend``/``irecv``, or ``batch`` for transfers posted together), which notes it in this
+process's ring of the last ``RING`` entries: the group (its description, ``dp`` or ``dp:grads``
+as the ``Mesh`` names it, and its ranks), the kind, a sequence number (per group for
+collectives; per group, kind and peer for transfers, so that the same number names the same
+collective on every rank), the label, the bytes, and whether it completed; for the replay of
+the issue order (``autopar.runtime.ordering``) also its place in this process's issue order,
+the batch it was posted in, and the entries whose wait returned since the entry before it was
+issued (an operation issued after a wait depends on the waited one: on NCCL the wait makes the
+compute stream wait, and the next operation's stream waits on the compute stream). Noting is a
+few attribute writes; nothing is communicated. ``recording()`` keeps every entry a block
+issues, where the ring keeps the last ``RING``.
+
+An entry is complete when its work is: on gloo (and the fake group) when its ``wait``
+returned, since gloo's wait blocks until then; on NCCL a ``wait`` only makes the current stream
+wait for the work, so its completion is read from ``is_completed()``, when it is waited on and
+again at each later issue and publication, until it says so.
 
 The mesh's groups carry its timeout (``Mesh(timeout=...)``): a collective whose peer stalled
 fails after it, one whose peer died fails at once. The failure raises a ``CollectiveError``
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -59,8 +71,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "PeerError", "Recorder", "RECORDER", "Watched", "launch", "isend", "irecv",
-           "published", "agreed"]
+__all__ = ["CollectiveError", "PeerError", "Recorder", "RECORDER", "Transfer", "Watched", "launch", "isend", "irecv",
+           "batch", "recording", "published", "agreed"]
 
 RING = 32            # entries kept per process (all of them go to the dump file)
 PUBLISHED = 16       # newest entries a rank publishes to the store
@@ -101,10 +113,11 @@ class _PeerRaised(RuntimeError):
 
 
 class _Group:
-    __slots__ = ("name", "ranks", "seq", "sliced")
+    __slots__ = ("name", "ranks", "seq", "sliced", "nccl")
 
-    def __init__(self, name: str, ranks: list[int], sliced: bool):
-        self.name, self.ranks, self.seq, self.sliced = name, ranks, {}, sliced
+    def __init__(self, name: str, ranks: list[int], backend: str):
+        self.name, self.ranks, self.seq = name, ranks, {}
+        self.sliced, self.nccl = backend == "gloo", backend == "nccl"
 
     def position(self, kind: str | None = None, peer: int | None = None) -> str:
         """The key of a sequence on this group in ``Recorder.positions``."""
@@ -112,13 +125,17 @@ class _Group:
 
 
 class Entry:
-    """One collective or transfer as this rank issued it."""
-    __slots__ = ("group", "seq", "kind", "label", "nbytes", "peer", "issued", "ended", "state")
+    """One collective or transfer as this rank issued it: ``index`` is its place in this
+    process's issue order, ``batch`` the number of the ``batch`` it was posted in (None: alone),
+    ``after`` the indices of the entries whose wait returned since the previous entry's issue."""
+    __slots__ = ("group", "seq", "kind", "label", "nbytes", "peer", "issued", "ended", "state", "index", "batch",
+                 "after")
 
     def as_dict(self) -> dict:
         return {"group": self.group.name, "ranks": self.group.ranks, "seq": self.seq, "kind": self.kind,
                 "label": self.label, "bytes": self.nbytes, "peer": self.peer, "issued": self.issued,
-                "ended": self.ended, "state": self.state}
+                "ended": self.ended, "state": self.state, "index": self.index, "batch": self.batch,
+                "after": list(self.after)}
 
 
 class Recorder:
@@ -135,24 +152,37 @@ class Recorder:
         self._watched = None                 # (FAILED_CHANGES, entry) the watcher last read at
         self._raised: dict[int, dict] = {}   # rank of this process -> positions at its last error
         self._standing: set[int] = set()     # ranks of this process whose posted error stands
+        self.count = 0                       # entries issued by this process: the next one's index
+        self.batches = 0                     # batches posted by this process: the last one's number
+        self._waited: list[int] = []         # indices of the entries waited on since the last issue
+        self._unsettled: list[tuple] = []    # NCCL: (entry, work) waited on, not yet seen completed
+        self._tapes: list[list] = []         # the lists of the open recording() blocks
 
     # ---- the collective path: no communication -----------------------------------------------
-    def issue(self, group, kind: str, label: str, nbytes: int, peer: int | None = None) -> Entry:
+    def issue(self, group, kind: str, label: str, nbytes: int, peer: int | None = None,
+              batch: int | None = None) -> Entry:
         if self._standing:
             self.resume()
+        if self._unsettled:
+            self.settle()
         if group is None:
             group = dist.distributed_c10d._get_default_group()
         g = self._groups.get(group)
         if g is None:
             g = self._groups[group] = _Group(group.group_desc, dist.get_process_group_ranks(group),
-                                             dist.get_backend(group) == "gloo")
+                                             dist.get_backend(group))
         key = None if peer is None else (kind, peer)
         e = Entry()
         e.group, e.seq = g, g.seq.get(key, 0) + 1
         g.seq[key] = e.seq
         e.kind, e.label, e.nbytes, e.peer = kind, label, nbytes, peer
         e.issued, e.ended, e.state = time.time(), None, "issued"
+        e.index, e.batch, e.after = self.count, batch, tuple(self._waited)
+        self.count += 1
+        self._waited = []
         self.ring.append(e)
+        for tape in self._tapes:
+            tape.append(e)
         self.changes += 1
         if self._publisher is None:
             self._start_publisher()
@@ -162,6 +192,36 @@ class Recorder:
         if e.state == "issued":
             e.state, e.ended = "completed", time.time()
             self.changes += 1
+
+    def waited(self, e: Entry, work) -> None:
+        """A wait for ``e`` returned: what is issued next depends on it. Complete on gloo; on
+        NCCL once ``work.is_completed()`` says so (now, or at a later ``settle``)."""
+        self._waited.append(e.index)
+        if not e.group.nccl:
+            self.complete(e)
+        elif work is None or work.is_completed():
+            self.complete(e)
+        else:
+            with self._lock:
+                self._unsettled.append((e, work))
+                del self._unsettled[:-RING]      # older ones have left the ring: nobody reads them
+
+    def settle(self) -> None:
+        """NCCL: complete the waited entries whose work completed since."""
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        kept = []
+        for e, work in pending:
+            try:
+                done = work.is_completed()
+            except RuntimeError:     # it failed: its wait or the watchdog says how
+                done = False
+            if done:
+                self.complete(e)
+            elif e.state == "issued":
+                kept.append((e, work))
+        with self._lock:
+            self._unsettled[:0] = kept
 
     def positions(self) -> dict[str, int]:
         """How many collectives this process issued on each group (and transfers, per kind and
@@ -273,6 +333,8 @@ class Recorder:
                     beat = now
                 if self.waiting is not None:
                     self._watch(store)
+                if self._unsettled:
+                    self.settle()
             except Exception:
                 refused = store
 
@@ -283,6 +345,8 @@ class Recorder:
         if e.state != "failed":
             e.state, e.ended = "failed", time.time()
             self.changes += 1
+        if self._unsettled:
+            self.settle()
         if dist.get_backend() == "fake":
             return None
         rank = dist.get_rank()
@@ -349,8 +413,8 @@ RECORDER = Recorder()
 
 
 class Watched:
-    """An asynchronous collective's handle: ``wait`` notes its completion, or raises
-    ``CollectiveError`` when it failed."""
+    """An asynchronous collective's handle: ``wait`` notes that it was waited on (and, on gloo,
+    its completion: ``Recorder.waited``), or raises ``CollectiveError`` when it failed."""
     __slots__ = ("_work", "_entry")
 
     def __init__(self, work, entry: Entry):
@@ -365,7 +429,7 @@ class Watched:
             if err is None:
                 raise
             raise err from exc
-        RECORDER.complete(self._entry)
+        RECORDER.waited(self._entry, self._work)
         return ok
 
     def _wait_in_slices(self) -> bool:
@@ -390,7 +454,10 @@ class Watched:
                 RECORDER.waiting = None
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        done = self._work.is_completed()
+        if done and self._entry.group.nccl:
+            RECORDER.complete(self._entry)
+        return done
 
     def get_future(self):
         return self._work.get_future()
@@ -411,8 +478,8 @@ def launch(group, kind: str, label: str, nbytes: int, start, *args, peer: int | 
     except BaseException:
         e.state, e.ended = "failed", time.time()
         raise
-    if work is None:
-        RECORDER.complete(e)
+    if work is None:        # synchronous: waited on by the call
+        RECORDER.waited(e, None)
         return None
     return Watched(work, e)
 
@@ -427,6 +494,70 @@ def irecv(tensor, peer: int, group, label: str, tag: int = 0) -> Watched:
     """``dist.irecv`` from global rank ``peer`` over ``group``, noted in the recorder."""
     return launch(group, "recv", label, tensor.numel() * tensor.element_size(), dist.irecv, tensor, peer,
                   group, tag, peer=peer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One transfer of a ``batch``: ``kind`` "send" or "recv", ``tensor`` to or from global
+    rank ``peer`` over ``group``."""
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    group: object
+    label: str
+    tag: int = 0
+
+
+def batch(transfers: list[Transfer]) -> list[Watched]:
+    """Post ``transfers`` together (``dist.batch_isend_irecv``: on NCCL one group of operations,
+    all in flight at once, so that none waits on the stream behind another of the batch; gloo
+    issues them one by one), noting each in the recorder under one batch number. Transfers over
+    several groups (gloo's second pp group) are posted as one call per group, groups in order of
+    first appearance. Returns a handle per transfer, in order; on NCCL one work stands for the
+    whole batch, and each transfer's handle waits for it."""
+    if not transfers:
+        return []
+    RECORDER.batches += 1
+    number = RECORDER.batches
+    entries = [RECORDER.issue(t.group, t.kind, t.label, t.tensor.numel() * t.tensor.element_size(), t.peer, number)
+               for t in transfers]
+    groups: list[tuple] = []      # (group, indices of its transfers)
+    for i, t in enumerate(transfers):
+        at = next((idx for g, idx in groups if g is t.group), None)
+        if at is None:
+            groups.append((t.group, [i]))
+        else:
+            at.append(i)
+    handles: list = [None] * len(transfers)
+    for group, idx in groups:
+        ops = [dist.P2POp(dist.isend if transfers[i].kind == "send" else dist.irecv, transfers[i].tensor,
+                          transfers[i].peer, group, transfers[i].tag) for i in idx]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            for i in idx[1:]:
+                entries[i].state, entries[i].ended = "failed", time.time()
+            err = RECORDER.failure(entries[idx[0]], exc)
+            if err is None:
+                raise
+            raise err from exc
+        assert len(works) in (1, len(idx)), (len(works), len(idx))
+        for k, i in enumerate(idx):
+            handles[i] = Watched(works[k if len(works) == len(idx) else 0], entries[i])
+    return handles
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every entry this process issues is also appended, in issue order, to
+    the list the block receives (the ring keeps the last ``RING``): the issue order that
+    ``autopar.runtime.ordering`` replays (``Entry.as_dict`` gives each as data)."""
+    tape: list[Entry] = []
+    RECORDER._tapes.append(tape)
+    try:
+        yield tape
+    finally:
+        RECORDER._tapes.remove(tape)
 
 
 # ---- failing together -------------------------------------------------------------------------

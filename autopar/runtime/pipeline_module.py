@@ -4,9 +4,21 @@
 slice into ``plan.microbatches`` micro-batches and executes the rank's lowered action list
 (``autopar.schedule``): F runs a stage on a micro-batch, B its backward (the input gradient
 only when the schedule splits backward), W the deferred weight gradients, and SEND/RECV move
-activations and their gradients point to point, asynchronously (``isend``/``irecv``, one tag
-per (kind, stage, micro-batch, value), so messages never pair up wrongly). Each micro-batch's
-loss is scaled by 1/m, so the accumulated gradients are those of the mean loss over the slice.
+activations and their gradients point to point, asynchronously (one tag per (kind, stage,
+micro-batch, value), so messages never pair up wrongly). Each micro-batch's loss is scaled by
+1/m, so the accumulated gradients are those of the mean loss over the slice.
+
+The transfers are posted in batches (``flight.batch``, ``dist.batch_isend_irecv``), at the
+places ``schedule.batch_transfers`` gives: every message is posted at the same point of the
+schedule's event-time replay on both sides, so that on NCCL, where a rank's transfers run on
+one stream in issue order and each waits for its counterpart, none waits behind a transfer
+whose counterpart waits for it (``autopar.runtime.ordering`` replays the order by NCCL's
+rules). ``eval_step`` runs its forward-only order the same way, and the tied gradients go in
+one batch. On gloo the transfers to a lower rank go over a second group of the pp ranks
+(``pp:down``), so that the two directions between two ranks never share a connection
+(``_p2p_group``: crossing transfers wait on each other on one gloo connection); on NCCL one
+group carries both, in the same order, and two groups only take order away, so the gloo order
+is NCCL's with the two groups apart.
 
 Each stage is an ordinary compiled module (dp and tp inside it, as without a pipeline); its
 data-parallel gradient reduction is deferred to the end of the step (accumulated over the
@@ -16,7 +28,6 @@ embedding and LM head) gets the sum of both stages' gradients.
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from contextlib import contextmanager
 
@@ -26,16 +37,21 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..meta import RNG, STASH
-from ..schedule import Action, Schedule, lower, simulate
+from ..schedule import Action, Schedule, batch_transfers, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, has_loss, model_loss, sum_dtype,
-                     post_step_errors, refuse_per_tensor_offload, slice_batch)
-from .optim import check_optimizer
+from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, cast_outputs, has_loss, model_loss,
+                     sum_dtype, post_step_errors, refuse_per_tensor_offload, slice_batch)
+from .optim import built_here, check_optimizer
 from .rng import draw_masks
+from .timing import Spans, now
 
-__all__ = ["PipelineModule"]
+__all__ = ["PipelineModule", "NCCL_MERGE"]
+
+# The group the runtime makes on gloo alone (``_p2p_group``), mapped to the one its transfers
+# take on NCCL: ``ordering.replay(orders, merge=NCCL_MERGE)`` replays a gloo run's order as NCCL's.
+NCCL_MERGE = {"pp:down": "pp"}
 
 
 class PipelineModule(DistributedModule):
@@ -47,6 +63,8 @@ class PipelineModule(DistributedModule):
         self.ctx, self.plan, self.mesh = ctx, ctx.plan, ctx.mesh
         self.schedule = schedule
         self.stages = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
+        for st in self.stages.values():
+            st.output_boundary = False      # a stage's outputs go on to the next (cast_outputs: the last's, here)
         self.p, self.pp_index = self.mesh.axis_size("pp"), self.mesh.coordinate("pp")
         self._pp_group = self.mesh.group("pp") if "pp" in self.mesh.axes else None
         self._pp_down = self._pp_group       # the group of the transfers to a lower rank: see _p2p_group
@@ -55,8 +73,9 @@ class PipelineModule(DistributedModule):
         names = list(self.mesh.axes)
         self._pp_stride = math.prod(list(self.mesh.axes.values())[names.index("pp") + 1:]) if "pp" in names else 1
         lowered = lower(schedule)
-        self._actions = lowered[self.pp_index]
         self._position = [{a: i for i, a in enumerate(acts)} for acts in lowered]   # per pp rank: action -> index
+        self._steps = batch_transfers(schedule, lowered)[self.pp_index]      # compute actions and batches
+        self._eval_steps = batch_transfers(_forward_only(schedule))[self.pp_index]
         self._holders = {}   # parameter -> stages holding it
         for spec in ctx.stages:
             for name in spec.held:
@@ -84,7 +103,8 @@ class PipelineModule(DistributedModule):
         next stage's gradients come back; the tied gradients' exchange) wait on each other:
         on 2 processes, 24 KB each way at once after 5 ms of compute took 2.69 ms (median of
         60; the send call itself up to 7 ms) on one group and 0.29 ms over the two, as long as
-        one way (benchmarks/gloo_crossing.py; BENCHMARKS.md). NCCL keeps one group."""
+        one way (benchmarks/gloo_crossing.py; BENCHMARKS.md). NCCL keeps one group: its
+        transfers are ordered by ``batch_transfers`` so that none waits behind another."""
         return self._pp_group if src < dst else self._pp_down
 
     def _tag(self, kind: int, stage: int, mb: int, j: int) -> int:
@@ -146,29 +166,20 @@ class PipelineModule(DistributedModule):
             return loss
         flat_t, t_spec = self._split(targets, m)
         if self.training and self.ctx.rng_sites:   # every site's mask, in the single-device order
-            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng,
+                       mesh=self.mesh, device=self._device())
         state = _StepState()
         for st in self.stages.values():
             st._sync.defer = True
-        start = time.time()
-        self.timeline = []
+        start = now(self._device(), wall=True)
+        self.timeline, state.spans = [], Spans(self._device())
         try:
-            acts = self._actions
-            posted = 0
-            for i, a in enumerate(acts):
-                if a.kind in ("F", "B", "W"):
-                    # post the receives up to the next compute action now: the transfer runs
-                    # while this action computes instead of after it
-                    nxt = next((j for j in range(i + 1, len(acts)) if acts[j].kind in ("F", "B", "W")), len(acts))
-                    for j in range(max(posted, i + 1), nxt):
-                        if acts[j].kind.startswith("RECV") and self._can_post(acts[j], state):
-                            self._run(acts[j], state, flat_in, flat_t, t_spec, loss_fn)
-                    posted = max(posted, nxt)
-                elif a.kind.startswith("RECV") and (a.kind, a.stage, a.mb) in state.posted:
-                    continue
-                self._run(a, state, flat_in, flat_t, t_spec, loss_fn)
-                if a.kind in ("F", "B", "W"):
+            for step in self._steps:
+                if isinstance(step, Action):
+                    self._run(step, state, flat_in, flat_t, t_spec, loss_fn)
                     self._release_sends(state)
+                else:
+                    self._post(step, state)
             for _, _, works in state.sends:
                 for w in works:
                     w.wait()
@@ -176,7 +187,8 @@ class PipelineModule(DistributedModule):
         finally:
             for st in self.stages.values():
                 st._sync.defer = False
-        self.step_time = time.time() - start
+        self.step_time = now(self._device(), wall=True) - start
+        self.timeline = [(name, state.spans.seconds(a), state.spans.seconds(b)) for name, a, b in self.timeline]
         if self._no_sync:      # gradient accumulation: the step after the block reduces the sum
             return self._step_loss(state)
         for k in sorted(self.stages, key=int):          # dp reduction, every stage in one order
@@ -219,48 +231,43 @@ class PipelineModule(DistributedModule):
         m, last = self.schedule.m, self.schedule.n_stages - 1
         flat_in, _ = self._inputs(inputs, kwargs, m)
         flat_t, t_spec = self._split(targets, m)
-        own_loss = loss_fn is None and has_loss(self.ctx.out_spec)
+        own_loss = loss_fn is None and has_loss(self.ctx.out_spec, self.ctx.output_dims)
         other = self._other_shape(flat_in[0], inputs, kwargs)
         if other is not None:
             return other.eval_step(inputs, targets, loss_fn, kwargs=kwargs)
         if self.training and self.ctx.rng_sites:
-            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng)
-        losses, results, sends = [], [], []
+            draw_masks(self.ctx.rng_sites, self._mask_holders(), microbatches=m, mode=self.plan.dropout_rng,
+                       mesh=self.mesh, device=self._device())
+        losses, results, s = [], [], _StepState()
         with torch.no_grad():
-            for mb in range(m):
-                for k in sorted(int(x) for x in self.stages):
-                    st, spec = self.stages[str(k)], self.ctx.stages[k]
-                    received = []
-                    if k > 0:
-                        shapes = st.ctx.input_shapes[len(spec.graph_inputs):]
-                        dtypes = st.ctx.input_dtypes[len(spec.graph_inputs):]
-                        received = self._take_now(self._irecv(0, Action(k, "F", mb), shapes, dtypes, k - 1))
-                    masks = getattr(st.module, RNG, None)
-                    if masks is not None:
-                        masks.microbatch = mb
-                    out = st(*[flat_in[mb][i] for i in spec.graph_inputs], *received)
-                    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-                    if k < last:
-                        sends += self._isend(0, Action(k + 1, "F", mb), outs, k + 1)
-                    elif loss_fn is not None or own_loss:
-                        result = pytree.tree_unflatten(outs, self.ctx.out_spec)
-                        losses.append(self._loss(result, flat_t[mb] if flat_t else None, t_spec, loss_fn) / m)
-                    else:
-                        results.append(pytree.tree_unflatten(outs, self.ctx.out_spec))
-            for w in sends:
-                w.wait()
+            for step in self._eval_steps:      # per micro-batch, this rank's stages in order
+                if not isinstance(step, Action):
+                    self._post(step, s, release=False)
+                    continue
+                k, mb = step.stage, step.mb
+                st, spec = self.stages[str(k)], self.ctx.stages[k]
+                key = ("F", k, mb)
+                received = self._received(s, key) if key in s.recv else []
+                masks = getattr(st.module, RNG, None)
+                if masks is not None:
+                    masks.microbatch = mb
+                out = st(*[flat_in[mb][i] for i in spec.graph_inputs], *received)
+                outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                if k < last:
+                    s.outputs[(k, mb)] = outs
+                elif loss_fn is not None or own_loss:
+                    result = cast_outputs(pytree.tree_unflatten(outs, self.ctx.out_spec), self.plan)
+                    losses.append(self._loss(result, flat_t[mb] if flat_t else None, t_spec, loss_fn) / m)
+                else:
+                    results.append(cast_outputs(pytree.tree_unflatten(outs, self.ctx.out_spec), self.plan))
+            for _, _, works in s.sends:
+                for w in works:
+                    w.wait()
         if loss_fn is None and not own_loss:
             if not results:
                 return None
             return pytree.tree_map(lambda *xs: torch.cat(xs), *results) if len(results) > 1 else results[0]
         return self._step_loss(_StepState(losses=losses))
-
-    @staticmethod
-    def _take_now(posted):
-        bufs, works = posted
-        for w in works:
-            w.wait()
-        return bufs
 
     def _other_shape(self, first, inputs, kwargs):
         """None where the micro-batch ``first`` has the compiled shapes; else the pipeline for its
@@ -295,77 +302,96 @@ class PipelineModule(DistributedModule):
         return other
 
     def _run(self, a: Action, s: "_StepState", flat_in, flat_t, t_spec, loss_fn):
+        """A compute action: wait for its message, if any (idle time, not compute), then run it."""
         st = self.stages[str(a.stage)]
         spec = self.ctx.stages[a.stage]
-        if a.kind.startswith("RECV"):
-            s.posted.add((a.kind, a.stage, a.mb))
-        if a.kind == "RECV_F":
-            shapes = st.ctx.input_shapes[len(spec.graph_inputs):]
-            dtypes = st.ctx.input_dtypes[len(spec.graph_inputs):]
-            s.recv[("F", a.stage, a.mb)] = self._irecv(0, a, shapes, dtypes, a.stage - 1)
-        elif a.kind == "RECV_B":
-            outs = s.outputs[(a.stage, a.mb)]
-            float_outs = [o for o in outs if o.is_floating_point()]
-            s.recv[("B", a.stage, a.mb)] = self._irecv(1, a, [tuple(o.shape) for o in float_outs],
-                                                        [o.dtype for o in float_outs], a.stage + 1)
-        elif a.kind == "SEND_F":
-            outs = s.outputs[(a.stage, a.mb)]
-            works = self._isend(0, Action(a.stage + 1, "F", a.mb), [o.detach() for o in outs], a.stage + 1)
-            s.sends.append(self._matching(Action(a.stage + 1, "RECV_F", a.mb), works))
-        elif a.kind == "SEND_B":
-            grads = s.input_grads.pop((a.stage, a.mb))
-            works = self._isend(1, Action(a.stage - 1, "B", a.mb), grads, a.stage - 1)
-            s.sends.append(self._matching(Action(a.stage - 1, "RECV_B", a.mb), works))
+        key = (a.kind, a.stage, a.mb)
+        got = self._take(s, key) if key in s.recv else None
+        t0 = s.spans.mark()    # the span holds the device's work (timing.Spans), resolved after the step
+        if a.kind == "F":
+            self._forward(a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn)
+        elif a.kind == "B":
+            self._backward(a, st, s, got)
         else:
-            key = (a.kind, a.stage, a.mb)     # waiting for a message is idle time, not compute
-            got = self._take(s, key) if key in s.recv else None
-            t0 = time.time()
-            if a.kind == "F":
-                self._forward(a, st, spec, s, got, flat_in, flat_t, t_spec, loss_fn)
-            elif a.kind == "B":
-                self._backward(a, st, s, got)
+            getattr(st.module, STASH).run(a.mb)
+        self.timeline.append((str(a), t0, s.spans.mark()))
+
+    def _post(self, batch: tuple, s: "_StepState", release: bool = True) -> None:
+        """Post a batch of ``batch_transfers`` together (``flight.batch``): each receive into
+        fresh buffers (a gradient's take the shapes of the stage's outputs: its forward ran
+        before, as the gradient is sent after the peer's forward that needs that forward's outputs), each
+        send of what a compute action before it produced. ``release``: the sends are dropped
+        once the peer is known to have posted their receives (``_release_sends``), else kept
+        to the end."""
+        transfers, posted = [], []      # posted: (action, receive buffers or None, how many transfers)
+        for a in batch:
+            st, spec = self.stages[str(a.stage)], self.ctx.stages[a.stage]
+            if a.kind == "RECV_F":
+                shapes = st.ctx.input_shapes[len(spec.graph_inputs):]
+                dtypes = st.ctx.input_dtypes[len(spec.graph_inputs):]
+                bufs, more = self._receives(0, a, shapes, dtypes, a.stage - 1)
+            elif a.kind == "RECV_B":
+                outs = [o for o in s.outputs[(a.stage, a.mb)] if o.is_floating_point()]
+                bufs, more = self._receives(1, a, [tuple(o.shape) for o in outs], [o.dtype for o in outs], a.stage + 1)
+            elif a.kind == "SEND_F":
+                bufs, more = None, self._sends(0, Action(a.stage + 1, "F", a.mb),
+                                               [o.detach() for o in s.outputs[(a.stage, a.mb)]], a.stage + 1)
             else:
-                getattr(st.module, STASH).run(a.mb)
-            self.timeline.append((str(a), t0, time.time()))
+                bufs, more = None, self._sends(1, Action(a.stage - 1, "B", a.mb), s.input_grads.pop((a.stage, a.mb)),
+                                               a.stage - 1)
+            transfers += more
+            posted.append((a, bufs, len(more)))
+        handles = iter(flight.batch(transfers))
+        for a, bufs, n in posted:
+            works = [next(handles) for _ in range(n)]
+            if bufs is not None:
+                kind = "activations" if a.kind == "RECV_F" else "gradients"
+                s.recv[(a.kind[-1], a.stage, a.mb)] = bufs, self._traced(works, f"recv[pp] {kind} {a}")
+                continue
+            target = Action(a.stage + 1, "F", a.mb) if a.kind == "SEND_F" else Action(a.stage - 1, "B", a.mb)
+            works = self._traced(works, f"send[pp] {'activations' if a.kind == 'SEND_F' else 'gradients'} for {target}")
+            recv = Action(target.stage, "RECV_" + target.kind, target.mb)
+            s.sends.append(self._matching(recv, works) if release else (None, None, works))
 
-    @staticmethod
-    def _can_post(a, s) -> bool:
-        """A gradient's receive buffer takes the shapes of the stage's outputs: known once its
-        forward ran (always, before the backward that needs it)."""
-        return a.kind == "RECV_F" or (a.stage, a.mb) in s.outputs
-
-    def _irecv(self, kind, a, shapes, dtypes, peer_stage):
+    def _receives(self, kind, a, shapes, dtypes, peer_stage) -> tuple:
+        """Fresh buffers for a receive action's tensors, and their transfers from the peer stage's rank."""
         bufs = [torch.empty(sh, dtype=dt, device=self._device()) for sh, dt in zip(shapes, dtypes)]
         src = self._rank_of_stage(peer_stage)
         what = f"{'activations' if kind == 0 else 'gradients'} for {Action(a.stage, 'FB'[kind], a.mb)}"
         group = self._p2p_group(src, self.mesh.rank)
-        works = [flight.irecv(b, src, group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
-                 for j, b in enumerate(bufs)]
-        return bufs, self._traced(works, f"recv[pp] {'activations' if kind == 0 else 'gradients'} {a}")
+        return bufs, [flight.Transfer("recv", b, src, group, f"{what} [{j}]", self._tag(kind, a.stage, a.mb, j))
+                      for j, b in enumerate(bufs)]
 
-    def _isend(self, kind, target: Action, tensors, peer_stage):
+    def _sends(self, kind, target: Action, tensors, peer_stage) -> list:
+        """The transfers of a send action's tensors to the peer stage's rank (their bytes counted)."""
         dst = self._rank_of_stage(peer_stage)
         tensors = [t.contiguous() for t in tensors]
         self.comm_stats.record("pp", "send", "forward" if kind == 0 else "backward",
                                sum(t.numel() * t.element_size() for t in tensors))
         what = f"{'activations' if kind == 0 else 'gradients'} for {target}"
         group = self._p2p_group(self.mesh.rank, dst)
-        return self._traced([flight.isend(t, dst, group, f"{what} [{j}]",
-                                          self._tag(kind, target.stage, target.mb, j))
-                             for j, t in enumerate(tensors)], f"send[pp] {what}")
+        return [flight.Transfer("send", t, dst, group, f"{what} [{j}]", self._tag(kind, target.stage, target.mb, j))
+                for j, t in enumerate(tensors)]
 
     def _traced(self, works, name):
         """Under ``record_timeline``, the transfers' handles record completion and blocking waits."""
         trace = self.comm_stats.trace
         if trace is None:
             return works
-        now = time.perf_counter()
-        return [TracedWork(w, name, now, trace) for w in works]
+        device = self._device()
+        start = now(device)
+        return [TracedWork(w, name, start, trace, device) for w in works]
 
-    def _take(self, s, key):
+    @staticmethod
+    def _received(s, key):
+        """The buffers of a posted receive, once its transfers completed."""
         bufs, works = s.recv.pop(key)
         for w in works:
             w.wait()
+        return bufs
+
+    def _take(self, s, key):
+        bufs = self._received(s, key)
         kind, stage, mb = key     # what the peer did before it sent this: see _release_sends
         sent_by = Action(stage - 1, "SEND_F", mb) if kind == "F" else Action(stage + 1, "SEND_B", mb)
         peer = self.schedule.rank_of(sent_by.stage)
@@ -411,7 +437,7 @@ class PipelineModule(DistributedModule):
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         s.inputs[(a.stage, a.mb)] = received
         if a.stage == self.schedule.n_stages - 1:
-            result = pytree.tree_unflatten(outs, self.ctx.out_spec)
+            result = cast_outputs(pytree.tree_unflatten(outs, self.ctx.out_spec), self.plan)   # as dm(x)'s
             loss = self._loss(result, flat_t[a.mb] if flat_t else None, t_spec, loss_fn)
             s.losses.append(loss.detach() / self.schedule.m)
             s.outputs[(a.stage, a.mb)] = [loss / self.schedule.m]
@@ -443,7 +469,10 @@ class PipelineModule(DistributedModule):
     # ---- after the step: tied parameters ----------------------------------------------------
     def _sum_tied_grads(self):
         """A parameter held by several stages (tied weights) gets the sum of their gradients,
-        on every holder: added locally, then exchanged between the ranks holding it."""
+        on every holder: added locally, then exchanged between the ranks holding it, every
+        parameter's in one batch (a rank sends its sum to every other holder and receives
+        theirs: posted together, no transfer waits behind another on NCCL's stream)."""
+        transfers, summed = [], []      # summed: (the holders' parameters, this rank's sum, the peers' sums)
         for name, stages in self._holders.items():
             if len(stages) < 2 or not self._trainable(name):
                 continue
@@ -455,23 +484,23 @@ class PipelineModule(DistributedModule):
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            local = sum(p.grad for p in params)
-            total = local.clone()
-            works, bufs = [], []
+            local = sum(p.grad for p in params).contiguous()
+            bufs = []
             for r in ranks:
                 if r == self.pp_index:
                     continue
                 peer = self._rank_of_stage(r)
-                works.append(flight.isend(local.contiguous(), peer, self._p2p_group(self.mesh.rank, peer),
-                                          f"tied gradient {name}",
-                                          9_000_000 + r))
+                transfers.append(flight.Transfer("send", local, peer, self._p2p_group(self.mesh.rank, peer),
+                                                 f"tied gradient {name}", 9_000_000 + r))
                 self.comm_stats.record("pp", "send", "tied", local.numel() * local.element_size())
-                buf = torch.empty_like(local)
-                works.append(flight.irecv(buf, peer, self._p2p_group(peer, self.mesh.rank), f"tied gradient {name}",
-                                          9_000_000 + self.pp_index))
-                bufs.append(buf)
-            for w in works:
-                w.wait()
+                bufs.append(torch.empty_like(local))
+                transfers.append(flight.Transfer("recv", bufs[-1], peer, self._p2p_group(peer, self.mesh.rank),
+                                                 f"tied gradient {name}", 9_000_000 + self.pp_index))
+            summed.append((params, local, bufs))
+        for w in flight.batch(transfers):
+            w.wait()
+        for params, local, bufs in summed:
+            total = local.clone()
             for b in bufs:
                 total += b
             for p in params:
@@ -508,6 +537,7 @@ class PipelineModule(DistributedModule):
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
         post_step_errors(opt)
+        built_here(opt)
         self._optimizer = weakref.ref(opt)
         return opt
 
@@ -583,9 +613,9 @@ class PipelineModule(DistributedModule):
         for st in self.stages.values():
             st.load_full_state_dict(state)
 
-    def to_empty(self, *, device="cpu") -> "PipelineModule":
-        """Allocate storage for every stage this rank runs (a model captured on the meta device);
-        follow with ``load_full_state_dict``."""
+    def to_empty(self, *, device=None) -> "PipelineModule":
+        """Allocate storage for every stage this rank runs (a model captured on the meta device),
+        on ``device`` (default the mesh's, ``Mesh.device``); follow with ``load_full_state_dict``."""
         for st in self.stages.values():
             st.to_empty(device=device)
         return self
@@ -629,13 +659,20 @@ class PipelineModule(DistributedModule):
         return trace.as_dict()
 
 
+def _forward_only(schedule: Schedule) -> Schedule:
+    """``eval_step``'s order: per micro-batch, each rank's stages in order (forwards only)."""
+    ranks = [[Action(k, "F", mb) for mb in range(schedule.m) for k in range(r, schedule.n_stages, schedule.p)]
+             for r in range(schedule.p)]
+    return Schedule("forward only", schedule.p, schedule.v, schedule.m, False, tuple(ranks))
+
+
 class _StepState:
     def __init__(self, losses=None):
         self.recv: dict = {}
-        self.posted: set = set()
         self.sends: list = []      # (peer pp rank, index of its matching receive, handles): _release_sends
         self.heard: dict = {}      # peer pp rank -> index of the latest send of its that was received here
         self.inputs: dict = {}
         self.outputs: dict = {}
         self.input_grads: dict = {}
         self.losses: list = losses if losses is not None else []
+        self.spans = Spans()       # train_step's: on the stages' device

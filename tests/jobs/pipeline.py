@@ -189,32 +189,20 @@ def pipeline_timeline(out_dir):
 
 
 def pp_directions(plan_kwargs):
-    """(group, source, destination) of every transfer this rank issued in one training step of
-    a GPT (tied embedding and head: their gradients exchanged after the schedule) pipelined
-    over every rank under ``plan_kwargs``, as ``flight.isend`` / ``flight.irecv`` were called."""
+    """(kind, group, source, destination) of every transfer this rank issued in one training
+    step of a GPT (tied embedding and head: their gradients exchanged after the schedule)
+    pipelined over every rank under ``plan_kwargs``, as the flight recorder noted them."""
     from autopar.runtime import flight
     torch.set_num_threads(1)
     c = GPTConfig(layers=4)
     x, t = gpt_batch(c, 8)
-    me, seen = dist.get_rank(), []
+    me = dist.get_rank()
     dm = autopar.compile(TinyGPT(c), autopar.Mesh(pp=dist.get_world_size()), example_inputs=(x,),
                          plan=autopar.Plan(**plan_kwargs))
-    send, recv = flight.isend, flight.irecv
-
-    def isend(tensor, peer, group, *args, **kwargs):
-        seen.append(("send", group.group_desc, me, peer))
-        return send(tensor, peer, group, *args, **kwargs)
-
-    def irecv(tensor, peer, group, *args, **kwargs):
-        seen.append(("recv", group.group_desc, peer, me))
-        return recv(tensor, peer, group, *args, **kwargs)
-
-    flight.isend, flight.irecv = isend, irecv
-    try:
+    with flight.recording() as tape:
         dm.train_step((x,), t, lm_loss)
-    finally:
-        flight.isend, flight.irecv = send, recv
-    return seen
+    return [(e.kind, e.group.name) + ((me, e.peer) if e.kind == "send" else (e.peer, me))
+            for e in tape if e.peer is not None]
 
 
 class _BatchStatisticFirst(torch.nn.Module):
