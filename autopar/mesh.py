@@ -20,7 +20,7 @@ from typing import Optional, Union
 AXIS_ROLES = ("pp", "dp", "cp", "tp")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)   # how long a collective may wait for its peers
 
-__all__ = ["Mesh", "AXIS_ROLES", "DEFAULT_TIMEOUT"]
+__all__ = ["Mesh", "AXIS_ROLES", "DEFAULT_TIMEOUT", "process_device"]
 
 # (ranks, timeout, description) -> (the default group it was made under, the group). new_group
 # is a rendezvous through the store (about 0.1 s on gloo); a mesh of a shape already made in
@@ -28,6 +28,17 @@ __all__ = ["Mesh", "AXIS_ROLES", "DEFAULT_TIMEOUT"]
 # makes every mesh's groups in one order, so every rank hits or misses alike; a new world (after
 # destroy_process_group) has another default group and makes its own.
 _GROUPS: dict = {}
+
+
+def process_device():
+    """The device this process computes on where no model says: its current CUDA device when
+    the default process group is NCCL's (under torchrun, the one ``torch.cuda.set_device``
+    chose for the rank; NCCL's collectives take tensors there), else the CPU."""
+    import torch
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _new_group(dist, row: list, timeout, desc: str):
@@ -122,6 +133,21 @@ class Mesh:
             self._groups[key] = self._new_groups(axis, channel)
         return self._groups[key]
 
+    def world_group(self):
+        """The process group of all the mesh's ranks (None for a virtual mesh), described as
+        ``mesh``, under the mesh's timeout: what the whole mesh agrees on goes over it (the
+        random stream of dropout, ``autopar.runtime.rng``). A group of its own, not the default
+        group (whose timeout is the launcher's) nor an axis's (its collectives would queue
+        behind that axis's); created on first use, by every rank at the same point of the
+        program (``torch.distributed.new_group`` is collective)."""
+        if self.virtual:
+            return None
+        key = ("", "mesh")
+        if key not in self._groups:
+            import torch.distributed as dist
+            self._groups[key] = _new_group(dist, list(range(self.size)), self.timeout, "mesh")
+        return self._groups[key]
+
     def _ranks(self):
         import torch
         return torch.arange(self.size).reshape(tuple(self.axes.values()))
@@ -139,13 +165,20 @@ class Mesh:
         return mine
 
     @property
+    def device(self):
+        """The device this rank computes on where its model does not say (a model built on the
+        meta device): ``process_device()``, its current CUDA device when the default process
+        group is NCCL's, else the CPU."""
+        return process_device()
+
+    @property
     def device_mesh(self):
         """A ``torch.distributed.device_mesh.DeviceMesh`` over the mesh's groups (None if virtual)."""
         if self._device_mesh is None and not self.virtual:
             import torch.distributed as dist
             from torch.distributed.device_mesh import DeviceMesh
             self._device_mesh = DeviceMesh.from_group(
-                [self._groups[(a, "")] for a in self.axes], "cuda" if dist.get_backend() == "nccl" else "cpu",
+                [self._groups[(a, "")] for a in self.axes], self.device.type,
                 mesh=self._ranks(), mesh_dim_names=tuple(self.axes))
         return self._device_mesh
 

@@ -202,7 +202,7 @@ def _bind(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple = ()) -> fx.
             root[node.target] = gm.get_submodule(node.target)
     if ctx.rng_local:
         masks = RandomMasks(sites or ctx.rng_sites, ctx.rng_local, external=bool(sites), mode=ctx.plan.dropout_rng,
-                            device=ctx.device_type)
+                            mesh=ctx.mesh)
         masks.replayed = set(ctx.rng_replayed) & set(ctx.rng_local)
         root[RNG] = masks
     return fx.GraphModule(root, gm.graph, class_name="AutoparRankShape")

@@ -11,7 +11,8 @@ op autopar cannot reproduce is refused there, naming the node.
 keeps is worked out from the node's layout: along the batch dim (the dp strategy's output
 placement) the rows of this rank's data-parallel slice (per micro-batch in a pipeline:
 ``train_step`` cuts the dp slice into micro-batches), then the tp placement's chunk of that.
-See ``autopar.runtime.rng`` for the draw itself and why it draws whole masks.
+See ``autopar.runtime.rng`` for the draw itself (one stream per mesh), why it draws whole
+masks, and ``Plan(dropout_rng="local")``, under which ``rng_sdpa`` runs torch's fused kernel.
 """
 from __future__ import annotations
 

@@ -156,6 +156,78 @@ def test_non_elementwise_optimizer_on_whole_parameters_is_allowed():
         assert isinstance(dm.optimizer(torch.optim.Adafactor, lr=0.01), torch.optim.Adafactor)
 
 
+@pytest.mark.parametrize("plan,axes,why", [
+    (autopar.Plan(dp="zero3"), {"dp": 2}, r"zero3 over dp=2: fc1\.weight, fc1\.bias, fc2\.weight, fc2\.bias"),
+    (autopar.Plan(dp="zero1"), {"dp": 2}, r"zero1 over dp=2: fc1\.weight"),
+    (autopar.Plan(tp=True), {"tp": 2}, r"split by tensor parallelism over tp=2: fc1\.weight, fc1\.bias, fc2\.weight")],
+    ids=["zero3", "zero1", "tp"])
+def test_stock_optimizer_with_per_tensor_statistics_on_shards_is_refused_at_its_first_step(plan, axes, why):
+    """A LAMB-like optimizer built directly on dm.parameters() (not dm.optimizer) raises at its
+    first step, naming the sharded parameters, why they are sharded, and dm.optimizer; nothing
+    was stepped. An elementwise one on the same shards, and the LAMB-like one on a module
+    whose parameters are whole, step."""
+    x = torch.randn(8, 16)
+    with fake_rank(2, 0):
+        dm = autopar.compile(TinyMLP(), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+        for p in dm.parameters():
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in dm.parameters()]
+        opt = semantics.TrustRatio(dm.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"TrustRatio was built directly on the parameters of a compiled module.*"
+                                             + why + r".*computed per shard.*dm\.optimizer\(TrustRatio"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, dm.parameters()))
+        with pytest.raises(ValueError, match="per shard"):
+            opt.step()                      # and at every later step
+        torch.optim.SGD(dm.parameters(), lr=0.1).step()      # elementwise: steps
+        assert not all(torch.equal(a, p) for a, p in zip(before, dm.parameters()))
+        whole = autopar.compile(TinyMLP(), autopar.Mesh(dp=2), example_inputs=(x,), plan=autopar.Plan(dp="ddp"))
+        semantics.TrustRatio(whole.parameters(), lr=0.1).step()
+
+
+def test_stock_optimizer_is_checked_again_when_its_groups_change():
+    """A refusal is not dodged by stepping first on whole parameters and adding the shards."""
+    x = torch.randn(8, 16)
+    with fake_rank(2, 0):
+        dm = autopar.compile(TinyMLP(), autopar.Mesh(dp=2), example_inputs=(x,), plan=autopar.Plan(dp="zero3"))
+        opt = semantics.TrustRatio([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+        opt.step()
+        opt.add_param_group({"params": list(dm.parameters())})
+        with pytest.raises(ValueError, match="TrustRatio was built directly"):
+            opt.step()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["adamw zero3", "adamw zero2", pytest.param("sgd zero3", marks=pytest.mark.slow),
+                                  pytest.param("adamw zero1", marks=pytest.mark.slow),
+                                  pytest.param("adamw tp", marks=pytest.mark.slow)])
+def test_stock_elementwise_optimizer_on_shards_matches_one_device(ranks, name):
+    """torch.optim.X(dm.parameters()) as FSDP2's users build it: under ZeRO-1/2 each step is
+    followed by the replica all-gather dm.optimizer's step ends with, so forward never runs on
+    stale replicas."""
+    for r in ranks(semantics.stock_optimizer, 2, name, timeout=240):
+        assert "error" not in r, r
+        assert r["param_err"] < 1e-5, r
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["trust ratio zero3", pytest.param("trust ratio tp", marks=pytest.mark.slow)])
+def test_stock_trust_ratio_optimizer_is_refused_on_every_rank(ranks, name):
+    for r in ranks(semantics.stock_optimizer, 2, name, timeout=240):
+        assert "was built directly on the parameters" in r.get("error", ""), r
+        assert "dm.optimizer(TrustRatio" in r["error"] and "per shard" in r["error"], r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_stock_refusal_guards_a_real_error(ranks):
+    """The trust-ratio optimizer forced onto ZeRO-3's shards (declared elementwise) trains
+    differently from one device: each shard's norms are not the tensor's."""
+    for r in ranks(semantics.stock_optimizer, 2, "trust ratio zero3 forced elementwise", timeout=240):
+        assert r["param_err"] > 1e-3, r
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["adafactor zero3 per_tensor", "adamw zero2 + lambda lr",
                                   pytest.param("adafactor zero2 per_tensor", marks=pytest.mark.slow),
@@ -190,9 +262,10 @@ def test_dropout_on_an_uneven_sequence_split(ranks):
 @pytest.mark.parametrize("axes", [{"dp": 2}, {"tp": 2}], ids=["dp", "tp"])
 def test_local_dropout_masks_are_independent_where_split_and_shared_where_replicated(ranks, axes):
     """Plan(dropout_rng='local'): each rank draws only its slice. Over dp every mask differs
-    between the ranks (other rows); over tp the attention masks (heads split) differ and the
-    residual dropouts (replicated after the row-parallel all-reduce) are the same on both
-    ranks; the same seed draws the same masks; the drop rate is p."""
+    between the ranks (other rows); over tp the attention masks (heads split: the keys their
+    fused kernel is seeded with) differ and the residual dropouts (replicated after the
+    row-parallel all-reduce) are the same on both ranks; the same seed draws the same masks;
+    the drop rate is p."""
     res = ranks(semantics.local_masks, 2, axes, timeout=240)
     for r in res:
         assert r["repeatable"]

@@ -82,9 +82,10 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
     root[SYNC] = sync
     if tp_comm is not None:
         root[COMM_TP] = tp_comm
+        tp_comm.grad_sink = sync.add_summed     # tp_param_sync's sums reach the masters unrounded
     if ctx.rng_local:
         root[RNG] = RandomMasks(sites or ctx.rng_sites, ctx.rng_local, external=bool(sites),
-                                mode=ctx.plan.dropout_rng, device=ctx.device_type)
+                                mode=ctx.plan.dropout_rng, mesh=ctx.mesh)   # drawn on the module's device
         root[RNG].replayed = set(ctx.rng_replayed) & set(ctx.rng_local)
     out = fx.GraphModule(root, gm.graph, class_name="AutoparRank")
     for name, value in root.items():   # GraphModule keeps only what the graph reads: add the rest

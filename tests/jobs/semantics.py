@@ -257,6 +257,68 @@ def optimizers(name):
             "lr": [g["lr"] for g in opt.param_groups], "ref_lr": [g["lr"] for g in opt_ref.param_groups]}
 
 
+class TrustRatio(torch.optim.Optimizer):
+    """A LAMB-like optimizer: each tensor steps ``lr * ||w|| / ||u|| * u`` with ``u = g + wd * w``,
+    the layer-wise trust ratio of LAMB (You et al., "Large Batch Optimization for Deep Learning",
+    ICLR 2020) without its moments; the two norms are statistics of the whole tensor."""
+
+    def __init__(self, params, lr=0.01, weight_decay=0.01):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad + group["weight_decay"] * p
+                w, u = p.norm(), update.norm()
+                ratio = (w / u) if float(w) > 0 and float(u) > 0 else 1.0
+                p.sub_(group["lr"] * ratio * update)
+
+
+class _ForcedTrustRatio(TrustRatio):
+    """The trust-ratio optimizer declared elementwise (it is not): the negative control."""
+    autopar_elementwise = True
+
+
+STOCK = {   # name -> (plan, mesh axes, optimizer class, its kwargs)
+    "sgd zero3": (autopar.Plan(dp="zero3"), {"dp": 2}, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw zero3": (autopar.Plan(dp="zero3"), {"dp": 2}, torch.optim.AdamW, {"lr": 0.01}),
+    "adamw zero2": (autopar.Plan(dp="zero2"), {"dp": 2}, torch.optim.AdamW, {"lr": 0.01}),
+    "adamw zero1": (autopar.Plan(dp="zero1"), {"dp": 2}, torch.optim.AdamW, {"lr": 0.01}),
+    "adamw tp": (autopar.Plan(tp=True), {"tp": 2}, torch.optim.AdamW, {"lr": 0.01}),
+    "trust ratio zero3": (autopar.Plan(dp="zero3"), {"dp": 2}, TrustRatio, {"lr": 0.05}),
+    "trust ratio tp": (autopar.Plan(tp=True), {"tp": 2}, TrustRatio, {"lr": 0.05}),
+    "trust ratio zero3 forced elementwise": (autopar.Plan(dp="zero3"), {"dp": 2}, _ForcedTrustRatio, {"lr": 0.05}),
+}
+
+
+def stock_optimizer(name, steps=4):
+    """An optimizer built directly on ``dm.parameters()`` (not ``dm.optimizer``) against the
+    same class on one device: {"error": the refusal's message} where its first step raises,
+    else the largest parameter error after ``steps`` steps and both runs' losses."""
+    plan, axes, cls, kwargs = STOCK[name]
+    torch.manual_seed(0)
+    ref = TinyMLP()
+    x, y = mlp_batch(8)
+    dm = autopar.compile(copy.deepcopy(ref), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+    opt_ref, opt = cls(ref.parameters(), **kwargs), cls(dm.parameters(), **kwargs)
+    ref_losses = _train(ref, opt_ref, None, x, y, steps)
+    try:
+        losses = _train(dm, opt, None, x, y, steps, shard=dm.shard_batch)
+    except ValueError as e:
+        return {"error": str(e)}
+    n = axes.get("dp", 1)
+    if n > 1:   # this rank's loss is its slice's: the step's loss is their mean
+        t = torch.tensor(losses)
+        torch.distributed.all_reduce(t)
+        losses = (t / n).tolist()
+    full = dm.full_state_dict()
+    return {"param_err": max(_err(full[k], p.detach()) for k, p in ref.named_parameters()),
+            "losses": losses, "ref_losses": ref_losses}
+
+
 def uneven_sequence_dropout():
     """tp+sp on 15 positions over tp=2 (shards of 8 and 7), dropout 0.1: parity."""
     c = GPTConfig(seq=15, dropout=0.1)
@@ -265,7 +327,8 @@ def uneven_sequence_dropout():
 
 
 def local_masks(axes):
-    """Plan(dropout_rng="local"): each rank's masks, twice from one seed, and the drop rate."""
+    """Plan(dropout_rng="local"): each rank's masks (attention: the key its fused kernel is
+    seeded with), twice from one seed, and the drop rate of the dropout masks."""
     plan = autopar.Plan(dropout_rng="local", **({"tp": True} if "tp" in axes else {}))
     c = GPTConfig(dropout=0.25)
     tok, tgt = gpt_batch(c, 8)
@@ -276,12 +339,16 @@ def local_masks(axes):
         torch.manual_seed(5)
         loss = lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt))
         loss.backward()
-        runs.append({k[0]: v.clone() for k, v in dm.module.rng_masks.masks.items()})
-    zeros = torch.cat([(~m).float().reshape(-1) for m in runs[0].values()])
+        runs.append({k[0]: v.clone() if isinstance(v, torch.Tensor) else v
+                     for k, v in dm.module.rng_masks.masks.items()})
+    zeros = torch.cat([(~m).float().reshape(-1) for m in runs[0].values() if isinstance(m, torch.Tensor)])
     kinds = {s.index: s.kind for s in dm.ctx.rng_sites}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, {k: v for k, v in runs[0].items()})
-    return {"repeatable": all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0]),
+
+    def same(a, b):
+        return bool(torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b
+    return {"repeatable": all(same(runs[0][k], runs[1][k]) for k in runs[0]),
             "drop_rate": float(zeros.mean()), "elements": zeros.numel(), "loss": float(loss.detach()),
-            "kinds": kinds, "same_as_rank": {r: {k: bool(torch.equal(v, g[k])) for k, v in runs[0].items()}
+            "kinds": kinds, "same_as_rank": {r: {k: same(v, g[k]) for k, v in runs[0].items()}
                                              for r, g in enumerate(gathered)}}
