@@ -11,7 +11,6 @@ naming it and its error, instead of leaving them waiting in a collective it neve
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import logging
@@ -29,6 +28,7 @@ from .context import CompileContext
 from .cost.cluster import get_cluster
 from .cost.estimate import Estimate, Profiles, estimate_plan, evaluate_plan
 from .cost.lm_head import head_policy
+from .passes.autocast import compute_copy
 from .passes.lm_head import tied_head_layouts
 from .cost.planner import PlanReport, find_plan
 from .cost.profile import copy_captured, is_layer, profile
@@ -102,7 +102,7 @@ def _lower(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cl
     plan, mesh = ctx.plan, ctx.mesh
     with flight.agreed(mesh):     # every rank alone until each has its graph: one's failure stops them all
         gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
-                     exported=exported)               # the logical graph, at global shapes
+                     exported=exported, autocast=_compute_autocast(ctx))   # the logical graph, at global shapes
         gm = _autocast(gm, ctx)
         passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
         # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
@@ -130,19 +130,6 @@ def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
     return f"{type(model).__module__}.{type(model).__qualname__}", found
 
 
-def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Mixed precision: a copy of ``model`` whose floating parameters are in ``dtype`` (its
-    buffers are the model's own, as FSDP's mixed-precision policy leaves buffers): the program
-    capture records. A model on the meta device stays there."""
-    memo = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach(),
-                                   requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = b
-    return copy.deepcopy(model, memo)
-
-
 def _compute_inputs(args: tuple, kwargs: dict, plan: Plan):
     """The example inputs as the compute dtype's program takes them: floating inputs cast to
     ``param_dtype`` (as ``DistributedModule.forward`` casts the inputs it is given)."""
@@ -153,18 +140,24 @@ def _compute_inputs(args: tuple, kwargs: dict, plan: Plan):
 
 def _device_type(model: nn.Module, mesh: Mesh) -> str:
     """The device type the module will run on: its parameters', or for a model on the meta
-    device, CUDA when the process group is NCCL's, else the CPU."""
+    device, the mesh's (``Mesh.device``: CUDA when the process group is NCCL's, else the CPU)."""
     tensors = list(model.parameters()) + list(model.buffers()) if isinstance(model, nn.Module) else []
     for t in tensors:
         if t.device.type != "meta":
             return t.device.type
-    backend = dist.get_backend() if dist.is_initialized() else ""
-    return "cuda" if "nccl" in str(backend) else "cpu"
+    return mesh.device.type
+
+
+def _compute_autocast(ctx: CompileContext):
+    """Mixed precision: (device type, ``param_dtype``), the ``torch.autocast`` the model runs
+    under while it is captured, as it runs on one device; None without ``param_dtype``."""
+    return (ctx.device_type, ctx.plan.param_dtype) if ctx.plan.mixed else None
 
 
 def _autocast(gm, ctx: CompileContext):
-    """Mixed precision: the casts torch.autocast makes, in the logical graph (snapshotted)."""
-    if not ctx.plan.mixed:
+    """The casts torch.autocast makes, mixed precision's and those of the model's own autocast
+    blocks (``meta.AUTOCAST``), in the logical graph (snapshotted)."""
+    if not ctx.plan.mixed and not any(meta.AUTOCAST in n.meta for n in gm.graph.nodes):
         return gm
     gm = passes.autocast(gm, ctx)
     ctx.snapshots.append(("autocast", graph_text(gm)))
@@ -237,7 +230,7 @@ def _lower_stages(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: d
     ctx.microbatch_rows = rows[0] // m
     mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
     gm = capture(source, *_compute_inputs(mb_args, mb_kwargs, plan), ctx,
-                 check_modes=True)   # the logical graph of one micro-batch
+                 check_modes=True, autocast=_compute_autocast(ctx))   # the logical graph of one micro-batch
     gm = _autocast(gm, ctx)
     passes.find_sites(gm, ctx, microbatches=m)
     ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
@@ -361,7 +354,8 @@ def _profile(gm, ctx: CompileContext):
         starts = tuple(spec.nodes[0] for spec in ctx.stages[1:])
         try:
             return profile(graph, captured, tp=ctx.mesh.axis_size("tp") if ctx.plan.tp else 1, sp=ctx.plan.sp,
-                           tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel, dropout_math=True,
+                           tp_layout=ctx.plan.tp_layout, vocab_parallel=ctx.plan.vocab_parallel,
+                           dropout_math=ctx.plan.dropout_rng == "exact",   # local: attention stays fused
                            stage_starts=starts)
         except Exception as exc:     # the cost model must never stop a compile
             log.warning("autopar: no cost-model profile for this graph (%s: %s)", type(exc).__name__, exc)
@@ -421,7 +415,9 @@ def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inpu
     batch (meta tensors are fine); ``global_batch`` (rows per step, default: the example's)
     scales it. ``recompute`` (``none``, ``selective``, ``full`` or a budget in bytes) overrides
     the plan's ``recompute``;
-    ``flash_attention=False`` models attention that keeps its a·s² probabilities.
+    ``flash_attention=False`` models attention that keeps its a·s² probabilities. The step is
+    priced in the plan's precision (``param_dtype``, ``reduce_dtype``, ``master_dtype``), else
+    in the model's own dtype, whatever the cluster.
     ``plan="auto"`` asks the planner first."""
     if plan == "auto":
         if not isinstance(mesh, Mesh):
@@ -439,15 +435,23 @@ def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inpu
 def plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster="local",
          global_batch: Optional[int] = None, top: int = 10, exhaustive: bool = False,
          mesh_axes: Optional[dict] = None, recompute=("none", "selective", "full"), flash_attention: bool = True,
-         profiles: Optional[Profiles] = None, detail: bool = True) -> PlanReport:
+         profiles: Optional[Profiles] = None, detail: bool = True, base: Optional[Plan] = None,
+         param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> PlanReport:
     """Search the plans of ``world_size`` devices of ``cluster`` for the fastest that fits in
     device memory (``autopar.cost.planner``: mesh factorisations, ZeRO stage, sequence
     parallelism, schedule, micro-batches, stages per rank, recomputation); ``example_inputs``
     are one batch (meta tensors are fine), ``global_batch`` the rows per step (default: the
-    example's); ``mesh_axes`` restricts the search to one mesh shape. Returns a PlanReport
-    (the chosen plan, its top candidates and why each lost); raises InfeasiblePlan, with the
-    smallest memory any plan needs, when nothing fits."""
+    example's); ``mesh_axes`` restricts the search to one mesh shape. Every candidate keeps
+    the fields of ``base`` the search does not choose (default ``Plan()``): its precision,
+    offload, buckets; ``param_dtype`` and ``reduce_dtype`` set those of ``base``
+    (``param_dtype=torch.bfloat16`` plans a mixed-precision run, priced and returned as one).
+    Returns a PlanReport (the chosen plan, its top candidates and why each lost); raises
+    InfeasiblePlan, with the smallest memory any plan needs, when nothing fits."""
+    if base is not None and not isinstance(base, Plan):
+        raise TypeError(f"base must be an autopar.Plan, got {base!r}")
+    precision = {k: v for k, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)) if v is not None}
+    base = dataclasses.replace(base or Plan(), **precision) if precision else base
     return find_plan(model, world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                      cluster=cluster, global_batch=global_batch, top=top, exhaustive=exhaustive,
                      mesh_axes=mesh_axes, recompute=recompute, flash_attention=flash_attention,
-                     profiles=profiles, detail=detail)
+                     profiles=profiles, detail=detail, base=base)

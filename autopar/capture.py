@@ -6,13 +6,20 @@ export runs the model's Python on fake tensors: control flow on shapes resolves 
 example inputs, and a model built on the meta device captures without allocating memory.
 Tied weights (one tensor under two names) become one canonical ``get_attr``.
 
+Mixed precision (``capture(autocast=...)``) exports the model inside ``torch.autocast``, as one
+device runs it; a model on the meta device, whose tensors autocast would not cast, is exported
+as fake tensors of the device type instead (``_on_device``). The model's own autocast
+blocks, which export keeps as ``wrap_with_autocast`` higher-order ops, are inlined, each node
+marked with the blocks it ran in (``meta.AUTOCAST``); the autocast pass then inserts the casts.
+
 Exporting is most of a compile's time, and a test suite compiles the same model again and again
 in one process (under another plan, or a fresh instance built the same way). With
 ``AUTOPAR_EXPORT_CACHE=1`` in the environment (the test suite's conftest sets it), ``_exports``
 keeps the programs of small models by a digest of what the export reads: the model pickled whole
 (every Python attribute, train/eval flags, hooks), the identity of each module's class, each
 tensor's type, shape, dtype, device, ``requires_grad``, bytes and which other tensor it is (tied
-weights), the example inputs the same way, and the grad mode, autocast and default dtype. A
+weights), the example inputs the same way, and the grad mode, the autocast it runs under (the
+caller's and mixed precision's, with their dtypes) and the default dtype. A
 model that does not pickle, or holds more than ``EXPORT_CACHE_BYTES``, is exported every time. A
 program found again is the stored one with the new model's own tensors in its state
 (``_rebound``). It is off by default: the digest cannot see a module-level function the forward
@@ -35,6 +42,7 @@ import warnings
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import meta
 from .context import CompileContext, ParamInfo
@@ -78,20 +86,84 @@ def _fix_for(exc: BaseException) -> str:
     return "make the model's forward runnable on the example inputs, then compile again"
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict):
-    try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as exc:  # re-raised with the user's line and a fix
-        frame = _user_frame(exc)
-        where = (f"{frame.filename}:{frame.lineno}: {frame.line}" if frame
-                 else "(no line of the model's own code in the traceback)")
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(
-            f"autopar could not capture {type(model).__name__} with torch.export.\n"
-            f"  reason: {type(exc).__name__}: {reason}\n"
-            f"  at {where}\n"
-            f"  fix: {_fix_for(exc)}") from exc
-    return _functional(ep, model)
+def _under(autocast) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, dtype)`` for ``autocast`` = (device_type, dtype), else nothing.
+    Without its cast cache: an export needs the casts' dtypes, not their reuse."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    device_type, dtype = autocast
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, autocast=None):
+    """The model's functional program (``_functional``), exported under ``autocast``; a model on
+    the meta device under ``autocast`` as fake tensors of its device type (``_on_device``)."""
+    traced, device = (model, args, kwargs), None
+    if autocast is not None and _meta_tensors(model, args, kwargs):
+        traced, device = _on_device(autocast[0], model, args, kwargs)
+    with _under(autocast):     # functionalisation traces the program again: under the same autocast
+        try:
+            ep = torch.export.export(*traced, strict=False)
+        except Exception as exc:  # re-raised with the user's line and a fix
+            frame = _user_frame(exc)
+            where = (f"{frame.filename}:{frame.lineno}: {frame.line}" if frame
+                     else "(no line of the model's own code in the traceback)")
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CaptureError(
+                f"autopar could not capture {type(model).__name__} with torch.export.\n"
+                f"  reason: {type(exc).__name__}: {reason}\n"
+                f"  at {where}\n"
+                f"  fix: {_fix_for(exc)}") from exc
+        ep = _functional(ep, model)
+    return ep if device is None else _bound_on_meta(ep, device, model, args, kwargs)
+
+
+def _meta_tensors(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model or the inputs hold a tensor on the meta device."""
+    tensors = [*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves((args, kwargs))]
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+
+
+def _on_device(device_type: str, model: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """((model, args, kwargs) to export, device) for a model on the meta device (a copy for
+    another shape or the other train/eval mode, a model built there) under autocast, which
+    casts tensors of its own device type only, and a meta tensor is of none: a copy of the
+    model and inputs whose meta tensors are fake tensors of ``device_type`` (no memory either),
+    and that device. ``_bound_on_meta`` gives their program back to the model."""
+    fakes = FakeTensorMode(allow_non_fake_inputs=True)
+    with fakes:
+        device = torch.empty(0, device=device_type).device      # with its index, as a tensor's
+
+    def fake(t):
+        if not (isinstance(t, torch.Tensor) and t.device.type == "meta"):
+            return t
+        with fakes:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    memo = {id(p): nn.Parameter(fake(p), requires_grad=p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): fake(b) for b in model.buffers()})
+    args, kwargs = torch.utils._pytree.tree_map(fake, (args, kwargs))
+    return (copy.deepcopy(model, memo), args, kwargs), device
+
+
+def _bound_on_meta(ep, device: torch.device, model: nn.Module, args: tuple, kwargs: dict):
+    """The program exported from ``_on_device``'s copy, bound to the model's own tensors and
+    inputs, and a device it recorded from them (``arange(.., device=x.device)``) the meta
+    device again, as an export of the model itself records it."""
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    ep._state_dict = {k: own[k] for k in ep.state_dict}
+    ep._constants = {k: v if (t := _model_tensor(model, k)) is None else t for k, v in ep.constants.items()}
+    ep._example_inputs = (args, kwargs)
+
+    def on_meta(a):
+        return torch.device("meta") if isinstance(a, torch.device) and a == device else a
+
+    for gm in ep.graph_module.modules():
+        if isinstance(gm, fx.GraphModule):      # the program's graph and its blocks' (``_inline_autocast``)
+            for node in gm.graph.nodes:
+                node.args, node.kwargs = torch.utils._pytree.tree_map(on_meta, (node.args, node.kwargs))
+            gm.recompile()
+    return ep
 
 
 def _functional(ep, model: nn.Module):
@@ -169,7 +241,7 @@ class _Digest(pickle.Pickler):
         return head + (hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=20).hexdigest(),)
 
 
-def _export_key(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+def _export_key(model: nn.Module, args: tuple, kwargs: dict, autocast=None) -> str | None:
     """The digest ``_exports`` is keyed by (see the module docstring); None when the model or
     inputs do not pickle, or hold more than ``EXPORT_CACHE_BYTES``. A class redefined under the
     same name (a notebook's cell run again) is another class: its identity is in the digest, and
@@ -177,8 +249,8 @@ def _export_key(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
     p = _Digest()
     try:
         p.dump(tuple(id(type(m)) for m in model.modules()))
-        p.dump((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
-                str(torch.get_default_dtype())))
+        p.dump((torch.is_grad_enabled(), str(torch.get_default_dtype()), str(autocast),
+                [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda")]))
         p.dump((model, args, kwargs))
     except Exception:     # a lambda, a lock, a tensor subclass without bytes, too large: no reuse
         return None
@@ -230,7 +302,7 @@ def _rebound(stored: tuple, model: nn.Module, args: tuple, kwargs: dict):
     return ep
 
 
-def _export_once(model: nn.Module, args: tuple, kwargs: dict):
+def _export_once(model: nn.Module, args: tuple, kwargs: dict, autocast=None):
     """``_export``, or, with ``AUTOPAR_EXPORT_CACHE=1``, the program a model with the same
     digest exported before (``_exports``). Not on a thread other than the main one: ranks
     simulated by threads compile one model alike at once, and their programs then run
@@ -238,12 +310,12 @@ def _export_once(model: nn.Module, args: tuple, kwargs: dict):
     device in backward); each exports its own, as processes do."""
     if (os.environ.get("AUTOPAR_EXPORT_CACHE", "0") in ("", "0")
             or threading.current_thread() is not threading.main_thread()):
-        return _export(model, args, kwargs)
-    key = _export_key(model, args, kwargs)
+        return _export(model, args, kwargs, autocast)
+    key = _export_key(model, args, kwargs, autocast)
     if key is not None and key in _exports:
         _exports.move_to_end(key)
         return _rebound(_exports[key], model, args, kwargs)
-    ep = _export(model, args, kwargs)
+    ep = _export(model, args, kwargs, autocast)
     if key is not None:
         _exports[key] = _stored(ep, model)
         while len(_exports) > EXPORT_CACHE_ENTRIES:
@@ -289,6 +361,59 @@ def _drop_guards(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+
+
+_WRAP_WITH_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+
+
+def _inline_autocast(gm: fx.GraphModule) -> None:
+    """The model's own ``torch.autocast`` blocks, which export keeps as ``wrap_with_autocast``
+    higher-order ops calling a submodule, become that submodule's nodes in the graph, each
+    marked with the blocks it ran in (``meta.AUTOCAST``, outermost first): every pass sees
+    plain ATen ops, and the autocast pass casts them as the block does. A block inside a block
+    is inlined in its turn."""
+    graph = gm.graph
+    while True:
+        hop = next((n for n in graph.nodes if n.op == "call_function" and n.target is _WRAP_WITH_AUTOCAST), None)
+        if hop is None:
+            return
+        device_type, dtype, enabled, _cache, body_node, *operands = hop.args
+        body = getattr(gm, body_node.target)
+        regions = hop.meta.get(meta.AUTOCAST, ()) + (meta.AutocastRegion(str(device_type), dtype, bool(enabled)),)
+        env: dict[fx.Node, object] = {}
+        given = iter(operands)
+        with graph.inserting_before(hop):
+            for n in body.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = next(given)
+                elif n.op == "output":
+                    results = torch.utils._pytree.tree_map_only(fx.Node, env.__getitem__, n.args[0])
+                elif n.op == "get_attr":      # a block inside this one: its submodule moves up
+                    name = _free_attr(gm, n.target.replace(".", "_"))
+                    setattr(gm, name, operator.attrgetter(n.target)(body))
+                    env[n] = graph.get_attr(name)
+                    env[n].meta = dict(n.meta)
+                else:
+                    env[n] = graph.node_copy(n, env.__getitem__)
+                    env[n].meta[meta.AUTOCAST] = regions
+        for user in list(hop.users):
+            assert user.target is operator.getitem, f"{user.name} reads {hop.name} other than by index"
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(hop)
+        if not body_node.users:
+            graph.erase_node(body_node)
+            if not any(n.op == "get_attr" and n.target == body_node.target for n in graph.nodes):
+                delattr(gm, body_node.target)
+
+
+def _free_attr(gm: fx.GraphModule, name: str) -> str:
+    """``name``, or ``name_<i>`` with the first ``i`` that ``gm`` has no attribute of."""
+    i, free = 0, name
+    while hasattr(gm, free):
+        i += 1
+        free = f"{name}_{i}"
+    return free
 
 
 def _canonicalise_params(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext) -> None:
@@ -420,9 +545,9 @@ class ModeCheck:
     ``autopar.runtime.rng``). Worked out on first call, the first time a compiled module runs
     in the other mode, by one more export of a copy of the model whose parameters, buffers and
     example inputs are on the meta device (no memory, and the user's model may be freed
-    meanwhile). Every rank computes it alike."""
+    meanwhile). Every rank computes it alike. ``autocast``: as ``capture``'s."""
 
-    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule):
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule, autocast=None):
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                 for p in model.parameters()}
         memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
@@ -430,36 +555,39 @@ class ModeCheck:
             self._model = copy.deepcopy(model, memo)
         except Exception as exc:      # a model that does not copy: compared now instead
             self._model = None
-            self._answer = mode_difference(model, args, kwargs, gm)
+            self._answer = mode_difference(model, args, kwargs, gm, autocast=autocast)
             log.debug("autopar: mode check at compile (%s: %s)", type(exc).__name__, exc)
             return
         self._args, self._kwargs = _on_meta(args), _on_meta(kwargs)
         self._signature = _signature(gm)
+        self._autocast = autocast
         self._answer: str | None = None
 
     def __call__(self) -> str:
         if self._answer is None:
-            self._answer = mode_difference(self._model, self._args, self._kwargs, signature=self._signature)
+            self._answer = mode_difference(self._model, self._args, self._kwargs, signature=self._signature,
+                                           autocast=self._autocast)
             self._model = self._args = self._kwargs = None
         return self._answer
 
 
 def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphModule | None = None,
-                    signature: list | None = None) -> str:
+                    signature: list | None = None, autocast=None) -> str:
     """How the model's graph in the other train/eval mode differs from ``gm`` (or its
     ``_signature``), captured in ``model.training``'s mode, beyond dropout; "" when dropout is
-    the only difference. Costs one more export."""
+    the only difference. Costs one more export (under ``autocast``, as ``capture``'s)."""
     modes = {m: m.training for m in model.modules()}
     try:
         model.train(not model.training)
         with EXPORT_LOCK:
-            other = _export(model, tuple(args), dict(kwargs)).module()
+            other = _export(model, tuple(args), dict(kwargs), autocast).module()
     except CaptureError as exc:
         return f"it does not capture ({str(exc).splitlines()[1].strip()})"
     finally:
         for m, t in modes.items():
             m.training = t
     _drop_guards(other)
+    _inline_autocast(other)
     if not model.training and any(random_site(n) for n in other.graph.nodes):
         return "its training graph draws dropout masks that the eval-mode capture has no sites for"
     a, b = (signature if signature is not None else _signature(gm)), _signature(other)
@@ -472,31 +600,41 @@ def mode_difference(model: nn.Module, args: tuple, kwargs: dict, gm: fx.GraphMod
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, ctx: CompileContext,
-            check_modes: bool = False, exported=None) -> fx.GraphModule:
+            check_modes: bool = False, exported=None, autocast=None) -> fx.GraphModule:
     """Export ``model`` on ``(args, kwargs)`` (this rank's local batch) into a GraphModule.
     ``check_modes``: give the context a ``ModeCheck`` (``ctx.mode_difference``) that compares
     the other train/eval mode's graph when a compiled module first runs in it. ``exported``:
-    the model's own ExportedProgram on these inputs, used instead of exporting again."""
+    the model's own ExportedProgram on these inputs, used instead of exporting again.
+
+    ``autocast``: (device_type, dtype) of mixed precision: the model runs as on one device
+    under ``torch.autocast(device_type, dtype)``, so that a forward that needs autocast's casts
+    to run at all (an op given an fp32 and a bf16 tensor) captures, and every node's
+    ``meta["val"]`` has autocast's dtype. The graph holds the model's ops as written:
+    torch.export records them above autocast, which casts below; the autocast pass
+    (``passes/autocast.py``) then inserts the casts as graph nodes."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.compile expects an nn.Module, got {type(model).__name__}")
     with EXPORT_LOCK:
         if exported is None:
-            ep = _export_once(model, tuple(args), dict(kwargs))
+            ep = _export_once(model, tuple(args), dict(kwargs), autocast)
         else:
             ep = _functional(_check_exported(exported, model, tuple(args), dict(kwargs)), model)
         with spec_copies_quiet():     # it copies the program's graph, tree specs with it
             gm = ep.module()
     _drop_cycles(gm)
     _drop_guards(gm)
+    _inline_autocast(gm)
     _check_buffer_updates(gm, model)
     _check_input_writes(gm, model)
     check_static_sizes(gm, model)
     ctx.captured_training = model.training
     if check_modes:
-        ctx.mode_difference = ModeCheck(model, tuple(args), dict(kwargs), gm)
+        ctx.mode_difference = ModeCheck(model, tuple(args), dict(kwargs), gm, autocast)
     _canonicalise_params(gm, model, ctx)
     ctx.in_spec = gm._in_spec
     ctx.out_spec = gm._out_spec
+    out_vals = [getattr(a, "meta", {}).get("val") for a in gm.graph.output_node().args[0]]
+    ctx.output_dims = tuple(v.dim() if isinstance(v, torch.Tensor) else None for v in out_vals)
     flat, _ = torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))
     ctx.input_shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat)
     ctx.constant_inputs = {i: x for i, x in enumerate(flat) if not isinstance(x, torch.Tensor)}

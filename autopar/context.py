@@ -57,6 +57,7 @@ class CompileContext:
     params: dict[str, ParamInfo] = field(default_factory=dict)
     in_spec: Any = None             # pytree spec of (args, kwargs) the graph was captured with
     out_spec: Any = None
+    output_dims: tuple = ()         # dims of the flat outputs (None: not a tensor): has the model its own loss?
     input_shapes: tuple = ()        # per-rank shapes of the flat tensor inputs
     input_dtypes: tuple = ()        # their dtypes (pipeline stages: what a receive allocates)
     constant_inputs: dict = field(default_factory=dict)  # flat index -> non-tensor value baked in

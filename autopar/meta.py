@@ -10,7 +10,8 @@ import threading
 from dataclasses import dataclass
 
 __all__ = ["VAL", "LAYOUT", "PARAM", "COMM", "SOURCE", "STRATEGY", "LOWER", "FLASH", "CommInfo",
-           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS", "VAL_LOCK", "ORIGIN"]
+           "SYNC", "COMM_TP", "REPLICAS", "STASH", "RNG_SITE", "RNG", "KV_HEADS", "VAL_LOCK", "ORIGIN",
+           "AUTOCAST", "AutocastRegion"]
 
 VAL_LOCK = threading.RLock()
 """held while a pass computes new ``VAL`` fake tensors by running ops on the graph's: torch's
@@ -29,6 +30,7 @@ LOWER = "autopar_lower"     # name of the tp lowering that replaces an op (vocab
 RNG_SITE = "autopar_rng_site"  # index of a random site (dropout) in the single-device forward's draw order
 FLASH = "autopar_flash"     # cost model: an attention node runs as a fused kernel (no a·s² scores kept)
 KV_HEADS = "autopar_kv_heads"  # an index_select reading each tp rank's k/v heads (passes/kv_heads.py): dim of the heads
+AUTOCAST = "autopar_autocast"  # the model's own torch.autocast blocks a node ran in: AutocastRegions, outermost first
 
 # ---- attributes of the emitted module that graph nodes read (get_attr) ---------------------------
 SYNC = "sync_dp"            # the runtime's DataParallelSync of the dp axis
@@ -50,3 +52,17 @@ class CommInfo:
     def __str__(self) -> str:
         then = f"; {self.then}" if self.then else ""
         return f"{self.phase} {self.kind}[{self.axis}] {self.nbytes:,.0f} B/rank{then}"
+
+
+@dataclass(frozen=True)
+class AutocastRegion:
+    """A ``with torch.autocast(device_type, dtype, enabled=...)`` block of the model's forward:
+    capture inlines the ``wrap_with_autocast`` higher-order op torch.export makes of it, and
+    marks each node it held (``AUTOCAST``), so that the autocast pass casts it as that block
+    does."""
+    device_type: str
+    dtype: object      # torch.dtype
+    enabled: bool
+
+    def __str__(self) -> str:
+        return f"autocast({self.device_type}, {str(self.dtype).removeprefix('torch.')}, enabled={self.enabled})"

@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """The floating dtypes a plan's precision fields take, by name (also: fp32, bf16, fp16, fp64)."""
 _SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64", "float": "float32",
           "half": "float16", "double": "float64"}
-_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "master_dtype")
+_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "master_dtype", "output_dtype")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -104,12 +104,17 @@ class Plan:
     row-parallel matmul + reduce-scatter as ring steps, the matmul of one chunk overlapping the
     transfer of the next (``autopar.runtime.collmatmul``)."""
     dropout_rng: str = "exact"
-    """How dropout draws its masks (``autopar.runtime.rng``): ``exact``, every rank draws the
-    single-device model's masks and keeps its slice (bitwise parity; each rank draws the whole
-    model's masks), or ``local``, each rank draws only its slice, from a generator keyed by one
-    number drawn from the default generator per step, the site and the slice (slices held by
-    several ranks get one mask; not the single-device masks, and the default generator ends
-    the step elsewhere than one device's would)."""
+    """How dropout draws its masks (``autopar.runtime.rng``). Either way the masks come from one
+    stream per mesh, whatever each rank seeded: rank 0's default generator, its state broadcast
+    at each draw (a rank seeded as rank 0 is advanced as one device would be; a rank seeded
+    otherwise, ``torch.manual_seed(seed + rank)``, keeps its own stream for its own use).
+    ``exact``: masks bitwise equal to the single-device model's; every rank draws the whole
+    model's masks and keeps its slice, and attention with dropout runs the math form (the
+    probabilities times the mask). ``local``: each rank draws only its slice, from a generator
+    keyed by one number of the stream per step, the site and the slice (slices held by several
+    ranks get one mask, shards independent ones), and attention keeps its fused kernel
+    (flash / memory-efficient) seeded by that key: statistically, not bitwise, the
+    single-device model's masks, and the generator ends the step elsewhere than one device's."""
     param_dtype: Optional[torch.dtype] = None
     """Mixed precision: the dtype forward and backward compute in (``torch.bfloat16``). The
     optimizer then owns the parameters in ``master_dtype`` (this rank's shards under ZeRO; the
@@ -123,6 +128,13 @@ class Plan:
     master dtype under ``param_dtype`` (fp32 sums of bf16 gradients), else the gradients' own."""
     master_dtype: torch.dtype = torch.float32
     """The dtype of the optimizer's copy of the parameters under ``param_dtype``."""
+    output_dtype: Optional[torch.dtype] = None
+    """Mixed precision: the dtype the module's floating outputs computed in ``param_dtype`` leave
+    it in (cast differentiably at its boundary, as FSDP2's ``MixedPrecisionPolicy(output_dtype)``;
+    a pipeline's last stage alike, before the loss), so that a loss computed on them runs in
+    that dtype. Outputs already in another dtype (a loss the model computes, which autocast puts
+    in fp32) keep it. None: ``master_dtype`` (fp32 logits, as the single-device fp32 model gives);
+    ``torch.bfloat16`` keeps them in the compute dtype."""
     recompute: Union[str, int] = "none"
     """Activation recomputation (``passes/recompute.py``): ``"none"``; ``"selective"``, the
     attention core of each layer (scores, softmax, dropout, the product with V) is recomputed
@@ -152,6 +164,9 @@ class Plan:
         if self.reduce_dtype is not None and self.param_dtype is None:
             raise ValueError(f"Plan(reduce_dtype={dtype_name(self.reduce_dtype)}) needs param_dtype: without mixed "
                              "precision gradients are summed in their own dtype")
+        if self.output_dtype is not None and self.param_dtype is None:
+            raise ValueError(f"Plan(output_dtype={dtype_name(self.output_dtype)}) needs param_dtype: without mixed "
+                             "precision the outputs are in the model's own dtypes")
         if self.dp not in DP_MODES:
             raise ValueError(f"Plan(dp={self.dp!r}) is not a data-parallel mode; expected one of {DP_MODES}")
         if not isinstance(self.tp, bool) or not isinstance(self.sp, bool):
@@ -251,6 +266,13 @@ class Plan:
         if self.param_dtype is None:
             return None
         return self.reduce_dtype or self.master_dtype
+
+    @property
+    def output_cast_dtype(self) -> Optional[torch.dtype]:
+        """The dtype outputs computed in ``param_dtype`` are returned in (None: no cast)."""
+        if self.param_dtype is None:
+            return None
+        return self.output_dtype or self.master_dtype
 
     @property
     def split_backward(self) -> bool:

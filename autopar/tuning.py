@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,9 +35,10 @@ import torch.nn as nn
 
 from .api import compile as compile_
 from .cost.planner import PlanReport
-from .mesh import Mesh
+from .mesh import Mesh, process_device
 from .planspec import Plan
 from .runtime.module import model_loss
+from .runtime.timing import now
 
 __all__ = ["tune", "TuneReport", "TuneRow", "timed_rounds"]
 
@@ -142,12 +142,14 @@ def _stepper(dm, plan: Plan, opt, inputs: tuple, kwargs: dict, targets, loss_fn)
     return step
 
 
-def timed_rounds(steps_by_name: dict, steps: int, block: int = 4) -> dict:
+def timed_rounds(steps_by_name: dict, steps: int, block: int = 4, device=None) -> dict:
     """{name: seconds of each of its ``steps`` timed steps, in the order run} of the step
     functions in ``steps_by_name`` (every rank calls it alike), timed in rounds so that a
     disturbance of the machine falls on all of them alike: each round runs every one for
     ``block`` consecutive steps, each after a barrier, and times all but the first (the last
     round's blocks shorter where ``steps`` ends); ``block=1``: one step each in turn, all timed.
+    ``device``: where the steps run (a dict: name -> device); each timing waits for its work
+    there (``autopar.runtime.timing.now``: on CUDA a step's kernels, not only their launches).
 
     Why blocks: a training loop runs one plan step after step. A step right after another
     model's starts with that model's parameters, optimizer state and activations in the caches
@@ -160,12 +162,13 @@ def timed_rounds(steps_by_name: dict, steps: int, block: int = 4) -> dict:
     for first in range(0, steps, per_block):
         timed = min(per_block, steps - first)
         for name, step in steps_by_name.items():
+            where = device.get(name) if isinstance(device, dict) else device
             for i in range(timed + (block > 1)):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0 = now(where)
                 step()
                 if i or block <= 1:        # a block's first step follows another model's: not timed
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(now(where) - t0)
     return times
 
 
@@ -199,7 +202,7 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
                           plan=plan)
         except Exception as e:     # every rank learns of it, or the others would wait for this one
             error = e
-        failed = torch.tensor([error is not None], dtype=torch.int32)
+        failed = torch.tensor([error is not None], dtype=torch.int32, device=process_device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             why = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
@@ -209,14 +212,15 @@ def tune(model: nn.Module, candidates, *, example_inputs, example_kwargs=None, t
         local_args, local_kwargs = dm.shard_batch(args), dm.shard_batch(kwargs)
         local_targets = dm.shard_batch(targets) if targets is not None else None
         runners.append((axes, plan, predicted, _stepper(dm, plan, opt, local_args, local_kwargs, local_targets,
-                                                        loss_fn)))
-    for *_, step in runners:
+                                                        loss_fn), dm.device))
+    for *_, step, _ in runners:
         for _ in range(warmup):
             step()
-    measured = timed_rounds({j: step for j, (*_, step) in enumerate(runners)}, steps, block)
-    times = torch.tensor([measured[j] for j in range(len(runners))], dtype=torch.float64)
+    measured = timed_rounds({j: step for j, (*_, step, _) in enumerate(runners)}, steps, block,
+                            {j: device for j, (*_, device) in enumerate(runners)})
+    times = torch.tensor([measured[j] for j in range(len(runners))], dtype=torch.float64, device=process_device())
     dist.all_reduce(times, op=dist.ReduceOp.MAX)      # each timed step's slowest rank, the same on every rank
     rows = [TuneRow(axes, plan, predicted, statistics.median(times[j].tolist()), times[j].tolist())
-            for j, (axes, plan, predicted, _) in enumerate(runners)]
+            for j, (axes, plan, predicted, *_) in enumerate(runners)]
     return TuneReport(rows=rows, chosen=min(rows, key=lambda r: r.measured_s), steps=steps, warmup=warmup,
                       block=block)

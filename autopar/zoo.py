@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .mesh import Mesh
+from .mesh import Mesh, process_device
 from .passes.tensor_parallel import whole_share
 from .planspec import Plan
 from .runtime.comm import CommStats
@@ -313,7 +313,7 @@ def run_cell(a: Arch | str, plan: str, steps: int = STEPS) -> Cell:
             ok = not why
     except Exception as exc:      # the cell's verdict: the error in one line
         ok, why = False, _one_line(exc)
-    every = torch.tensor([float(ok)])     # every rank, failed or not, agrees on the verdict
+    every = torch.tensor([float(ok)], device=process_device())     # every rank, failed or not, agrees on the verdict
     dist.all_reduce(every, op=dist.ReduceOp.MIN)
     if ok and not every.item():
         ok, why = False, "parity off, or a volume check failed, on another rank"

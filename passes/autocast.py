@@ -1,7 +1,13 @@
 """autocast: mixed precision's per-op dtypes, as explicit casts in the logical graph.
 
 Under ``Plan(param_dtype=...)`` capture exports the model with its floating parameters and
-inputs in ``param_dtype`` (the program FSDP's mixed-precision policy runs). Some ops lose
+inputs in ``param_dtype`` (the program FSDP's mixed-precision policy runs), inside
+``torch.autocast(device, param_dtype)`` as the single-device model runs (an op given an fp32
+buffer and a bf16 activation runs only with autocast's casts). torch.export records the ops
+above autocast, so the graph holds none of its casts, while every node's ``meta["val"]`` has
+the dtype autocast gave it; this pass makes the casts explicit. (A program functionalised for
+its in-place writes, ``autopar.functionalize``, was traced again below autocast and holds its
+casts already: an op whose inputs are in autocast's dtype gets none here.) Some ops lose
 accuracy there: a loss, and on GPUs softmax, norms, exponentials and reductions. For those
 autopar follows ``torch.autocast`` of the device the module runs on, and does not keep a
 list of its own: for every op of the graph it asks ``torch.autocast`` itself, by running the
@@ -15,18 +21,25 @@ run time, and every later pass (layouts, collectives, the pipeline cut) sees the
 On CPU (torch 2.13) that casts the losses (cross_entropy, nll_loss, mse_loss, ...) to fp32;
 softmax and layer_norm stay in bf16 (their CPU kernels accumulate in fp32). On CUDA autocast
 also puts softmax, log_softmax, layer_norm, group_norm, exp, log, pow, sum, cumsum, ... in fp32.
+
+The model's own ``torch.autocast`` blocks, inlined by capture (``meta.AUTOCAST``), are followed
+the same way, with or without ``param_dtype``: an op in a block casts as that block's autocast
+does for the module's device type, and not at all in a block that turns autocast off.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from ..context import CompileContext
-from ..meta import VAL, VAL_LOCK
+from ..meta import AUTOCAST, VAL, VAL_LOCK
+from ..runtime.module import cast_inputs
 
-__all__ = ["autocast", "AutocastError"]
+__all__ = ["autocast", "AutocastError", "compute_copy", "compute_source"]
 
 _CAST = torch.ops.aten._to_copy.default
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)   # what autocast casts (never fp64)
@@ -36,11 +49,33 @@ class AutocastError(RuntimeError):
     """An op whose dtypes could not be worked out after a cast upstream."""
 
 
+def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Mixed precision: a copy of ``model`` whose floating parameters are in ``dtype`` (its
+    buffers are the model's own, as FSDP's mixed-precision policy leaves buffers): the program
+    capture records. A model on the meta device stays there."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach(),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b
+    return copy.deepcopy(model, memo)
+
+
+def compute_source(model: nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple:
+    """(model, args, kwargs) as capture takes them under ``Plan(param_dtype=dtype)``: the
+    model's ``compute_copy`` and its example inputs cast as ``DistributedModule.forward``
+    casts them (``runtime.module.cast_inputs``); the cost model profiles this program too."""
+    args, kwargs = cast_inputs((tuple(args), dict(kwargs)), dtype)
+    return compute_copy(model, dtype), args, kwargs
+
+
 def autocast(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Insert the casts ``torch.autocast(ctx.device_type, ctx.plan.param_dtype)`` makes, and
-    bring every node's ``meta["val"]`` up to date with them. A no-op without ``param_dtype``."""
+    """Insert the casts ``torch.autocast(ctx.device_type, ctx.plan.param_dtype)`` makes (in the
+    model's own autocast blocks, the block's), and bring every node's ``meta["val"]`` up to
+    date with them. A no-op without ``param_dtype`` and without blocks."""
     dtype = ctx.plan.param_dtype
-    if dtype is None:
+    if dtype is None and not any(AUTOCAST in n.meta for n in gm.graph.nodes):
         return gm
     vals = [n.meta.get(VAL) for n in gm.graph.nodes]
     mode = detect_fake_mode([v for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)])
@@ -55,13 +90,27 @@ def autocast(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 continue
             if _in_dtypes(node) != captured[node]:     # a cast upstream changed an input's dtype
                 _refresh(node)
-            if isinstance(node.target, torch._ops.OpOverload) and node.target is not _CAST:
-                casts += _follow_autocast(gm, node, dtype, device)
-    ctx.notes.append(f"mixed precision: compute in {_name(dtype)}, optimizer masters in "
-                     f"{_name(ctx.plan.master_dtype)}, gradient sums in {_name(ctx.plan.grad_reduce_dtype)}; "
-                     f"{casts} casts where torch.autocast({ctx.device_type}) changes an op's dtype")
+            want = _policy(node, dtype, ctx.device_type)
+            if want is not None and isinstance(node.target, torch._ops.OpOverload) and node.target is not _CAST:
+                casts += _follow_autocast(gm, node, want, device)
+    if dtype is None:
+        ctx.notes.append(f"{casts} casts where the model's torch.autocast blocks change an op's dtype")
+    else:
+        ctx.notes.append(f"mixed precision: compute in {_name(dtype)}, optimizer masters in "
+                         f"{_name(ctx.plan.master_dtype)}, gradient sums in {_name(ctx.plan.grad_reduce_dtype)}; "
+                         f"{casts} casts where torch.autocast({ctx.device_type}) changes an op's dtype")
     gm.graph.lint()
     return gm
+
+
+def _policy(node: fx.Node, dtype, device_type: str):
+    """The dtype autocast computes ``node`` in on ``device_type``: the plan's ``dtype``, unless
+    a block of the model's own for that device type says otherwise (the innermost); None where
+    autocast is off."""
+    for block in node.meta.get(AUTOCAST, ()):
+        if block.device_type == device_type:
+            dtype = block.dtype if block.enabled else None
+    return dtype
 
 
 def _name(dtype) -> str:

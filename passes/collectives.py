@@ -360,7 +360,9 @@ def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileCo
     """Megatron's ``f`` on replicated parameters read by per-rank compute (under sequence
     parallelism: the norms and the row products' biases), one ``tp_param_sync`` per numbered
     layer, before the layer's first such read: one gradient all-reduce per layer instead of
-    one per vector, and ZeRO-3 still meets each layer's parameters where the layer starts."""
+    one per vector, and ZeRO-3 still meets each layer's parameters where the layer starts. The
+    node names the parameters, so that under mixed precision their summed gradients reach the
+    masters in the reduce dtype (``DataParallelSync.add_summed``)."""
     position = {n: i for i, n in enumerate(g.nodes)}
     groups: dict = {}
     for src, users in shared.items():
@@ -370,7 +372,8 @@ def _insert_param_syncs(g: fx.Graph, comm: fx.Node, shared: dict, ctx: CompileCo
         params.sort(key=lambda p: min(position[u] for u in shared[p]))
         anchor = min((u for p in params for u in shared[p]), key=position.__getitem__)
         with g.inserting_before(anchor):
-            sync = g.create_node("call_function", tp_param_sync, (comm, list(params)), name=f"tp_grad_sync_{k}")
+            names = [p.meta[meta.PARAM] for p in params]
+            sync = g.create_node("call_function", tp_param_sync, (comm, list(params), names), name=f"tp_grad_sync_{k}")
             nbytes = sum(float(p.meta[meta.VAL].numel() * p.meta[meta.VAL].dtype.itemsize) for p in params)
             sync.meta.update({meta.VAL: tuple(p.meta[meta.VAL] for p in params),
                               meta.LAYOUT: tuple(p.meta[meta.LAYOUT] for p in params),

@@ -23,6 +23,7 @@ import pickle
 import shutil
 
 import pytest
+import torch
 
 from jobs.common import saved_checkpoints
 from jobs import checkpoint as J
@@ -248,6 +249,17 @@ def test_offload_and_per_tensor_optimizers_resume(ranks, saved, tmp_path):
            "zero2 offload w2")
     _check(ranks(J.resume_job, 4, "zero3 tp2 per_tensor", {"zero2 offload w2": offload, "zero3 w4": saved("zero3 w4")}),
            "zero3 tp2 per_tensor")
+
+
+@pytest.mark.timeout(300)
+def test_fused_adamw_resumes_through_optimizer_load_state_dict(ranks, tmp_path):
+    """dm.load restores the optimizer through Optimizer.load_state_dict: each step lands where
+    torch puts a fused optimizer's (float32 on its parameter's device; on CUDA a step left on
+    the host fails the fused kernel), and the resumed run is the uninterrupted one's."""
+    for r in ranks(J.fused_resume_job, 2, str(tmp_path / "fused")):
+        assert r["hooked"] and r["fused"], r
+        assert r["steps"] and all(s == (torch.float32, True) for s in r["steps"]), r
+        assert r["err"] < 1e-6, r
 
 
 @pytest.mark.timeout(300)

@@ -12,6 +12,8 @@
     recompute         regions of the forward graph recomputed in backward (activation recomputation)
     rng               dropout masks with single-device parity (RandomMasks, rng_dropout, rng_sdpa)
     timeline          measured timelines of a step
+    timing            now(device): the clock once the device's queued work has run (every timer)
+    optim             which optimizers may step shards; optimizers built on dm.parameters() checked
     offload           Plan(offload="optimizer"): the optimizer's copy and state on the host, the
                       host link's copies counted
     module            DistributedModule

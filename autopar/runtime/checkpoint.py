@@ -534,19 +534,16 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
     _agree(problems, f"cannot load the checkpoint {path!r} into this module", dm._device())
 
     sd: dict[str, Any] = {MODEL + name: hs[0].pieces() for name, hs in holdings.items()}
-    groups_sd = None
+    loaded: dict[int, dict] = {}     # id(parameter) -> its state as loaded (none: never stepped when saved)
     if optimizer is not None:
         seen = set()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 h = owner[id(p)]
-                if h.name in seen:
+                if h.name in seen or not _state_keys(md, h.name):
                     continue
                 seen.add(h.name)
-                if not _state_keys(md, h.name):     # never stepped when saved: it resumes without state
-                    optimizer.state.pop(p, None)
-                    continue
-                state = optimizer.state[p]
+                state = loaded[id(p)] = dict(optimizer.state.get(p, {}))    # its tensors read into in place
                 for key in _state_keys(md, h.name):
                     entry = md.state_dict_metadata[f"{STATE}{h.name}.{key}"]
                     sd[f"{STATE}{h.name}.{key}"] = _state_target(h, p, state, key, entry)
@@ -561,10 +558,8 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
             for h in hs[1:]:
                 h.local.copy_(hs[0].local)
         if optimizer is not None:
-            _finish_optimizer(optimizer, owner, sd, md)
-            groups_sd = sd[GROUPS]
-            for group, saved in zip(optimizer.param_groups, groups_sd):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+            _finish_optimizer(optimizer, owner, loaded, sd, md)
+            _restore_optimizer(optimizer, loaded, sd[GROUPS])
     dm._after_load()
     rng = sd[RNG_KEY] or {}
     if "cpu" in rng:
@@ -592,26 +587,46 @@ def _state_target(h: Holding, p, state: dict, key: str, entry):
             state[key] = current
         return h.pieces(current)
     if not isinstance(current, torch.Tensor) or tuple(current.shape) != tuple(entry.size):
-        current = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")   # a step: on the host, as torch keeps it
+        # a scalar (the step) is read on the host; Optimizer.load_state_dict then moves it where
+        # the optimizer keeps it (_restore_optimizer)
+        current = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")
         state[key] = current
     return current
 
 
-def _finish_optimizer(optimizer, owner, sd, md) -> None:
-    """Non-tensor state entries from the loaded dict; a tied weight's second copy takes the
-    first's state."""
+def _finish_optimizer(optimizer, owner, loaded: dict, sd, md) -> None:
+    """Non-tensor state entries of ``loaded`` (id(parameter) -> its state) from the loaded
+    dict; a tied weight's second copy takes the first's state."""
     first: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             h = owner[id(p)]
             if h.name in first:
-                src = optimizer.state[first[h.name]]
-                optimizer.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in src.items()}
+                if id(first[h.name]) in loaded:
+                    loaded[id(p)] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                     for k, v in loaded[id(first[h.name])].items()}
                 continue
             first[h.name] = p
             for key in _state_keys(md, h.name):
                 if isinstance(md.state_dict_metadata[f"{STATE}{h.name}.{key}"], BytesStorageMetadata):
-                    optimizer.state[p][key] = sd[f"{STATE}{h.name}.{key}"]
+                    loaded[id(p)][key] = sd[f"{STATE}{h.name}.{key}"]
+
+
+def _restore_optimizer(optimizer, loaded: dict, groups_sd: list[dict]) -> None:
+    """Hand the loaded state (id(parameter) -> state; a parameter absent never stepped) and the
+    saved hyperparameters to ``optimizer.load_state_dict``, so that torch's rules place them
+    (``step`` on the parameter's device where the optimizer is fused or capturable, on the host
+    otherwise; every other tensor on the parameter's device, floating ones in its dtype) and
+    the optimizer's load hooks run. A tensor already where the rules put it is kept, not copied.
+    The saved groups' parameter names are this checkpoint's, not the optimizer's: each group
+    keeps its own parameters (and names)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               **{k: v for k, v in saved.items() if k not in ("params", "param_names")},
+               "params": [index[id(p)] for p in group["params"]]}
+              for group, saved in zip(optimizer.param_groups, groups_sd)]
+    optimizer.load_state_dict({"state": {index[i]: state for i, state in loaded.items()}, "param_groups": groups})
 
 
 def _check_model(md: Metadata, dm, holdings) -> list[str]:

@@ -20,7 +20,6 @@ them is differentiable and backward communication comes from autograd:
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 
 from ..sizes import ring_bytes
 from . import flight
+from .timing import now
 
 __all__ = ["AxisComm", "CommStats", "TracedWork", "all_gather", "reduce_scatter", "all_reduce", "copy_to_axis"]
 
@@ -38,7 +38,8 @@ class CommStats:
 
     While ``trace`` is a list (``DistributedModule.record_timeline``), every collective adds
     ``("comm", label, start, end)`` (issue to completion) and every wait that blocked the
-    calling thread adds ``("wait", label, start, end)`` (``time.perf_counter`` seconds)."""
+    calling thread adds ``("wait", label, start, end)`` (``timing.now`` seconds: on CUDA each
+    read waits for the compute stream, so a wait's span is the time the collective held it)."""
 
     def __init__(self):
         self.trace: list | None = None
@@ -74,6 +75,9 @@ class AxisComm(nn.Module):
         self.axis, self.size, self.index, self.group = axis, size, index, group
         self.stats = stats
         self.grad_dtype = grad_dtype    # mixed precision: the dtype gradient sums run in (None: their own)
+        # tp: where tp_param_sync hands its gradient sums by parameter name when they are wider than
+        # the gradients autograd carries (DataParallelSync.add_summed, bound by emit); None: autograd
+        self.grad_sink = None
         self._gloo: bool | None = None  # the backend is gloo (``_in_place``), looked up on first use
 
     def summing(self, g: torch.Tensor) -> torch.Tensor:
@@ -92,26 +96,26 @@ class AxisComm(nn.Module):
     def _phase(self) -> str:
         return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
-    def _run(self, kind: str, label: str, nbytes: int, launch, async_op: bool):
+    def _run(self, kind: str, label: str, nbytes: int, launch, async_op: bool, device: torch.device):
         """Issue a collective of ``nbytes`` (noted by the flight recorder, whose handle raises
         ``CollectiveError`` if it fails); under tracing, time it (and wrap an asynchronous handle).
         A synchronous call is issued asynchronously and waited for at once: the wait is the
         recorder's, which on gloo gives up within seconds when a peer raised instead of issuing
-        it (``flight.Watched``)."""
+        it (``flight.Watched``). ``device``: where its tensors are, whose work the timing waits for."""
         trace = self.stats.trace
-        t0 = time.perf_counter() if trace is not None else 0.0
+        t0 = now(device) if trace is not None else 0.0
         work = flight.launch(self.group, kind, label, nbytes, launch, True)
         if not async_op:
             if work is not None:
                 work.wait()
             if trace is not None:
-                name, t1 = f"{kind}[{self.axis}] {label}".strip(), time.perf_counter()
+                name, t1 = f"{kind}[{self.axis}] {label}".strip(), now(device)
                 trace.append(("comm", name, t0, t1))
                 trace.append(("wait", name, t0, t1))
             return None
         if trace is None:
             return work
-        return TracedWork(work, f"{kind}[{self.axis}] {label}".strip(), t0, trace)
+        return TracedWork(work, f"{kind}[{self.axis}] {label}".strip(), t0, trace, device)
 
     def _in_place(self) -> bool:
         """Whether this axis's backend stages a copy of a flat all-gather's output or a
@@ -139,9 +143,9 @@ class AxisComm(nn.Module):
         inp = inp.contiguous()
         if in_place and self._in_place():
             return self._run("all_gather", label, out.numel() * out.element_size(),
-                             lambda a: _broadcast_blocks(out, inp, self, a), async_op)
+                             lambda a: _broadcast_blocks(out, inp, self, a), async_op, out.device)
         return self._run("all_gather", label, out.numel() * out.element_size(),
-                         lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a), async_op)
+                         lambda a: dist.all_gather_single(out, inp, group=self.group, async_op=a), async_op, out.device)
 
     def reduce_scatter_flat(self, out: torch.Tensor, inp: torch.Tensor, label: str = "", async_op=False,
                             phase: str | None = None, in_place: bool = False):
@@ -160,9 +164,9 @@ class AxisComm(nn.Module):
         inp = inp.contiguous()
         if in_place and self._in_place():
             return self._run("reduce_scatter", label, inp.numel() * inp.element_size(),
-                             lambda a: _reduce_in_place(out, inp, self, a), async_op)
+                             lambda a: _reduce_in_place(out, inp, self, a), async_op, inp.device)
         return self._run("reduce_scatter", label, inp.numel() * inp.element_size(), lambda a: dist.reduce_scatter_single(
-            out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a), async_op)
+            out, inp, op=dist.ReduceOp.SUM, group=self.group, async_op=a), async_op, inp.device)
 
     def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None,
                     op=dist.ReduceOp.SUM):
@@ -173,30 +177,34 @@ class AxisComm(nn.Module):
         if self.size == 1:
             return None
         return self._run("all_reduce", label, t.numel() * t.element_size(),
-                         lambda a: dist.all_reduce(t, op=op, group=self.group, async_op=a), async_op)
+                         lambda a: dist.all_reduce(t, op=op, group=self.group, async_op=a), async_op, t.device)
 
 
 class TracedWork:
     """An asynchronous collective's handle that records when it completed (a callback on its
-    future where the backend offers one, else when the wait returned) and how long a wait
-    blocked."""
+    future where the backend offers one for host work, else when the wait returned) and how
+    long a wait blocked. ``device``: where its tensors are; on CUDA the wait's ends wait for the
+    compute stream (``timing.now``), and completion is the wait's end: NCCL's future completes
+    once its stream is joined to the caller's, not when the transfer has run."""
 
-    def __init__(self, work, name: str, start: float, trace: list):
+    def __init__(self, work, name: str, start: float, trace: list, device: torch.device | None = None):
         self._work, self._name, self._start, self._trace = work, name, start, trace
+        self._device = device
         self._done_at: float | None = None
         self._recorded = False
-        try:
-            work.get_future().add_done_callback(self._on_done)
-        except (RuntimeError, AttributeError):
-            pass
+        if device is None or torch.device(device).type != "cuda":
+            try:
+                work.get_future().add_done_callback(self._on_done)
+            except (RuntimeError, AttributeError):
+                pass
 
     def _on_done(self, _fut) -> None:
-        self._done_at = time.perf_counter()
+        self._done_at = now()     # host work (gloo): done when its future fires
 
     def wait(self, *args) -> bool:
-        t0 = time.perf_counter()
+        t0 = now(self._device)
         result = self._work.wait(*args)
-        t1 = time.perf_counter()
+        t1 = now(self._device)
         if not self._recorded:
             self._recorded = True
             end = self._done_at if self._done_at is not None else t1

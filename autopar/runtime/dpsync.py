@@ -114,6 +114,7 @@ class DataParallelSync(nn.Module):
         self.defer = False
         self._acc: dict[str, torch.Tensor] = {}
         self._acc_owned: set[str] = set()
+        self._summed: dict[str, torch.Tensor] = {}   # add_summed: waiting for their parameter's gradient
         self.events: list[tuple[str, object]] = []
         # ZeRO-3: most bytes of gathers in flight at once (issued, not yet waited on): within the
         # prefetch budget, or one unit where a unit alone is larger (backward takes the units
@@ -233,9 +234,9 @@ class DataParallelSync(nn.Module):
         if self.mode in ("zero1", "zero2") and [p._version for p in self._params.values()] != self._versions:
             raise RuntimeError(
                 f"the {self.mode} parameter shards were changed after the last parameter all-gather "
-                "(an optimizer that is not dm.optimizer(...)?), so the full parameters forward uses "
-                "are stale. Build the optimizer with dm.optimizer(torch.optim.AdamW, ...), or call "
-                "dm.gather_params() after changing the shards.")
+                "(written in place outside an optimizer step?), so the full parameters forward uses "
+                "are stale. Call dm.gather_params() after changing the shards (an optimizer's step "
+                "does it), or load new values with dm.load_full_state_dict(...).")
 
     # ---- ZeRO-3 saved-tensor hooks: gather again in backward ------------------------------
     def track(self, name: str, full: torch.Tensor) -> None:
@@ -297,6 +298,7 @@ class DataParallelSync(nn.Module):
     def forward_scope(self):
         """Around one forward: ZeRO-3 swaps saved gathered parameters for re-gather tokens."""
         self.check_fresh()
+        self._summed.clear()        # left by a backward that failed before reaching their buckets
         if self.mode != "zero3":
             yield
             return
@@ -323,9 +325,37 @@ class DataParallelSync(nn.Module):
         self._inflight.clear()
 
     # ---- gradients ---------------------------------------------------------------------
+    def add_summed(self, grads: dict[str, torch.Tensor]) -> None:
+        """Gradients of parameters by name, already summed over another axis in the reduce dtype
+        (``tp_param_sync``: a replicated parameter read per tp rank), wider than the compute-dtype
+        gradients autograd carries. Each joins the gradient autograd then hands this reducer for
+        its parameter (autograd carries zeros for the summed reads), so that no compute-dtype
+        rounding comes between the sum and the master. A parameter no bucket reduces (a pipeline
+        stage on dp=1 reads its master through a cast) has it added to its ``.grad`` at once."""
+        for name, g in grads.items():
+            if name in self.bucket_of:
+                prev = self._summed.get(name)
+                self._summed[name] = g if prev is None else prev + g
+                continue
+            p = self._params[name]
+            with torch.no_grad():
+                if p.grad is None:
+                    p.grad = g.to(p.dtype, copy=True)
+                else:
+                    p.grad.add_(g)
+
+    def _join_summed(self, name: str, grad):
+        """``grad`` from autograd plus what ``add_summed`` holds for ``name``, in the reduce dtype."""
+        summed = self._summed.pop(name, None)
+        if summed is None:
+            return grad
+        return summed if grad is None else self.comm.summing(grad) + summed
+
     def add_grad(self, name: str, grad: torch.Tensor) -> None:
         """ZeRO-3: one parameter's full local gradient is ready (from autograd); its bucket
         goes out once every member's is."""
+        if self._summed:
+            grad = self._join_summed(name, grad)
         if self.defer:
             self._accumulate(name, grad)
             return
@@ -341,6 +371,8 @@ class DataParallelSync(nn.Module):
 
     def add_bucket(self, bi: int, grads: list) -> None:
         """Every gradient of bucket ``bi`` is ready (full, local; None = no gradient)."""
+        if self._summed:
+            grads = [self._join_summed(name, g) for name, g in zip(self.buckets[bi].names, grads)]
         if self.defer:
             for name, g in zip(self.buckets[bi].names, grads):
                 self._accumulate(name, g)

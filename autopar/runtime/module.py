@@ -29,12 +29,12 @@ from .checkpoint import Resumed, load_module, save_module
 from .comm import AxisComm, CommStats
 from .dpsync import DataParallelSync
 from .offload import HostLink, OptimizerOffload
-from .optim import PerTensorState, check_optimizer
+from .optim import PerTensorState, built_here, check_optimizer, guard_shards
 from .timeline import record
 from .tpcomm import _pad_rows, gather_tp_param
 
 __all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
-           "cast_inputs", "refuse_per_tensor_offload", "post_step_errors"]
+           "cast_inputs", "cast_outputs", "refuse_per_tensor_offload", "post_step_errors"]
 
 
 def cast_input(x, dtype):
@@ -48,6 +48,17 @@ def cast_input(x, dtype):
 def cast_inputs(tree, dtype):
     """``cast_input`` over every leaf of ``tree``."""
     return tree if dtype is None else pytree.tree_map(lambda x: cast_input(x, dtype), tree)
+
+
+def cast_outputs(tree, plan):
+    """Mixed precision: the tensors of a module's output ``tree`` that are in the compute dtype
+    (``plan.param_dtype``) cast to ``plan.output_cast_dtype``, differentiably, so that a loss
+    computed on them runs in that dtype; other leaves (a loss autocast computed in fp32) as
+    they are."""
+    compute, dtype = plan.param_dtype, plan.output_cast_dtype
+    if dtype is None or dtype == compute:
+        return tree
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype == compute else x, tree)
 
 
 def attr_path(obj, dotted: str):
@@ -92,6 +103,10 @@ class DistributedModule(nn.Module):
         # (dm, args, kwargs, shapes) -> the program for other input shapes; set by autopar.compile
         self.variants = None
         self._programs: dict[tuple, fx.GraphModule] = {}   # local input shapes -> program (not the compiled one)
+        # mixed precision: forward's outputs leave the module cast (cast_outputs); False for a
+        # pipeline's stages, whose outputs go on to the next stage (the pipeline casts the last's)
+        self.output_boundary = True
+        self._guard_shards()
 
     # ---- running -----------------------------------------------------------------------
     @flight.published("forward")
@@ -101,12 +116,14 @@ class DistributedModule(nn.Module):
         self._check_mode()
         masks = getattr(module, RNG, None)
         if masks is not None:
-            masks.before_forward()
+            masks.before_forward(self._device())
         with self._sync.forward_scope():
             if self._tp is None or getattr(self._tp, "regather", None) is None:
-                return module(*args, **kwargs)
-            with self._tp.regather.scope():
-                return module(*args, **kwargs)
+                out = module(*args, **kwargs)
+            else:
+                with self._tp.regather.scope():
+                    out = module(*args, **kwargs)
+        return cast_outputs(out, self.plan) if self.output_boundary else out
 
     def _program_for(self, args, kwargs) -> fx.GraphModule:
         """The program for these inputs: the compiled one at its shapes, else the one for their
@@ -208,6 +225,7 @@ class DistributedModule(nn.Module):
         if self.plan.offload is not None:    # after the replica refresh, which bumps the shards' versions
             opt.register_step_post_hook(lambda *_, offload=self._offload: offload.record_versions())
         post_step_errors(opt)
+        built_here(opt)
         self._optimizer = weakref.ref(opt)   # explain() reports its state
         return opt
 
@@ -247,6 +265,24 @@ class DistributedModule(nn.Module):
         if tp and self._tp is not None and self._tp.size > 1:
             why.append(f"tensor parallelism over tp={self._tp.size}: {len(tp)} parameters split")
         return "; ".join(why)
+
+    def _sharding(self, name: str) -> str:
+        """Why this rank holds only a piece of trainable parameter ``name`` ("" when it is whole)."""
+        why = []
+        spec = self._sync.specs.get(name)
+        if self.plan.dp != "ddp" and spec is not None and spec.n > 1:
+            why.append(f"{self.plan.dp} over dp={spec.n}")
+        tp = self.ctx.tp_params.get(name)
+        if tp is not None and tp.sharded and self._tp is not None and self._tp.size > 1:
+            why.append(f"split by tensor parallelism over tp={self._tp.size}")
+        return " and ".join(why)
+
+    def _guard_shards(self) -> None:
+        """An optimizer built on these shards outside ``dm.optimizer`` is checked at its first
+        step (``autopar.runtime.optim.guard_shards``); ZeRO-1/2's steps refresh the replicas."""
+        own = dict(self.module.named_parameters())     # a program for other shapes may read fewer
+        shards = {name: (own[name], why) for name in self._names if name in own and (why := self._sharding(name))}
+        guard_shards(shards, self._sync.gather_replicas if self.plan.dp in ("zero1", "zero2") else None)
 
     def _local_piece(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full tensor ``full`` of parameter ``name`` (tp, then dp)."""
@@ -399,10 +435,11 @@ class DistributedModule(nn.Module):
                 for name, p in state.params.items():
                     state.copies[name].copy_(self._full(name, p.detach()))
 
-    def to_empty(self, *, device="cpu") -> "DistributedModule":
-        """Allocate (uninitialised) storage for a module captured from a meta-device model;
-        follow with ``load_full_state_dict``."""
-        self.module.to_empty(device=device)
+    def to_empty(self, *, device=None) -> "DistributedModule":
+        """Allocate (uninitialised) storage for a module captured from a meta-device model, on
+        ``device`` (default the mesh's: ``Mesh.device``, this rank's GPU under NCCL); follow
+        with ``load_full_state_dict``."""
+        self.module.to_empty(device=self.mesh.device if device is None else device)
         self._programs.clear()          # they hold the meta-device tensors: made again on their next call
         for name, spec in self._sync.specs.items():
             # leaving the meta device makes new Parameter objects: point the sync at them
@@ -413,6 +450,7 @@ class DistributedModule(nn.Module):
                     self.module.get_parameter(name).data = spec.local_of(replica)
                 self._sync._replicas[name] = replica
         self._sync.record_versions()
+        self._guard_shards()
         return self
 
     def _buffer(self, name: str) -> torch.Tensor:
@@ -460,13 +498,18 @@ class DistributedModule(nn.Module):
             g.mul_(coef.to(g.dtype))
         return total
 
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's parameters live on: where its inputs go and its work runs."""
+        return self._device()
+
     def _device(self) -> torch.device:
         """The device this rank's parameters live on (what the runtime allocates on)."""
         for p in self.module.parameters():
             return p.device
         for b in self.module.buffers():
             return b.device
-        return torch.device("cpu")
+        return self.mesh.device
 
     # ---- inspection --------------------------------------------------------------------
     def _inspect(self, what: str) -> Inspector:
@@ -557,10 +600,13 @@ def model_loss(output) -> torch.Tensor:
     return loss
 
 
-def has_loss(out_spec) -> bool:
-    """Whether outputs of structure ``out_spec`` carry the model's own loss (see ``model_loss``)."""
+def has_loss(out_spec, dims: tuple = ()) -> bool:
+    """Whether outputs of structure ``out_spec``, whose leaves have ``dims`` dimensions (None: not
+    a tensor; unknown dims: scalars), carry the model's own loss (see ``model_loss``)."""
+    dims = tuple(dims) or (0,) * out_spec.num_leaves
+    leaves = [torch.zeros((1,) * d) if d is not None else None for d in dims]
     try:
-        model_loss(pytree.tree_unflatten([torch.zeros(())] * out_spec.num_leaves, out_spec))
+        model_loss(pytree.tree_unflatten(leaves, out_spec))
         return True
     except Exception:
         return False

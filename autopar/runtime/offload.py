@@ -24,10 +24,14 @@ What overlaps what, in a step:
           asynchronously right after its rows are up, so that the next bucket's copy runs
           while it is in flight. ddp, ZeRO-3: every parameter at once (nothing to overlap)
 
-The copies are issued where the runtime runs: on the CPU by the training thread (the
-collectives progress on the backend's threads meanwhile), on CUDA on the current stream
-(asynchronous to the host through pinned memory). So they overlap communication, not
-compute: a copy down delays the rest of backward by its own time.
+The copies are issued where the runtime runs. On the CPU the training thread copies (the
+collectives progress on the backend's threads meanwhile): they overlap communication, not
+compute, and a copy down delays the rest of backward by its own time. On CUDA they run on a
+copy stream of their own (``HostLink.stream``), asynchronous to the host through pinned
+memory, so a copy down also overlaps the backward compute queued after it: each copy first
+waits for the compute stream's work so far (which wrote what it copies), a gradient copied
+down is kept from the allocator until its copy ran (``record_stream``), and the compute
+stream waits for a copy up before its next work reads the parameter.
 
 Per step and rank, with E = this rank's trainable elements (ZeRO: its rows of every tensor;
 ddp: Ψ):
@@ -58,14 +62,15 @@ __all__ = ["HostLink", "OptimizerOffload"]
 class HostLink:
     """The link between the device that ``device`` names and its host's memory, with the byte
     counter copies across it record into. On CUDA host tensors are pinned and copies
-    asynchronous (``wait`` completes them); on the CPU host and device coincide, and a copy is
-    an ordinary one, counted as the device's would be."""
+    asynchronous, on the copy stream ``stream`` (``wait`` completes them); on the CPU host and
+    device coincide, and a copy is an ordinary one, counted as the device's would be."""
 
     def __init__(self, device: torch.device, stats: CommStats):
         self.device, self.stats = torch.device(device), stats
         self.host = torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.pinned = self.cuda and torch.cuda.is_available()
+        self.stream = torch.cuda.Stream(self.device) if self.pinned else None    # the copies' own
 
     def host_empty(self, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised host tensor of ``like``'s shape and dtype (pinned on CUDA)."""
@@ -74,18 +79,33 @@ class HostLink:
     def down(self, dst: torch.Tensor, src: torch.Tensor, phase: str = "optimizer") -> torch.Tensor:
         """Device ``src`` -> host ``dst`` (asynchronous on CUDA: ``wait`` before reading ``dst``)."""
         self.stats.record("host", "d2h", phase, src.numel() * src.element_size(), src.dtype)
-        dst.copy_(src.detach(), non_blocking=self.cuda)
+        if self.stream is None:
+            dst.copy_(src.detach(), non_blocking=self.cuda)
+            return dst
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))    # the work that wrote src
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src.detach(), non_blocking=True)
+        src.record_stream(self.stream)     # a gradient dropped after this is not reused before its copy ran
         return dst
 
     def up(self, dst: torch.Tensor, src: torch.Tensor, phase: str = "optimizer") -> torch.Tensor:
         """Host ``src`` -> device ``dst`` (ordered before the device's later work on its stream)."""
         self.stats.record("host", "h2d", phase, dst.numel() * dst.element_size(), dst.dtype)
-        dst.copy_(src, non_blocking=self.cuda)
+        if self.stream is None:
+            dst.copy_(src, non_blocking=self.cuda)
+            return dst
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)    # the work queued before that reads dst
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        compute.wait_stream(self.stream)    # the work queued after it reads the new values
         return dst
 
     def wait(self) -> None:
         """Complete the copies issued so far (the host is about to read what came down)."""
-        if self.cuda:
+        if self.stream is not None:
+            self.stream.synchronize()
+        elif self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
 

@@ -15,13 +15,13 @@ cost model's predicted lanes of the same plan.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from ..trace import ChromeTrace
+from .timing import now
 
 __all__ = ["MeasuredTimeline", "record"]
 
@@ -78,15 +78,17 @@ class MeasuredTimeline:
 def record(owner):
     """Record ``owner``'s collectives (``owner.comm_stats``) while the block runs, then share
     every rank's MeasuredTimeline (a collective over the world: every rank records the same step) as
-    ``owner.timelines``, in rank order."""
+    ``owner.timelines``, in rank order. Its ends wait for the device (``timing.now``): the span
+    holds the block's device work, not only its launches."""
     stats = owner.comm_stats
     trace: list = []
+    device = owner.device
+    start = now(device)
     stats.trace = trace
-    start = time.perf_counter()
     try:
         yield
     finally:
-        end = time.perf_counter()
+        end = now(device)
         stats.trace = None
     mine = MeasuredTimeline.from_trace(owner.mesh.rank, start, end, trace)
     if not owner.mesh.virtual and dist.is_initialized() and dist.get_world_size() > 1:

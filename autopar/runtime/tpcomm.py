@@ -16,7 +16,10 @@ of a ``P(sum)`` tensor is the whole gradient (each addend's).
     tp_reduce_scatter(x, d, size)
                              P(sum) -> S(d)   backward: all-gather
     tp_split(x, d, size)     R -> S(d)        backward: all-gather (no forward communication)
-    tp_param_sync(params)    ``tp_copy`` of a group of parameters: one all-reduce of their gradients
+    tp_param_sync(params, names)
+                             ``tp_copy`` of a group of parameters: one all-reduce of their gradients
+                             (in the reduce dtype, handed to the masters' reducer by name under
+                             mixed precision, never rounded to the compute dtype on the way)
 
 The overlap pass splits the forward collectives into ``tp_start`` (issue, asynchronously) and
 ``tp_wait`` (complete; the autograd node with the conjugate backward), and fuses ``tp_copy``
@@ -225,17 +228,28 @@ class _Split(torch.autograd.Function):
 
 
 class _ParamSync(torch.autograd.Function):
+    """forward: identity on a group of replicated parameters / backward: one all-reduce of their
+    gradients, in the reduce dtype. Autograd hands each input the gradient in that input's own
+    dtype, so under mixed precision a sum returned here would be rounded to the compute dtype
+    before it reached the fp32 master; instead the sums go to ``comm.grad_sink`` by parameter
+    name (``DataParallelSync.add_summed``, which lands them on the masters in the reduce
+    dtype) and autograd carries zeros for these reads."""
+
     @staticmethod
-    def forward(ctx, comm, *params):
-        ctx.comm = comm
+    def forward(ctx, comm, names, *params):
+        ctx.comm, ctx.names = comm, names
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
         flat = ctx.comm.summing(torch.cat([g.reshape(-1) for g in grads]))
         ctx.comm.all_reduce_(flat, label=f"grads of {len(grads)} replicated parameters read per rank")
-        parts = flat.split([g.numel() for g in grads])
-        return (None,) + tuple(x.view_as(g).to(g.dtype) for x, g in zip(parts, grads))
+        parts = [x.view_as(g) for x, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        sink = ctx.comm.grad_sink
+        if sink is not None and ctx.names is not None and any(g.dtype != flat.dtype for g in grads):
+            sink(dict(zip(ctx.names, parts)))
+            return (None, None) + tuple(torch.zeros_like(g) for g in grads)
+        return (None, None) + tuple(x.to(g.dtype) for x, g in zip(parts, grads))
 
 
 _WAITS = {"all_reduce": _AllReduceWait, "all_gather": _GatherWait, "reduce_scatter": _ScatterWait}
@@ -279,11 +293,12 @@ def tp_copy_linear(x: torch.Tensor, weight: torch.Tensor, bias, comm: AxisComm) 
     return _CopyLinear.apply(x, weight, bias, comm)
 
 
-def tp_param_sync(comm: AxisComm, params: list) -> tuple:
+def tp_param_sync(comm: AxisComm, params: list, names: list | None = None) -> tuple:
     """Megatron's ``f`` for a group of replicated parameters read by per-rank compute (the
     norms and biases of sequence-parallel regions): identity forward, one all-reduce of all
-    their gradients in backward."""
-    return _ParamSync.apply(comm, *params)
+    their gradients in backward. ``names``: the parameters' names, under which the sums reach
+    ``comm.grad_sink`` when they are wider than the gradients (mixed precision)."""
+    return _ParamSync.apply(comm, names, *params)
 
 
 def tp_all_reduce(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:

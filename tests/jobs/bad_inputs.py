@@ -347,13 +347,22 @@ def run_pipeline_forward():
     dm(tok)
 
 
-def optimizer_stock_on_zero2():
+def shards_edited_on_zero2():
     dm = _mlp("zero2")
-    opt = torch.optim.AdamW(dm.parameters(), lr=0.01)     # not dm.optimizer: replicas go stale
-    _step(dm)
-    opt.step()
+    with torch.no_grad():
+        next(dm.parameters()).add_(1.0)     # outside an optimizer step: the replicas go stale
     err = _raises(lambda: _step(dm))
     dm.gather_params()           # the fix the message names
+    _step(dm)
+    raise err
+
+
+def optimizer_stock_not_elementwise():
+    dm = _mlp("zero3")
+    opt = torch.optim.Adafactor(dm.parameters(), lr=0.01)     # not dm.optimizer: checked at its first step
+    _step(dm)
+    err = _raises(opt.step)
+    dm.zero_grad()
     _step(dm)
     raise err
 
@@ -509,8 +518,10 @@ CASES = (   # (id, what the user did, exception type, pattern of the message)
     ("run_pipeline_wrong_shape", "train_step with the batch flattened to 1-d", "ValueError",
      r"micro-batch of this rank's slice has shape \(64,\), expected 2 dims \(shape \(4, 16\)"),
     ("run_pipeline_forward", "dm(x) on a pipelined module", "RuntimeError", r"call dm.train_step"),
-    ("optimizer_stock_on_zero2", "torch.optim.AdamW(dm.parameters()) under ZeRO-2, then forward", "RuntimeError",
-     r"parameter shards were changed after the last parameter all-gather.*dm.optimizer\(.*dm.gather_params\(\)"),
+    ("shards_edited_on_zero2", "a ZeRO-2 shard written in place outside an optimizer step, then forward",
+     "RuntimeError", r"parameter shards were changed after the last parameter all-gather.*dm.gather_params\(\)"),
+    ("optimizer_stock_not_elementwise", "torch.optim.Adafactor(dm.parameters()) under ZeRO-3, then its step",
+     "ValueError", r"Adafactor was built directly on the parameters.*zero3 over dp=2.*per shard.*dm.optimizer\("),
     ("optimizer_not_elementwise", "dm.optimizer(torch.optim.Adafactor) under ZeRO-3", "ValueError",
      r"Adafactor is not an elementwise optimizer.*zero3 over dp=2.*per_tensor=True"),
     ("optimizer_per_tensor_pipeline", "dm.optimizer(..., per_tensor=True) on a pipeline", "NotImplementedError",

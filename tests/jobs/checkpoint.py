@@ -159,6 +159,36 @@ def save_twice_job(path: str) -> dict:
             "same": all(torch.equal(mine[k], theirs[k]) for k in mine)}
 
 
+def fused_resume_job(path: str) -> dict:
+    """ZeRO-2 over 2 ranks with fused AdamW (which keeps ``step`` on the parameters' device):
+    one module trains STEPS steps without interruption; another trains SPLIT, saves, and a
+    third loads into a fresh fused AdamW and trains the rest. The load goes through
+    ``Optimizer.load_state_dict`` (its post-hook fires) and leaves each ``step`` where torch's
+    own load puts a fused optimizer's (float32, on its parameter's device)."""
+    axes, plan = {"dp": 2}, autopar.Plan(dp="zero2")
+    x, _ = batch(0)
+
+    def build():
+        dm = autopar.compile(model(), autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+        return dm, dm.optimizer(torch.optim.AdamW, lr=LR, fused=True)
+    whole, opt = build()
+    torch.manual_seed(1)
+    train(whole, opt, range(STEPS))
+    first, opt = build()
+    torch.manual_seed(1)
+    train(first, opt, range(SPLIT))
+    first.save(path)
+    resumed, opt = build()
+    hooked = []
+    opt.register_load_state_dict_post_hook(lambda o: hooked.append(True))
+    step = resumed.load(path).step
+    steps = [(s["step"].dtype, s["step"].device == p.device) for p, s in opt.state.items()]
+    train(resumed, opt, range(step, STEPS))
+    mine, ref = resumed.full_state_dict(), whole.full_state_dict()
+    return {"hooked": hooked == [True], "steps": steps, "fused": all(g["fused"] for g in opt.param_groups),
+            "err": max(float((mine[k] - ref[k]).abs().max()) for k in ref)}
+
+
 # ---- bad checkpoints -----------------------------------------------------------------------------
 
 def _snapshot(dm, opt):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import autopar
 from autopar.meta import REPLICAS
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
+from autopar.runtime.comm import AxisComm
 from autopar.testing import optimizer_state_bytes, parity
 
 BF16 = torch.bfloat16
@@ -150,3 +151,61 @@ def model_state_bytes_after_step(mode: str):
     state = optimizer_state_bytes(opt)
     padded = sum(spec.padded_numel for spec in dm._sync.specs.values())
     return dict(by_kind), state, psi, padded
+
+
+
+def replicated_grad_sums(axes: dict, plan_text: str):
+    """One bf16 step; at the tp all-reduce of ``ln_f``'s gradients (``tp_param_sync``'s group of
+    the final norm's weight and bias, one flat buffer), this rank's addends as sent: its
+    compute-dtype partial gradients, widened, one per micro-batch. Returns every rank's (dp
+    coordinate, addends; none where the rank holds no ``ln_f``: an earlier pipeline stage) and
+    this rank's full master gradients of ``ln_f``."""
+    plan = autopar.Plan.parse(plan_text)
+    mesh = autopar.Mesh(**axes)
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan)
+    sent = []
+    all_reduce = AxisComm.all_reduce_
+
+    def spy(self, t, label="", *args, **kwargs):
+        if self.axis == "tp" and label == "grads of 2 replicated parameters read per rank":
+            sent.append(t.detach().clone())
+        return all_reduce(self, t, label, *args, **kwargs)
+
+    AxisComm.all_reduce_ = spy
+    try:
+        if plan.pp_schedule is not None:
+            dm.train_step(dm.shard_batch((tok,)), dm.shard_batch(tgt), lm_loss)
+        else:
+            lm_loss(dm(*dm.shard_batch((tok,))), dm.shard_batch(tgt)).backward()
+    finally:
+        AxisComm.all_reduce_ = all_reduce
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (mesh.coordinate("dp"), sent))
+    grads = dm.full_grads()
+    return every, {k: grads.get(k) for k in ("ln_f.weight", "ln_f.bias")}
+
+
+def pipeline_output_dtypes():
+    """1F1B bf16 on two stages: the dtypes of the outputs ``loss_fn`` receives, one per
+    micro-batch, in ``train_step`` and in ``eval_step`` (on the last stage's rank), and the
+    dtype and shape of what ``eval_step`` returns without a loss (the logits; None elsewhere)."""
+    c = GPTConfig()
+    tok, tgt = gpt_batch(c, 8)
+    torch.manual_seed(0)
+    dm = autopar.compile(TinyGPT(c), autopar.Mesh(pp=2), example_inputs=(tok,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2, param_dtype=BF16))
+    seen = []
+
+    def loss_fn(out, target):
+        seen.append(str(out.dtype).removeprefix("torch."))
+        return lm_loss(out, target)
+
+    dm.train_step(dm.shard_batch((tok,)), dm.shard_batch(tgt), loss_fn)
+    trained = list(seen)
+    seen.clear()
+    dm.eval_step(dm.shard_batch((tok,)), dm.shard_batch(tgt), loss_fn)
+    out = dm.eval_step(dm.shard_batch((tok,)))     # no loss: the logits themselves, on the last stage's rank
+    return trained, seen, None if out is None else (str(out.dtype).removeprefix("torch."), tuple(out.shape))
