@@ -6,10 +6,13 @@
     python -m autopar verify --model tiny-gpt --mesh dp=2,tp=2 --plan "dp=zero3,tp,sp"
     python -m autopar zoo [--archs llama,mixtral] [--plans zero3,tp] [--steps 2]
     python -m autopar fuzz --minutes 60 [--seed 0] [--plans tp,tp+sp] [--out fuzz_out]
+    python -m autopar doctor [--quick] [--only zero3,1f1b] [--backend gloo|nccl] [--json out.json]
 """
 import argparse
 import sys
 import time
+
+import torch
 
 from .api import plan as find_plan
 from .cost.calibration import calibrate_local
@@ -18,7 +21,7 @@ from .demo import main as demo
 from .models import NAMED, SMALL, named, small
 from .planspec import Plan
 from .verification import verify
-from . import fuzz, zoo
+from . import doctor, fuzz, zoo
 
 
 def main(argv=None) -> int:
@@ -38,6 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="candidates to show")
     p.add_argument("--flash", action="store_true", help="attention as a fused kernel (no a*s^2 scores kept)")
     p.add_argument("--trace", default=None, help="write the chosen plan's predicted step as a Chrome trace here")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="bf16: mixed precision (bf16 compute, fp32 masters: Plan(param_dtype=torch.bfloat16)); "
+                        "fp32: the fp32 model as it is")
     cal = sub.add_parser("calibrate", help="measure this machine for the cost model's local preset (cached)")
     cal.add_argument("--force", action="store_true", help="measure again even if cached")
     v = sub.add_parser("verify", help="run a plan on simulated ranks and compare every node with one device")
@@ -57,6 +63,11 @@ def main(argv=None) -> int:
     f.add_argument("--plans", default=None, help=f"comma-separated, of: {','.join((*fuzz.PLANS, *fuzz.PIPELINE_PLANS))}")
     f.add_argument("--out", default="fuzz_out", help="where each failure's shrunk model is written as a module")
     f.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
+    sub.add_parser("doctor", add_help=False,
+                   help="train every plan a few steps on this machine's devices against one device (autopar.doctor)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:
+        return doctor.main(argv[1:])
     args = ap.parse_args(argv)
     if args.cmd == "fuzz":
         return _fuzz(args)
@@ -121,10 +132,11 @@ def _fuzz(args) -> int:
 
 def _plan(args) -> int:
     t0 = time.perf_counter()
-    model, example = named(args.model, layers=args.layers)
+    model, example = named(args.model, layers=args.layers, dtype=torch.float32)
     try:
         report = find_plan(model, args.world, example_inputs=example, cluster=args.cluster,
-                           global_batch=args.batch, top=args.top, flash_attention=args.flash)
+                           global_batch=args.batch, top=args.top, flash_attention=args.flash,
+                           param_dtype=torch.bfloat16 if args.precision == "bf16" else None)
     except InfeasiblePlan as exc:
         print(f"autopar plan: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """Cluster descriptions for the cost model: what the hardware can do, in SI units.
 
-A cluster is one kind of device, described by roofline numbers (peak dense FLOP/s in the
-training dtype, memory bandwidth, memory capacity, and the fractions of those peaks that
-real kernels achieve), plus one link per level of the interconnect:
+A cluster is one kind of device, described by roofline numbers (peak dense matmul FLOP/s per
+dtype, memory bandwidth, memory capacity, and the fractions of those peaks that real kernels
+achieve), plus one link per level of the interconnect:
 
 * ``intra``: between devices of one node (NVLink on a DGX);
 * ``inter``: between nodes (InfiniBand on a DGX);
@@ -10,7 +10,8 @@ real kernels achieve), plus one link per level of the interconnect:
 
 A link is an alpha-beta model: a message of ``b`` bytes takes ``latency + b / bandwidth``
 seconds, ``bandwidth`` being per GPU and per direction. Units throughout: bytes, seconds,
-FLOP/s, bytes/s.
+FLOP/s, bytes/s. What precision a step runs in is the plan's (``Plan(param_dtype=...)``, else
+the model's own dtype): a cluster says how fast each dtype's matmuls run, not which one trains.
 
 Where the numbers come from:
 
@@ -127,12 +128,13 @@ class Link:
 class Device:
     """Roofline description of one accelerator (or of one CPU core for the local preset)."""
     name: str
-    peak_flops: float          # dense FLOP/s in the training dtype (bf16 on GPUs; fp32 on the local CPU)
+    peak_flops: float          # dense FLOP/s of 16-bit (bf16/fp16) matmuls: tensor cores on GPUs; on the
+    #                            local CPU the measured matmul rate (of fp32: the calibration times no other
+    #                            dtype, so it prices every dtype there)
     mem_bandwidth: float       # bytes/s
     memory_bytes: int          # device memory capacity
-    matmul_efficiency: float   # achieved fraction of peak_flops on large matmuls
+    matmul_efficiency: float   # achieved fraction of the peak on large matmuls (of each dtype's peak alike)
     memory_efficiency: float   # achieved fraction of mem_bandwidth
-    dtype_bytes: int = 2       # element size of the training dtype (2 for bf16/fp16; 4 for local fp32)
     step_overhead: float = 0.0  # seconds of an optimizer step per parameter tensor (local CPU: AdamW's
     #                             single-tensor loop timed on 64 x 64 tensors, so with that size's
     #                             arithmetic, which optimizer_time's roofline term charges again;
@@ -169,18 +171,45 @@ class Device:
     #                            the mean of the calibration probe's ops, forward and backward
     #                            (``cost.compute.dispatch_ops``; local CPU, measured on tiny tensors;
     #                            GPU presets: none, every op weighs 1 and op_overhead is 0)
+    fp32_flops: Optional[float] = None   # dense FLOP/s of fp32 matmuls without tensor cores (GPUs' CUDA
+    #                            cores); None: peak_flops (the local CPU)
+    tf32_flops: Optional[float] = None   # dense FLOP/s of TF32 tensor cores, the rate fp32 matmuls run at
+    #                            where set: PyTorch runs them on TF32 under
+    #                            ``torch.set_float32_matmul_precision("high")`` (its default, "highest",
+    #                            runs them at fp32_flops: replace this with None to price that); None:
+    #                            fp32 matmuls at fp32_flops
+
+    def matmul_peak(self, dtype=None) -> float:
+        """Peak dense FLOP/s of a matmul whose operands are ``dtype`` (a ``torch.dtype``; None:
+        16-bit): 16-bit and narrower floats at ``peak_flops``; fp32 (and wider) at ``tf32_flops``
+        where set, else ``fp32_flops``, else ``peak_flops``."""
+        if dtype is None or dtype.itemsize <= 2:
+            return self.peak_flops
+        if self.tf32_flops is not None and dtype.itemsize == 4:
+            return self.tf32_flops
+        return self.fp32_flops if self.fp32_flops is not None else self.peak_flops
+
+    def attention_rate_of(self, dtype=None) -> float:
+        """Achieved FLOP/s of the fused attention kernel on ``dtype`` operands: the dtype's
+        matmul peak at the attention efficiency (None: the matmul efficiency)."""
+        eff = self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
+        return self.matmul_peak(dtype) * eff
 
     @property
     def attention_rate(self) -> float:
-        """FLOP/s of the fused attention kernel."""
-        eff = self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
-        return self.peak_flops * eff
+        """FLOP/s of the fused attention kernel on 16-bit operands (``attention_rate_of``)."""
+        return self.attention_rate_of(None)
 
     def __post_init__(self) -> None:
-        for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "dtype_bytes"):
+        for field in ("peak_flops", "mem_bandwidth", "memory_bytes"):
             value = getattr(self, field)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"Device {self.name!r}: {field} must be positive and finite, got {value!r}")
+        for field in ("fp32_flops", "tf32_flops"):
+            value = getattr(self, field)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"Device {self.name!r}: {field} must be positive and finite, or None; got "
+                                 f"{value!r}")
         for field in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
             value = getattr(self, field)
             if field == "attention_efficiency" and value is None:
@@ -200,8 +229,6 @@ class Cluster:
     inter: Link      # between nodes (InfiniBand; local: same as intra)
     host: Link       # device <-> host memory (PCIe)
     source: str = ""  # citations, one line each
-    mixed_precision: bool = True   # True: bf16 params/grads + fp32 master/Adam state (ZeRO's K=12);
-    #                                False (local): fp32 everything
     shared: Optional[Link] = None  # local preset: the link measured with twice as many processes as
     #                                cores (ranks then share cores, and a collective waits for each
     #                                of them to be scheduled); used when a mesh has more ranks than cores
@@ -319,7 +346,9 @@ class Cluster:
 # * matmul_efficiency, A100: the one value at which autopar's estimate of BLOOM-176B's published
 #   run (Bekman, "The Technology Behind BLOOM Training", Hugging Face blog, July 2022: 156 TFLOP/s
 #   per A100 80GB; 384 GPUs, TP=4, PP=12, DP=8, ZeRO-1, micro-batch 2, global batch 2,048, activation
-#   checkpointing) equals that throughput, every other number as below
+#   checkpointing; estimated as an fp32 model under Plan(param_dtype=torch.bfloat16), gradients summed
+#   in fp32 as DeepSpeed's bf16 optimizer sums them) equals that throughput, every other number as below.
+#   The same fraction of the peak prices TF32's and fp32's matmuls (no run of those is published)
 #   (tests/published_runs.py ``fit_matmul_efficiency``; `python benchmarks/bench_plan.py --fit`
 #   prints it). That run is the calibration; the runs the model is then checked against
 #   (Narayanan et al. 2021, Korthikanti et al. 2022, torchtitan 2024) take no part in it.
@@ -344,18 +373,24 @@ _NO_HOST = ("0 on GPU presets: the host runs ahead of the device, so framework t
             "optimizer tensor hides under kernels (fused optimizer); measured only on the local preset")
 _MAMF = ("Bekman, ml-engineering, 'Maximum Achievable Matmul FLOPS comparison table' (bf16, CUDA 12.1): "
          "A100 SXM 267.9 of 312 TFLOP/s = 85.9%, H100 SXM 792.1 of 989 TFLOP/s = 80.1%")
-A100_MATMUL_EFFICIENCY = 0.599   # fitted on BLOOM-176B's published run (see above); bench_plan.py --fit
+A100_MATMUL_EFFICIENCY = 0.601   # fitted on BLOOM-176B's published run (see above); bench_plan.py --fit
 H100_MATMUL_EFFICIENCY = round(A100_MATMUL_EFFICIENCY * (792.1 / 989) / (267.9 / 312), 3)   # MAMF ratio
 
 
-def _device_citations(chip: str, datasheet: str, matmul: str, memory: str) -> tuple:
+_TF32_USE = ("PyTorch runs fp32 matmuls on TF32 tensor cores under torch.set_float32_matmul_precision('high') "
+             "(PyTorch CUDA semantics, 'TensorFloat-32 (TF32) on Ampere (and later) devices'; its default, "
+             "'highest', does not): the preset assumes fp32 training sets it; tf32_flops=None prices the default")
+
+
+def _device_citations(chip: str, datasheet: str, matmul: str, memory: str, fp32: str, tf32: str) -> tuple:
     return (
         ("device.peak_flops", f"NVIDIA {chip} datasheet: {datasheet} (dense BF16 tensor core)"),
+        ("device.fp32_flops", fp32),
+        ("device.tf32_flops", f"{tf32}; {_TF32_USE}"),
         ("device.mem_bandwidth", f"NVIDIA {chip} datasheet: {datasheet} (memory bandwidth)"),
         ("device.memory_bytes", f"NVIDIA {chip} datasheet: {datasheet} (capacity, read as decimal GB)"),
         ("device.matmul_efficiency", matmul),
         ("device.memory_efficiency", memory),
-        ("device.dtype_bytes", "bf16 training: 2 bytes per element"),
         ("device.step_overhead", _NO_HOST),
         ("device.op_overhead", _NO_HOST),
         ("device.attention_efficiency", "None: the fused attention kernel at the matmul efficiency (flash "
@@ -386,7 +421,8 @@ _A100 = Device(
     memory_bytes=80 * 10**9,      # NVIDIA A100 Tensor Core GPU datasheet: 80 GB (read as decimal GB)
     matmul_efficiency=A100_MATMUL_EFFICIENCY,   # fitted on BLOOM-176B's published run (see above)
     memory_efficiency=0.88,       # NVIDIA developer forums: a read kernel at 1.80 of 2.04 TB/s (88%)
-    dtype_bytes=2,
+    fp32_flops=19.5 * TFLOPS,     # NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOP/s
+    tf32_flops=156 * TFLOPS,      # NVIDIA A100 Tensor Core GPU datasheet: TF32 tensor core 156 TFLOP/s, dense
 )
 
 _H100 = Device(
@@ -396,7 +432,8 @@ _H100 = Device(
     memory_bytes=80 * 10**9,      # NVIDIA H100 Tensor Core GPU datasheet: 80 GB (read as decimal GB)
     matmul_efficiency=H100_MATMUL_EFFICIENCY,   # the A100 value x the MAMF ratio 80.1% / 85.9%
     memory_efficiency=0.84,       # coalesced matrix loads at 2.8 of 3.35 TB/s (84%), Nsight Compute
-    dtype_bytes=2,
+    fp32_flops=66.9 * TFLOPS,     # NVIDIA H100 architecture whitepaper: SXM5 FP32 (non-tensor) 66.9 TFLOP/s
+    tf32_flops=494.7 * TFLOPS,    # NVIDIA H100 architecture whitepaper: SXM5 TF32 tensor 494.7 TFLOP/s, dense
 )
 
 _A100_MATMUL = (f"{A100_MATMUL_EFFICIENCY}: fitted on BLOOM-176B's published run (Bekman, 'The Technology Behind "
@@ -410,6 +447,12 @@ _A100_MEMORY = ("0.88: NVIDIA developer forums, 'Trouble to reach peak bandwidth
                 "an A100 80GB SXM at 1.80 of 2.04 TB/s (88%), Nsight Compute agreeing")
 _H100_MEMORY = ("0.84: 'GPU Memory Bandwidth: What Your Profiler Isn't Telling You' (mikamirai.com, March 2026): "
                 "coalesced matrix loads on an H100 SXM at 2.8 of 3.35 TB/s (84%), Nsight Compute")
+_A100_FP32 = "NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOP/s (CUDA cores, no tensor cores)"
+_A100_TF32 = "NVIDIA A100 Tensor Core GPU datasheet: TF32 tensor core 156 TFLOP/s dense (312 with sparsity)"
+_H100_FP32 = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 'NVIDIA H100 compared to A100' (H100 SXM5): "
+              "peak FP32 (non-tensor) 66.9 TFLOP/s")
+_H100_TF32 = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 'NVIDIA H100 compared to A100' (H100 SXM5): "
+              "peak TF32 tensor 494.7 TFLOP/s dense (989.4 with sparsity)")
 
 _DGX_A100 = Cluster(
     name="dgx-a100-80gb",
@@ -421,9 +464,8 @@ _DGX_A100 = Cluster(
     inter=Link("infiniband", 25 * GB, INFINIBAND_LATENCY),
     # NVIDIA DGX A100 datasheet: PCIe Gen4; x16 at 16 GT/s = 32 GB/s per direction
     host=Link("pcie", 32 * GB, PCIE_LATENCY),
-    mixed_precision=True,
     citations=_device_citations("A100 Tensor Core GPU", "SXM4 80GB: 312 TFLOP/s, 2,039 GB/s HBM2e, 80 GB",
-                                _A100_MATMUL, _A100_MEMORY) + (
+                                _A100_MATMUL, _A100_MEMORY, _A100_FP32, _A100_TF32) + (
         ("gpus_per_node", "NVIDIA DGX A100 datasheet: 8x A100 80GB"),
         ("intra.bandwidth", "NVIDIA A100 Tensor Core GPU datasheet: NVLink 3rd gen 600 GB/s total = 300 GB/s "
                             "per direction"),
@@ -433,7 +475,6 @@ _DGX_A100 = Cluster(
         ("inter.latency", _LATENCY + ": InfiniBand 10 us"),
         ("host.bandwidth", "NVIDIA DGX A100 datasheet: PCIe Gen4 x16 = 32 GB/s per direction"),
         ("host.latency", _LATENCY + ": PCIe 10 us"),
-        ("mixed_precision", "bf16 parameters and gradients, fp32 master weights and Adam state (ZeRO's K = 12)"),
     ),
 )
 
@@ -447,9 +488,8 @@ _DGX_H100 = Cluster(
     inter=Link("infiniband", 50 * GB, INFINIBAND_LATENCY),
     # NVIDIA DGX H100 datasheet: PCIe Gen5; x16 at 32 GT/s = 64 GB/s per direction
     host=Link("pcie", 64 * GB, PCIE_LATENCY),
-    mixed_precision=True,
     citations=_device_citations("H100 Tensor Core GPU", "SXM5: 989 TFLOP/s (1,979 with sparsity), 3.35 TB/s "
-                                "HBM3, 80 GB", _H100_MATMUL, _H100_MEMORY) + (
+                                "HBM3, 80 GB", _H100_MATMUL, _H100_MEMORY, _H100_FP32, _H100_TF32) + (
         ("gpus_per_node", "NVIDIA DGX H100 datasheet: 8x H100 80GB"),
         ("intra.bandwidth", "NVIDIA H100 Tensor Core GPU datasheet: NVLink 4th gen 900 GB/s total = 450 GB/s "
                             "per direction"),
@@ -459,7 +499,6 @@ _DGX_H100 = Cluster(
         ("inter.latency", _LATENCY + ": InfiniBand 10 us"),
         ("host.bandwidth", "NVIDIA DGX H100 datasheet: PCIe Gen5 x16 = 64 GB/s per direction"),
         ("host.latency", _LATENCY + ": PCIe 10 us"),
-        ("mixed_precision", "bf16 parameters and gradients, fp32 master weights and Adam state (ZeRO's K = 12)"),
     ),
 )
 
@@ -493,11 +532,11 @@ PRESETS: dict[str, Cluster] = {c.name: c for c in (_DGX_A100, _DGX_H100, _GRAND_
 
 def cited_fields(cluster: Cluster) -> list[str]:
     """The fields of a preset that need a source: every number of its device, the bandwidth and
-    latency of each link, its node size and precision. (The measured-link fields, ``shared``
-    and ``contention`` belong to the local preset, which records its measurements in ``source``.)"""
+    latency of each link, its node size. (The measured-link fields, ``shared`` and
+    ``contention`` belong to the local preset, which records its measurements in ``source``.)"""
     device = [f"device.{f.name}" for f in dataclasses.fields(Device) if f.name != "name"]
     links = [f"{level}.{f}" for level in ("intra", "inter", "host") for f in ("bandwidth", "latency")]
-    return device + links + ["gpus_per_node", "mixed_precision"]
+    return device + links + ["gpus_per_node"]
 
 
 def cached_local(path: str | None = None) -> Optional[Cluster]:

@@ -9,7 +9,9 @@ run one after another, not at once):
     + pointwise_bytes / (bandwidth · memory_efficiency)
     + ops · op_overhead
 
-where ``ops`` counts each op by its weight (``dispatch_ops``): ops differ in framework time
+where ``peak`` is the device's matmul peak for the dtype the group's matmuls run in
+(``Device.matmul_peak``: bf16 at the tensor-core peak, fp32 at TF32's or fp32's,
+``GroupCost.matmul_dtype``, recorded from the graph), and ``ops`` counts each op by its weight (``dispatch_ops``): ops differ in framework time
 (a view is a fraction of a linear's, an attention call several linears'), so a measured
 table, ``Device.op_weights``, weighs each op name by its dispatch over the mean of the
 calibration probe's ops; an op the table lacks weighs its class's median (a view's or
@@ -29,12 +31,13 @@ GROUP_TIME_FORMULA = ("dense/(peak*matmul_eff) + attention/(peak*attention_eff) 
                       " + pointwise_bytes/(bandwidth*memory_eff) + ops*op_overhead")
 
 
-def compute_time(flops: float, nbytes: float, c) -> float:
-    """Seconds of ``flops`` matmul FLOPs and ``nbytes`` moved on cluster ``c``'s device, the
-    larger of the two (max(FLOPs / (peak · matmul_efficiency), bytes / (bandwidth ·
-    memory_efficiency)))."""
+def compute_time(flops: float, nbytes: float, c, dtype=None) -> float:
+    """Seconds of ``flops`` matmul FLOPs on ``dtype`` operands (None: 16-bit) and ``nbytes``
+    moved on cluster ``c``'s device, the larger of the two (max(FLOPs / (peak(dtype) ·
+    matmul_efficiency), bytes / (bandwidth · memory_efficiency)))."""
     d = c.device
-    return max(flops / (d.peak_flops * d.matmul_efficiency), nbytes / (d.mem_bandwidth * d.memory_efficiency))
+    return max(flops / (d.matmul_peak(dtype) * d.matmul_efficiency),
+               nbytes / (d.mem_bandwidth * d.memory_efficiency))
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,8 +68,8 @@ def dispatch_ops(g, d, backward: bool = False) -> float:
 def group_time(g, c, k: float = 1.0) -> float:
     """Seconds of one group's forward (a ``cost.profile.GroupCost``) at ``k`` times its profiled
     rows on one device of cluster ``c`` (the module docstring's sum)."""
-    d = c.device
-    return (g.dense_flops * k / (d.peak_flops * d.matmul_efficiency)
-            + g.attention_flops * k / d.attention_rate + g.attention_heads * k * d.attention_overhead
+    d, dtype = c.device, g.matmul_dtype
+    return (g.dense_flops * k / (d.matmul_peak(dtype) * d.matmul_efficiency)
+            + g.attention_flops * k / d.attention_rate_of(dtype) + g.attention_heads * k * d.attention_overhead
             + g.pointwise_bytes * k / (d.mem_bandwidth * d.memory_efficiency)
             + dispatch_ops(g, d) * d.op_overhead)

@@ -33,6 +33,14 @@ collectives and parameters):
   between steps, the activations the schedule keeps in flight, ZeRO-3's gathered units, the
   gradients and bucket buffers of backward, the optimizer's temporaries.
 
+Precision is the plan's (``cost.memory.precision``): without ``param_dtype`` the model's own
+dtype throughout (an fp32 model: fp32 activations and collectives, 16 B of model states per
+parameter under ddp, its matmuls at the device's fp32 peak, TF32's where the preset uses it);
+with it the profile is of the program compile captures (the model's copy in ``param_dtype``,
+``passes.autocast``'s casts for the cluster's device), ZeRO-3 gathers and ZeRO-1/2 replicas in
+``param_dtype``, gradient sums in ``plan.grad_reduce_dtype``, model states as the runtime keeps
+them (``autopar.sizes.mixed_state_dtypes``).
+
 The pieces of a step (``group_passes``, ``saved_bytes``, ``optimizer_time``, ...) are the
 ones the planner's closed form (``cost.planner``) reads too. ``simulate=False`` (the
 planner's detailed re-ranking at scale) replaces the two event-time replays by their closed
@@ -45,10 +53,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
+
 from autopar.capture import capture
 from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
 from autopar.passes import stage_bounds
+from autopar.passes.autocast import autocast, compute_source
 from autopar.planspec import Plan
 from autopar.schedule import bubble_formula
 from autopar.sizes import batch_split_error, cut_buckets, inflight_microbatches, padded_numel, ring_bytes, state_bytes
@@ -58,14 +69,14 @@ from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import GROUP_TIME_FORMULA, compute_time, dispatch_ops, group_time
 from .formulas import dp_comm_elements, tp_layer_comm_elements
-from .lm_head import head_policy
-from .memory import FP32, MIXED_PRECISION, model_state_bytes, persistent_bytes
-from .offload import device_dtypes, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
+from .lm_head import head_policy, policy_cluster
+from .memory import Precision, model_state_bytes, persistent_bytes, precision
+from .offload import device_precision, flow_time, host_bytes_per_element, host_copies, host_link_bytes, \
     host_link_formula, host_step_time, offload_elements
 from .profile import GroupCost, Profile, expand, is_layer, layer_of, profile, repeated_stack, truncated
 from .replay import lowered_schedule, pipeline_placement, pipeline_time
 
-__all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition"]
+__all__ = ["Estimate", "estimate_plan", "evaluate_plan", "predict_module", "Profiles", "partition", "autocast_device"]
 
 # ---- results ------------------------------------------------------------------------------
 
@@ -146,9 +157,12 @@ class Estimate:
 # ---- profiles per tensor-parallel variant ------------------------------------------------------
 
 class Profiles:
-    """``cost.profile`` results per (tp size, sp), captured once and re-annotated per
-    variant: the planner's cache. ``flash``: attention as a fused kernel; ``dropout_math``:
-    except attention with dropout, which autopar runs in the math form (``cost.profile``).
+    """``cost.profile`` results per (tp size, sp, compute dtype), captured once per dtype and
+    re-annotated per variant: the planner's cache. ``flash``: attention as a fused kernel;
+    ``dropout_math``: except attention with dropout, which autopar runs in the math form
+    (``cost.profile``). A compute dtype (``Plan.param_dtype``) profiles the program compile
+    captures under it: the model's copy in that dtype on inputs cast to it, with
+    ``torch.autocast``'s casts for the device of ``cluster`` (``autocast_device``).
 
     A model with a stack of repeated blocks (``cost.profile.repeated_stack``) is captured with
     its first ``PROFILED_BLOCKS`` blocks only and each profile extended to the full depth
@@ -160,38 +174,58 @@ class Profiles:
         self.flash, self.dropout_math = flash, dropout_math
         self._cache: dict = {}
         self._args = (tuple(example_inputs), dict(example_kwargs or {}), cluster)
-        self._model, self._whole_capture = model, None     # the whole model, captured if a pipeline cut needs it
+        self._model = model
+        self._graphs: dict = {}     # compute dtype (None: the model's own) -> (graph, context) profiled
+        self._whole_graphs: dict = {}   # the same of the whole model, captured if a pipeline cut needs it
+        self.caveats: dict = {}     # compute dtype -> what its profile approximates (Estimate.caveats)
         self.stack = repeated_stack(model) if blocks_once else None     # (path, blocks) or None
+        self._source = model
         if self.stack is not None:
+            self._source = truncated(model, self.stack[0])
             try:
-                self._capture(truncated(model, self.stack[0]))
                 names = [g.name for g in self.get(1, False).layers]
             except Exception:      # the model does not run with fewer blocks: capture it whole
                 names = None
             if names != [f"{self.stack[0]}.{i}" for i in range(self.stack[1])]:
-                self.stack, self._cache = None, {}
-        if self.stack is None:
-            self._capture(model)
+                self.stack, self._cache, self._graphs, self._source = None, {}, {}, model
+        self._graph(None)
 
-    def _capture(self, model) -> None:
-        self._gm, self._ctx = self._captured(model)
+    def _graph(self, dtype) -> tuple:
+        """(graph, context) of the profiled model (its first blocks, or whole) at compute ``dtype``."""
+        if dtype not in self._graphs:
+            self._graphs[dtype] = self._captured(self._source, dtype)
+        return self._graphs[dtype]
 
-    def _captured(self, model) -> tuple:
-        """(graph, context) of ``model`` captured at the example inputs."""
+    def _captured(self, model, dtype=None) -> tuple:
+        """(graph, context) of ``model`` captured at the example inputs; with a compute ``dtype``,
+        of the program compile captures under ``Plan(param_dtype=dtype)``."""
         inputs, kwargs, cluster = self._args
-        ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan())
+        ctx = CompileContext(mesh=Mesh(dp=1, virtual=True), plan=Plan(param_dtype=dtype))
         # LM heads laid out as a compile for ``cluster`` would (None: a compile's default, this
         # machine's calibrated preset if there is one, else cost.lm_head.DEFAULT_CLUSTER)
         ctx.head_policy = head_policy(cluster)
-        return capture(model, inputs, kwargs, ctx), ctx
+        if dtype is None:
+            return capture(model, inputs, kwargs, ctx), ctx
+        device = autocast_device(cluster)
+        if device == "cuda" and not torch.cuda.is_available():    # torch disables CUDA's autocast here
+            self.caveats[dtype] = (f"torch.autocast('cuda') is unavailable on this machine: the "
+                                   f"{str(dtype).removeprefix('torch.')} program is profiled with the CPU's autocast "
+                                   "(matmuls and attention in it, losses in float32), where CUDA's also keeps norms "
+                                   "and softmax in float32")
+            device = "cpu"
+        ctx.device_type = device
+        gm = capture(*compute_source(model, inputs, kwargs, dtype), ctx, autocast=(device, dtype))
+        return autocast(gm, ctx), ctx
 
-    def get(self, tp: int, sp: bool, vocab_parallel: Optional[bool] = None) -> Profile:
+    def get(self, tp: int, sp: bool, vocab_parallel: Optional[bool] = None, dtype=None) -> Profile:
         """The profile at tp size ``tp``, with or without sequence parallelism; LM heads split
         along the vocabulary or kept whole as ``vocab_parallel`` says (``Plan.vocab_parallel``;
-        None: as the compile's cost-model policy chooses)."""
-        key = (tp, sp and tp > 1, vocab_parallel if tp > 1 else None)
+        None: as the compile's cost-model policy chooses); of the program in compute ``dtype``
+        (``Plan.param_dtype``; None: the model's own dtypes)."""
+        key = (tp, sp and tp > 1, vocab_parallel if tp > 1 else None, dtype)
         if key not in self._cache:
-            p = profile(self._gm, self._ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math,
+            gm, ctx = self._graph(dtype)
+            p = profile(gm, ctx, tp=tp, sp=key[1], flash=self.flash, dropout_math=self.dropout_math,
                         vocab_parallel=key[2])
             self._cache[key] = expand(p, *self.stack) if self.stack is not None else p
         return self._cache[key]
@@ -202,11 +236,12 @@ class Profiles:
         pass cuts the model into the plan's ``pp x virtual_stages`` stages (``passes.stage_bounds``
         on the whole captured graph, scaled to a micro-batch of ``global_batch``): a stage that
         ends inside a layer ends inside it here too (``Profile.stage_starts``)."""
-        gm, ctx = self._whole()
+        gm, ctx = self._whole(plan.param_dtype)
         rows = self.base.rows
         m = plan.microbatches
         key = ("cut", tp, sp and tp > 1, vocab_parallel if tp > 1 else None, axes.get("pp", 1), axes.get("dp", 1),
-               plan.virtual_stages, m, plan.pp_schedule, plan.dp, plan.stage_memory_bytes, global_batch)
+               plan.virtual_stages, m, plan.pp_schedule, plan.dp, plan.stage_memory_bytes, global_batch,
+               plan.param_dtype)
         if key not in self._cache:
             cctx = CompileContext(mesh=Mesh(**{a: s for a, s in axes.items() if s > 1} or {"dp": 1}, virtual=True),
                                   plan=plan)
@@ -217,18 +252,25 @@ class Profiles:
                                        vocab_parallel=key[2], stage_starts=starts)
         return self._cache[key]
 
-    def _whole(self):
-        """The whole model's captured graph and its context (captured on first use when the
-        profiles were made from a truncated stack)."""
+    def _whole(self, dtype=None):
+        """The whole model's captured graph and its context at compute ``dtype`` (captured on
+        first use when the profiles were made from a truncated stack)."""
         if self.stack is None:
-            return self._gm, self._ctx
-        if self._whole_capture is None:
-            self._whole_capture = self._captured(self._model)
-        return self._whole_capture
+            return self._graph(dtype)
+        if dtype not in self._whole_graphs:
+            self._whole_graphs[dtype] = self._captured(self._model, dtype)
+        return self._whole_graphs[dtype]
 
     @property
     def base(self) -> Profile:
         return self.get(1, False)
+
+
+def autocast_device(cluster) -> str:
+    """The device type whose ``torch.autocast`` a mixed-precision plan follows on ``cluster``
+    (a Cluster, a preset name, or None: a compile's default, ``lm_head.policy_cluster``): the
+    local preset's CPU, a GPU preset's CUDA."""
+    return "cpu" if policy_cluster(cluster).name == "local" else "cuda"
 
 
 # ---- the pieces of a step (the estimate and the planner's closed form read these) -----------------
@@ -266,9 +308,9 @@ def group_passes(g: GroupCost, c, t: int, link, recompute: str, slow: float) -> 
         if recompute == "full":
             redo = fc + tpf
         elif recompute == "selective":
-            redo = g.attention_flops / c.device.attention_rate * slow
+            redo = g.attention_flops / c.device.attention_rate_of(g.matmul_dtype) * slow
     return (fc + tpf, 2 * (fc - ops) + c.device.backward_op_ratio * ops_b + tpb + redo,
-            compute_time(g.matmul_flops, 0.0, c) * slow, f, tpf, tpb)
+            compute_time(g.matmul_flops, 0.0, c, g.matmul_dtype) * slow, f, tpf, tpb)
 
 
 def saved_bytes(g: GroupCost, recompute: str) -> float:
@@ -424,7 +466,8 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         return choose_recompute(profiles, axes, plan, c, global_batch, rc, simulate=simulate)
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
     m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
-    prof = profiles.get(t, plan.sp, plan.vocab_parallel) if isinstance(profiles, Profiles) else profiles
+    prof = profiles.get(t, plan.sp, plan.vocab_parallel, plan.param_dtype) if isinstance(profiles, Profiles) \
+        else profiles
     if isinstance(profiles, Profiles) and p * v > max(1, len(prof.layers)):
         # more stages than layers: cut where the pipeline pass cuts, inside layers
         prof = profiles.cut(t, plan.sp, plan.vocab_parallel, plan, axes, global_batch)
@@ -441,8 +484,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         raise ValueError(error)
     k = global_batch / (n * m) / prof.rows
     groups = [g.scaled(k) for g in prof.groups]
-    dt = MIXED_PRECISION if c.mixed_precision else FP32
-    pbytes = dt[0]
+    # bytes per element of each copy the runtime makes (the plan's dtypes, else the model's)
+    pr = precision(plan, plan.dp, prof.param_bytes)
+    pbytes, rbytes = pr.compute, pr.reduce
     slow = _oversubscription(c, axes)
     world = math.prod(axes.values())
     S = p * v
@@ -484,29 +528,30 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         pad = padded_sum(shapes, n)
         units = _zero3_units(gs, shapes, n, pbytes, plan.bucket_bytes) if mode == "zero3" else []
         read = sum(u.elements for u in units if u.backward is not None)     # backward re-gathers whole units
+        # gathers in the compute dtype, gradient sums in the reduce dtype
         if mode == "ddp":
-            by = {"backward all_reduce": ring_bytes("all_reduce", psi * pbytes, n)}
+            by = {"backward all_reduce": ring_bytes("all_reduce", psi * rbytes, n)}
         elif mode in ("zero1", "zero2"):
-            by = {"backward reduce_scatter": ring_bytes("reduce_scatter", pad * pbytes, n),
+            by = {"backward reduce_scatter": ring_bytes("reduce_scatter", pad * rbytes, n),
                   "optimizer all_gather": ring_bytes("all_gather", pad * pbytes, n)}
         else:
             by = {"forward all_gather": ring_bytes("all_gather", pad * pbytes, n) * m,
                   "backward all_gather": ring_bytes("all_gather", read * pbytes, n) * m,
-                  "backward reduce_scatter": ring_bytes("reduce_scatter", pad * pbytes, n)}
+                  "backward reduce_scatter": ring_bytes("reduce_scatter", pad * rbytes, n)}
         dp_bytes.append(by)
         psi_stage.append(psi)
         n_tensors.append(len(shapes))
         opt_elements.append(offload_elements(mode, psi, pad, n))     # the elements the optimizer steps
         if plan.offload == "optimizer":
             off_buckets.append(_offload_buckets(gs, shapes, mode, n, pbytes, plan.bucket_bytes, units))
-        states.append(state_bytes(mode, psi, n, dt, padded_psi=pad))
+        states.append(state_bytes(mode, psi, n, pr.states, padded_psi=pad))
         if mode == "zero3":
             fwd_g, bwd_g, red = _unit_times(units, len(gs), n, pbytes, link_dp, f_stage[s], m,
-                                            host=sync_time(mode, 1, c))
+                                            host=sync_time(mode, 1, c), rbytes=rbytes)
         else:
             fwd_g, bwd_g = [0.0] * len(gs), [0.0] * len(gs)
             red = _bucket_times(gs, mode, n, pbytes, link_dp, plan.bucket_bytes, [2 * f * m for f in f_stage[s]],
-                                lead=sum(f_stage[s]) * m)
+                                lead=sum(f_stage[s]) * m, rbytes=rbytes)
         dp_fwd_gather.append(fwd_g)
         dp_bwd_gather.append(bwd_g)
         dp_bwd_reduce.append(red)
@@ -523,13 +568,13 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
             if len(set(h % p for h in holders)) > 1:   # exchanged as held: whole (ddp) or this rank's rows
                 shp = prof.shapes[name]
                 held = math.prod(shp) if mode == "ddp" else padded_numel(shp, n) // n
-                tied_bytes += held * pbytes
+                tied_bytes += held * pr.landed     # the gradients as they landed
     opt_time = [optimizer_time(states[s], n_tensors[s], c) * slow for s in range(S)]
-    dt_device, copies = dt, [None] * S
+    pr_device, copies = pr, [None] * S
     if plan.offload == "optimizer":    # the step on the host; the host link's copies around it (cost.offload)
-        opt_time = [host_step_time(opt_elements[s], n_tensors[s], mode, dt, c) * slow for s in range(S)]
-        copies = [host_copies(off_buckets[s], mode, dt, c, slow) for s in range(S)]
-        dt_device = device_dtypes(mode, dt, c.mixed_precision)
+        opt_time = [host_step_time(opt_elements[s], n_tensors[s], pr, c) * slow for s in range(S)]
+        copies = [host_copies(off_buckets[s], mode, pr, c, slow) for s in range(S)]
+        pr_device = device_precision(pr)
     # the runtime's host work per tensor, at the contention's slowdown (on ranks sharing cores, at
     # the mode's measured share of it, ``Cluster.shared_sync``)
     host_slow = slow * (dict(getattr(c, "shared_sync", ())).get(mode, 1.0) if world > c.gpus_per_node else 1.0)
@@ -688,9 +733,9 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
         gs = [g for s in mine for g in stage_groups[s]]
         names = set().union(*(g.params.keys() | g.reads for g in gs)) if S > 1 else set(prof.shapes)
         received = [received_by[s] if i == 0 else 0.0 for s in mine for i in range(len(stage_groups[s]))]
-        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, dt_device[1], received_by) \
+        flight, w_extra = _schedule_flight(plan, p, m, v, stage_groups, kinds, r, pr.compute, received_by) \
             if S > 1 else (inflight_microbatches(plan.pp_schedule, p, m, v, stage=r), 0.0)
-        mem_rank.append(_memory(gs, names, prof, mode, n, dt_device, plan.bucket_bytes, kinds, flight, S > 1,
+        mem_rank.append(_memory(gs, names, prof, mode, n, pr_device, plan.bucket_bytes, kinds, flight, S > 1,
                                 staging=c.name == "local", offload=plan.offload == "optimizer", extra=w_extra,
                                 received=received, parts=[stage_groups[s] for s in mine] if S > 1 else None,
                                 microbatches=m))
@@ -706,22 +751,23 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                         if c.device.op_weights else "")
                      + f" -> {group_time(lay, c) * 1e3:.4g} ms"
                      + (f" x {slow:.2f}" if slow > 1 else "")))
-    formulas.append((f"model states ({mode}, {'mixed precision' if c.mixed_precision else 'fp32'}"
+    formulas.append(_precision_formula(plan, pr, lay, c))
+    formulas.append((f"model states ({mode}, {_precision_name(plan, pr)}"
                      f"{', optimizer state on the host' if plan.offload else ''})",
-                     str(model_state_bytes(mode, dt_device)), f"{st:,.0f} B at Psi={psi_total:,} (sharded terms padded "
-                     f"to N equal chunks), N={n}"))
+                     str(model_state_bytes(mode, pr_device.states)), f"{st:,.0f} B at Psi={psi_total:,} (sharded "
+                     f"terms padded to N equal chunks), N={n}"))
     host_bytes = host_memory = 0.0
     host_times = {}
     if plan.offload == "optimizer":
-        mixed = c.mixed_precision
+        mixed = pr.mixed
         host_times = {"host step": max(opt_time), "host link down (exposed)": host_exposed[0],
                       "host link up (exposed)": host_exposed[1]}    # what the copies add to the step
-        per_rank_host = [sum(sum(host_link_bytes(opt_elements[s], mode, dt, mixed)) for s in range(S) if s % p == r)
+        per_rank_host = [sum(sum(host_link_bytes(opt_elements[s], pr)) for s in range(S) if s % p == r)
                          for r in range(p)]
         host_bytes = max(per_rank_host)
-        host_memory = max(sum(host_bytes_per_element(mode, dt, mixed) * opt_elements[s] for s in range(S)
+        host_memory = max(sum(host_bytes_per_element(pr) * opt_elements[s] for s in range(S)
                               if s % p == r) for r in range(p))
-        formulas.append(("host link bytes / step (offload)", f"{host_link_formula(mode, dt, mixed)} (gradients "
+        formulas.append(("host link bytes / step (offload)", f"{host_link_formula(mode, pr)} (gradients "
                          f"down as they land, parameters up; ZeRO's Psi/N padded"
                          f"{'; fp32 masters stay on the device, so 4 B each way' if mixed else ''})",
                          f"{host_bytes:,.0f} B over {c.host.name} at {c.host.bandwidth / 1e9:.1f} GB/s"))
@@ -747,7 +793,31 @@ def evaluate_plan(profiles: Union[Profiles, Profile], axes: dict, plan: Plan, c,
                     formulas=formulas, timeline=timeline, fits=total <= device_mem, device_memory=device_mem,
                     host_bytes=host_bytes, host_memory_bytes=host_memory,
                     recompute_layers={k: v for k, v in kinds.items() if v != "none"},
-                    caveats=[] if as_cut else _stage_caveats(groups, S))
+                    caveats=([] if as_cut else _stage_caveats(groups, S)) + (
+                        [profiles.caveats[plan.param_dtype]] if isinstance(profiles, Profiles)
+                        and plan.param_dtype in profiles.caveats else []))
+
+
+def _precision_name(plan: Plan, pr: Precision) -> str:
+    """The plan's precision in words: ``mixed precision: bfloat16 compute, float32 masters,
+    float32 sums``, or without ``param_dtype`` the model's own (``float32 throughout``)."""
+    def name(dtype):
+        return str(dtype).removeprefix("torch.")
+    if plan.mixed:
+        return (f"mixed precision: {name(plan.param_dtype)} compute, {name(plan.master_dtype)} masters, "
+                f"{name(plan.grad_reduce_dtype)} sums")
+    return {4: "float32", 2: "16-bit", 8: "float64"}.get(pr.compute, f"{pr.compute}-byte") + " throughout"
+
+
+def _precision_formula(plan: Plan, pr: Precision, g: GroupCost, c) -> tuple:
+    """(what, formula, value) of the bytes per element each copy is priced at and the matmul peak
+    of the dtype the layers compute in."""
+    dtype = g.matmul_dtype
+    peak = c.device.matmul_peak(dtype)
+    return (f"precision ({_precision_name(plan, pr)})",
+            "bytes/element: compute copies & gathers, gradient sums, (p, g, K) kept; matmul peak of the compute dtype",
+            f"{pr.compute} B, {pr.reduce} B, {pr.states}; {str(dtype or 'bf16').removeprefix('torch.')} matmuls at "
+            f"{peak / 1e12:.4g} TFLOP/s peak x {c.device.matmul_efficiency}")
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -866,30 +936,35 @@ def _zero3_units(gs, shapes: dict, n: int, nbytes: int, bucket_bytes: int) -> li
 
 
 def _unit_times(units: list[Unit], groups: int, n: int, pbytes: int, link, forward: list, m: int,
-                host: float = 0.0) -> tuple:
+                host: float = 0.0, rbytes: Optional[int] = None) -> tuple:
     """(forward gathers, backward gathers, reduce-scatters): seconds per group of a stage's
     ZeRO-3 ``units`` (``_zero3_units``), each collective after the compute of the group it
     precedes or follows (``forward``: each group's forward compute; backward twice it, over
     ``m`` micro-batches for the reductions, which a pipeline defers to its flush), shared among
     the units that group moves. ``host``: the data-parallel runtime's work per parameter tensor in
     a step (``Device.sync_overhead``), a unit's share of it taken as CPU work before each of its
-    three collectives, a third each: with the compute, the skew probe's abscissa."""
+    three collectives, a third each: with the compute, the skew probe's abscissa. Gathers move
+    ``pbytes`` per element (the compute dtype), reduce-scatters ``rbytes`` (the reduce dtype;
+    None: ``pbytes``)."""
     out = {"forward": [0.0] * groups, "backward": [0.0] * groups, "reduce": [0.0] * groups}
     for lane, place, kind, scale in (("forward", "forward", "all_gather", 1), ("backward", "backward", "all_gather", 2),
                                      ("reduce", "forward", "reduce_scatter", 2 * m)):
         at = [getattr(u, place) for u in units]
         for u, i in zip(units, at):
             if i is not None:
-                out[lane][i] += collective_time(kind, u.elements * pbytes, n, link,
+                nbytes = u.elements * (pbytes if kind == "all_gather" or rbytes is None else rbytes)
+                out[lane][i] += collective_time(kind, nbytes, n, link,
                                                 after=scale * forward[i] / at.count(i) + host * len(u.names) / 3)
     return out["forward"], out["backward"], out["reduce"]
 
 
-def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -> list:
+def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0, rbytes=None) -> list:
     """Seconds of the gradient reductions each group's backward completes (ZeRO-3's:
-    ``_unit_times``): the buckets of ``_grad_buckets`` (ddp unpadded), each once its
-    last gradient is ready. ``backward``: each group's backward compute; ``lead``: the compute
-    before backward since the ranks last synchronised (what the first reduction follows)."""
+    ``_unit_times``): the buckets of ``_grad_buckets`` (ddp unpadded; cut by ``pbytes`` per
+    element, the dtype the graph holds the parameters in), each ``rbytes`` per element (the
+    reduce dtype; None: ``pbytes``) once its last gradient is ready. ``backward``: each
+    group's backward compute; ``lead``: the compute before backward since the ranks last
+    synchronised (what the first reduction follows)."""
     out = [0.0] * len(gs)
     if n <= 1:
         return out
@@ -899,7 +974,7 @@ def _bucket_times(gs, mode, n, pbytes, link, bucket_bytes, backward, lead=0.0) -
     completes: dict = {}
     for b in _grad_buckets(gs, shapes, shard, pbytes, bucket_bytes):
         completes.setdefault(min(group_of[x] for x in b), []).append(
-            sum(padded_numel(shapes[x], shard) for x in b) * pbytes)
+            sum(padded_numel(shapes[x], shard) for x in b) * (pbytes if rbytes is None else rbytes))
     since = lead
     for i in reversed(range(len(gs))):
         since += backward[i]
@@ -921,8 +996,8 @@ def _offload_buckets(gs, shapes: dict, mode: str, n: int, nbytes: int, bucket_by
             for b in _grad_buckets(gs, shapes, share, nbytes, bucket_bytes)]
 
 
-def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipelined, staging=False, offload=False,
-            extra=0.0, received=None, parts=None, microbatches=1):
+def _memory(gs, names, prof, mode, n, pr: Precision, bucket_bytes, recompute, flight, pipelined, staging=False,
+            offload=False, extra=0.0, received=None, parts=None, microbatches=1):
     """(peak, model states, activations, transient) bytes of one rank: a walk over the step as
     the runtime allocates it. Persistent: parameters (ZeRO-3: shards), optimizer state, ZeRO-1's
     full-gradient buffer. Forward: activations of the in-flight micro-batches, the outputs and
@@ -945,14 +1020,18 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
     (on the stage's first group): the receiving stage keeps them to its backward.
     ``parts``: the groups of each pipeline stage this rank runs; each stage has a reducer, and
     buckets, of its own. ``microbatches``: a pipeline's; from the second on, a micro-batch's
-    gradients are summed into those accumulated (``_accumulation_peak``)."""
-    pb, gb, ob = dt
+    gradients are summed into those accumulated (``_accumulation_peak``).
+    ``pr``: bytes per element of each copy (``cost.memory.Precision``): ``states`` persist, the
+    gathered units and autograd's gradients are in the compute dtype, bucket buffers and
+    accumulated micro-batch gradients in the reduce dtype, reduced gradients land as ``landed``."""
+    pb = gb = pr.compute            # gathered copies; gradients as autograd makes them
+    rb, land, ob = pr.reduce, pr.landed, pr.states[2]
     shapes = {x: sh for x, sh in prof.shapes.items() if x in names}     # in the profile's order (names is a set)
     psi = sum(math.prod(sh) for sh in shapes.values())
     pad = padded_sum(shapes, n)
     zero = mode != "ddp"
-    base = persistent_bytes(mode, psi, n, dt, pad)
-    states = state_bytes(mode, psi, n, dt, padded_psi=pad)
+    base = persistent_bytes(mode, psi, n, pr.states, pad)
+    states = state_bytes(mode, psi, n, pr.states, padded_psi=pad)
     received = received or [0.0] * len(gs)
     saved = [(saved_bytes(g, recompute.get(g.name, "none")) + received[i]) * flight for i, g in enumerate(gs)]
     final = sum(g.final_bytes for g in gs) * flight
@@ -988,7 +1067,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
             if first is not None:
                 arrivals.setdefault(id(first), []).append((k, x))
     done, pending, flats, outs, grads = set(), 0.0, 0.0, 0.0, 0.0
-    accumulated = gb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
+    accumulated = rb * psi if pipelined else 0.0      # micro-batch gradients held until the flush
     rem = act
     # ZeRO-3 in backward: the unit in use and the next one prefetched (two units; a unit is
     # copied out of its flat buffer before the next is issued)
@@ -1018,7 +1097,8 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
             done.add(x)
             while buckets and all(y in done for y in buckets[0]):
                 b = buckets.pop(0)
-                flat = gb * padded_sum({y: shapes[y] for y in b}, n if zero else 1)
+                flat_elements = padded_sum({y: shapes[y] for y in b}, n if zero else 1)
+                flat = rb * flat_elements
                 # ZeRO-3: the next unit in flight, and what of this layer's unit backward still reads
                 # (a weight is dropped once the matmul that saved it has run: its gradient exists)
                 units_now = (min(top + pb * sum(math.prod(sh) for y, sh in g.params.items()
@@ -1039,17 +1119,17 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
                     peak = max(peak, live + flats + flat)
                 pending -= gb * sum(math.prod(shapes[y]) for y in b)
                 if mode == "ddp":
-                    grads += flat
+                    grads += land * flat_elements
                 elif mode in ("zero2", "zero3"):
                     flats = flat            # freed as reduced: kept until the next bucket fills
-                    outs += flat / n
+                    outs += land * flat_elements / n
                 else:
                     flats = flat if staging else 0.0
                     outs += flat / n
     if pipelined:     # the flush: bucket by bucket, each made from the accumulated gradients of its
         # members, which then go (``DataParallelSync.flush_deferred``)
-        flat_all = gb * (pad if zero else psi)
-        top_flat = max((gb * padded_sum({x: sh[x] for x in b}, n if zero else 1)
+        flat_all = rb * (pad if zero else psi)
+        top_flat = max((rb * padded_sum({x: sh[x] for x in b}, n if zero else 1)
                         for part, sh in stage_sets
                         for b in (_unit_buckets if mode == "zero3" else _grad_buckets)(
                             part, sh, n if zero else 1, gb, bucket_bytes)), default=0.0)
@@ -1059,7 +1139,7 @@ def _memory(gs, names, prof, mode, n, dt, bucket_bytes, recompute, flight, pipel
             # summed into the persistent buffer (in the base) and goes before its reduce-scatter
             # (and the backend's staging copy) is issued
             peak = max(peak, base + accumulated + top_flat)
-        grads = gb * (pad / n if zero else psi) if mode != "zero1" else 0.0
+        grads = land * (pad / n if zero else psi) if mode != "zero1" else 0.0
     else:
         grads = grads if mode == "ddp" else (outs if mode in ("zero2", "zero3") else 0.0)
     opt_tmp = 0.0 if offload else 2 * ob / 2 * max((math.prod(sh) for sh in shapes.values()), default=0)

@@ -25,23 +25,70 @@ Flash attention (Dao et al., 2022) never materialises the a·s² scores, which r
 5·a·s/h term as selective recomputation does.
 
 The micro-batches a pipeline schedule keeps in flight are ``autopar.sizes.inflight_microbatches``.
+
+What a plan's runtime keeps, per parameter, is ``precision(plan, param_bytes)``: the plan's
+dtypes, not the cluster's. Without ``param_dtype`` everything is in the model's own dtype
+(fp32: p, g, K = 4, 4, 8 = 16Ψ under ddp). Under ``param_dtype`` the optimizer owns masters in
+``master_dtype`` and forward reads ``param_dtype`` copies (``autopar.sizes.mixed_state_dtypes``:
+ZeRO-3 with bf16 compute and fp32 masters keeps (0 + 4 + 12)·Ψ/N = 16Ψ/N, its gathered copies
+transient; ZeRO's accounting, ``MIXED_PRECISION``, counts (2 + 2 + 12)·Ψ/N).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy as sp
 
-from autopar.sizes import state_bytes
+from autopar.sizes import mixed_state_dtypes, state_bytes
 
 from .formulas import N, PSI
 
 __all__ = ["S", "B", "H", "A", "T", "model_state_bytes", "persistent_bytes", "activation_bytes_per_layer",
-           "MIXED_PRECISION", "FP32"]
+           "MIXED_PRECISION", "FP32", "Precision", "precision"]
 
 S, B, H, A, T = sp.symbols("s b h a t", positive=True)
 
-# bytes per parameter of (parameter, gradient, optimizer state)
+# bytes per parameter of (parameter, gradient, optimizer state) as ZeRO's paper counts them
 MIXED_PRECISION = (2, 2, 12)   # bf16/fp16 parameters and gradients, fp32 master + Adam m, v
 FP32 = (4, 4, 8)               # fp32 parameters and gradients, Adam m, v
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each copy of the parameters and gradients a plan's runtime makes
+    (``precision``)."""
+    compute: int
+    """Forward's parameter copies (ZeRO-3's gathers, ZeRO-1/2's replicas and their all-gather),
+    the gradients autograd makes, and the element size the reducer cuts buckets by."""
+    reduce: int
+    """Gradient sums on the dp axis (buckets' all-reduce / reduce-scatter; a pipeline's
+    micro-batch gradients accumulate in it)."""
+    states: tuple
+    """(p, g, K) for ``autopar.sizes.state_bytes``: what persists, as the runtime keeps it (g:
+    the gradient as it lands)."""
+    master: int = 0
+    """Mixed precision: the optimizer's master copy (part of K); 0 without ``param_dtype``."""
+
+    @property
+    def mixed(self) -> bool:
+        return self.master > 0
+
+    @property
+    def landed(self) -> int:
+        """Bytes of a reduced gradient as it lands (``states``' g)."""
+        return self.states[1]
+
+
+def precision(plan, mode: str, param_bytes: int) -> Precision:
+    """What ``plan``'s runtime keeps under data-parallel ``mode`` of a model whose parameters
+    are ``param_bytes`` each: without ``plan.param_dtype`` everything in the parameters' dtype
+    and Adam's m and v beside them, (s, s, 2s); with it, the compute copies in
+    ``param_dtype``, sums in ``plan.grad_reduce_dtype``, and ``mixed_state_dtypes``' states,
+    Adam's m and v in the master's dtype (``plan.master_dtype``)."""
+    if not plan.mixed:
+        return Precision(param_bytes, param_bytes, (param_bytes, param_bytes, 2 * param_bytes))
+    c, m, r = plan.param_dtype.itemsize, plan.master_dtype.itemsize, plan.grad_reduce_dtype.itemsize
+    return Precision(c, r, mixed_state_dtypes(mode, c, m, r, optimizer=2 * m), master=m)
 
 
 def model_state_bytes(mode: str, dtypes: tuple[int, int, int] = FP32) -> sp.Expr:

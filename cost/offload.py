@@ -4,16 +4,18 @@ link (``Cluster.host``: PCIe on the GPU presets) for the traffic, priced as the 
 (``autopar.runtime.offload``) moves it.
 
 With E elements per rank (ZeRO: Ψ/N, padded to N equal chunks, the first rank's share; ddp: Ψ)
-and (p, g, K) bytes per element of (parameter, gradient, optimizer state) as the cost model
-counts them (``cost.memory``: FP32 (4, 4, 8) or ZeRO's mixed precision (2, 2, 12)):
+and (p, g, K) bytes per element of (parameter, gradient, optimizer state) as the plan's runtime
+keeps them (``cost.memory.precision``: fp32 (4, 4, 8); bf16 compute with fp32 masters
+``autopar.sizes.mixed_state_dtypes``, e.g. ZeRO-3's (0, 4, 12)):
 
     bytes / element           down d = the gradient as it lands, up u = the device parameter the
                               optimizer copies: fp32 (g, p) = (4, 4); mixed precision (4, 4),
-                              the fp32 master (``autopar.sizes.mixed_state_dtypes``: the master
-                              stays on the device, the reducer lands gradients in its dtype)
+                              the fp32 master (the master stays on the device, the reducer lands
+                              gradients in its dtype)
     host link bytes / step    (d + u)·E
     device model states       ``state_bytes`` with (p, g, K) -> fp32 (p, g, 0); mixed precision
                               (p, 4, 4): gradients as they land, the master stays, m and v go
+                              (p: ZeRO-1/2's bf16 replicas, 2; ddp and ZeRO-3 keep none, 0)
     host memory               H·E, H = u + d + the optimizer state without the master (fp32: K;
                               mixed: K − 4): the parameter copy, its gradient, Adam's m and v
     host step                 3·H·E / host bandwidth + tensors · step_overhead
@@ -46,15 +48,14 @@ GPUs, at the device's achieved fraction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from autopar.sizes import mixed_state_dtypes
-
 from .formulas import N, PSI
+from .memory import Precision
 
-__all__ = ["HOST_MEMORY_BANDWIDTH", "HostCopies", "offload_elements", "device_dtypes", "link_bytes_per_element",
+__all__ = ["HOST_MEMORY_BANDWIDTH", "HostCopies", "offload_elements", "device_precision", "link_bytes_per_element",
            "host_bytes_per_element", "host_link_bytes", "host_link_formula", "host_bandwidth", "copy_time",
            "host_step_time", "host_copies", "flow_time"]
 
@@ -69,42 +70,38 @@ def offload_elements(mode: str, psi: float, padded_psi: float, n: int) -> float:
     return psi if mode == "ddp" else padded_psi / n
 
 
-def device_dtypes(mode: str, dtypes: tuple, mixed: bool) -> tuple:
-    """(p, g, K) bytes per element on the device once the optimizer state is offloaded: fp32
-    (p, g, 0); mixed precision (p, the gradient as it lands, the master), the runtime's
-    ``mixed_state_dtypes`` without optimizer state for the last two (4, 4 at fp32 masters)."""
-    p, g, _ = dtypes
-    if not mixed:
-        return p, g, 0
-    _, landed, master = mixed_state_dtypes(mode, compute=p, optimizer=0)
-    return p, landed, master
+def device_precision(pr: Precision) -> Precision:
+    """``pr`` with the (p, g, K) the device keeps once the optimizer state is offloaded: fp32
+    (p, g, 0); mixed precision (p, the gradient as it lands, the master): the master stays."""
+    p, g, _ = pr.states
+    return replace(pr, states=(p, g, pr.master))
 
 
-def link_bytes_per_element(mode: str, dtypes: tuple, mixed: bool) -> tuple:
+def link_bytes_per_element(pr: Precision) -> tuple:
     """(down, up) bytes per element over the host link: the gradient as it lands and the device
     parameter the optimizer copies (fp32: g, p; mixed precision: the master's dtype, both)."""
-    p, g, k = device_dtypes(mode, dtypes, mixed)
-    return (g, k) if mixed else (g, p)
+    p, g, _ = pr.states
+    return (g, pr.master) if pr.mixed else (g, p)
 
 
-def host_bytes_per_element(mode: str, dtypes: tuple, mixed: bool) -> float:
+def host_bytes_per_element(pr: Precision) -> float:
     """H: host bytes per element of the optimizer's copy: the parameter copy and its gradient
     as they cross the link, and the optimizer state the device no longer holds (fp32: K;
     mixed precision: K less the master, which stays on the device)."""
-    down, up = link_bytes_per_element(mode, dtypes, mixed)
-    return down + up + dtypes[2] - device_dtypes(mode, dtypes, mixed)[2]
+    down, up = link_bytes_per_element(pr)
+    return down + up + pr.states[2] - device_precision(pr).states[2]
 
 
-def host_link_bytes(elements: float, mode: str, dtypes: tuple, mixed: bool) -> tuple[float, float]:
+def host_link_bytes(elements: float, pr: Precision) -> tuple[float, float]:
     """(down, up) bytes per step over the host link: d·E gradients, u·E parameters."""
-    down, up = link_bytes_per_element(mode, dtypes, mixed)
+    down, up = link_bytes_per_element(pr)
     return down * elements, up * elements
 
 
-def host_link_formula(mode: str, dtypes: tuple, mixed: bool) -> sp.Expr:
+def host_link_formula(mode: str, pr: Precision) -> sp.Expr:
     """The host link's bytes per step per rank as a sympy expression in Ψ and N:
     (d + u)·Ψ (ddp) or (d + u)·Ψ/N (ZeRO)."""
-    down, up = link_bytes_per_element(mode, dtypes, mixed)
+    down, up = link_bytes_per_element(pr)
     return (down + up) * (PSI if mode == "ddp" else PSI / N)
 
 
@@ -121,11 +118,11 @@ def copy_time(nbytes: float, c) -> float:
     return c.host.latency + nbytes / c.host.bandwidth if nbytes else 0.0
 
 
-def host_step_time(elements: float, n_tensors: int, mode: str, dtypes: tuple, c) -> float:
+def host_step_time(elements: float, n_tensors: int, pr: Precision, c) -> float:
     """Seconds of the optimizer step on the host over ``elements`` in ``n_tensors`` tensors:
     3·H·E / host bandwidth (read and write the copy, its gradient and state, as the device's
     ``optimizer_time`` counts) plus the per-tensor step overhead."""
-    h = host_bytes_per_element(mode, dtypes, c.mixed_precision)
+    h = host_bytes_per_element(pr)
     return 3 * h * elements / host_bandwidth(c) + n_tensors * c.device.step_overhead
 
 
@@ -161,11 +158,11 @@ class HostCopies:
         return out
 
 
-def host_copies(buckets: list, mode: str, dtypes: tuple, c, slow: float = 1.0) -> HostCopies:
+def host_copies(buckets: list, mode: str, pr: Precision, c, slow: float = 1.0) -> HostCopies:
     """``HostCopies`` of ``buckets`` ((group, this rank's elements) each, in launch order) on
     cluster ``c``, each copy's time times ``slow`` (ranks sharing cores on the local preset).
     The parameters come up a bucket at a time only where a gather follows (ZeRO-1/2)."""
-    down, up = link_bytes_per_element(mode, dtypes, c.mixed_precision)
+    down, up = link_bytes_per_element(pr)
     ups = [e for _, e in buckets] if mode in ("zero1", "zero2") else [sum(e for _, e in buckets)]
     return HostCopies(down=tuple(copy_time(down * e, c) * slow for _, e in buckets), elements=tuple(ups),
                       up=tuple(copy_time(up * e, c) * slow for e in ups),

@@ -3,7 +3,9 @@
 The search space: every factorisation of the world into ``pp × dp × tp`` (tp dividing the
 attention heads), the data-parallel mode (ddp, ZeRO-1/2/3), sequence parallelism, the
 pipeline schedule with its micro-batch count (and stages per rank for the interleaved one),
-and activation recomputation (none, selective, full). Per-node layouts come from the tensor-
+and activation recomputation (none, selective, full). Every other field of a candidate is the
+``base`` plan's: its precision (``param_dtype``, ``reduce_dtype``, ``master_dtype``), offload,
+buckets, overlap; each candidate is priced in that precision. Per-node layouts come from the tensor-
 parallel pass itself (Megatron's column/row choice found on the graph, autopar.passes), so a
 candidate's graph is the one compile would build.
 
@@ -35,7 +37,7 @@ from .compute import dispatch_ops, group_time
 from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
                        optimizer_time, padded_sum, replica_gathers, saved_bytes, schedule_tail_time, sync_time,
                        tied_exchange_time)
-from .memory import FP32, MIXED_PRECISION, persistent_bytes
+from .memory import persistent_bytes, precision
 from .profile import GroupCost, Profile
 from .replay import closed_form_pipeline
 
@@ -117,6 +119,7 @@ class _Chain:
         self.L = len(layers)
         self.rows = prof.rows
         self.shapes = prof.shapes
+        self.param_bytes = prof.param_bytes
         pre = next((g for g in prof.groups if g.name == "pre"), GroupCost("pre"))
         post = next((g for g in prof.groups if g.name == "post"), GroupCost("post"))
         self.pre_names = set(pre.params) | set(pre.reads)
@@ -144,6 +147,7 @@ def _average(layers: list) -> GroupCost:
     g.op_names = {name: sum(x.op_names.get(name, 0) for x in layers) / n
                   for name in dict.fromkeys(k for x in layers for k in x.op_names)}
     g.weight_matmuls = round(sum(x.weight_matmuls for x in layers) / n)
+    g.matmul_dtype = layers[0].matmul_dtype
     g.tp_forward, g.tp_backward = list(layers[0].tp_forward), list(layers[0].tp_backward)
     g.params, g.read_by_backward = dict(layers[0].params), set(layers[0].read_by_backward)
     return g
@@ -168,8 +172,8 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     p, n, t = axes.get("pp", 1), axes.get("dp", 1), axes.get("tp", 1)
     m, v = (plan.microbatches, plan.virtual_stages) if plan.pp_schedule else (1, 1)
     k = gb / (n * m) / ch.rows
-    dt = MIXED_PRECISION if c.mixed_precision else FP32
-    pb, gbytes, ob = dt
+    pr = precision(plan, plan.dp, ch.param_bytes)     # gathers in the compute dtype, sums in the reduce dtype
+    pb, gbytes = pr.compute, pr.reduce
     slow = _oversubscription(c, axes)
     ltp, ldp, lpp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
     pre, layer, post = (g.scaled(k) for g in (ch.pre, ch.layer, ch.post))
@@ -205,7 +209,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     unit_gb = collective_time("all_gather", pad_of(ch.layer_read) * pb, n, ldp)
     red_kind = "all_reduce" if mode == "ddp" else "reduce_scatter"
     n_tensors = len(ch.layer_names) * nl + max(len(ch.pre_names), len(ch.post_names))
-    states = state_bytes(mode, psi, n, dt, padded_psi=pad)
+    states = state_bytes(mode, psi, n, pr.states, padded_psi=pad)
     opt = (optimizer_time(states, n_tensors, c) + sync_time(mode, n_tensors, c)) * slow
     tail = 0.0
     if mode in ("zero1", "zero2") and n > 1:     # the first bucket's gather, then k of the others' size
@@ -242,7 +246,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
         pipe = closed_form_pipeline(plan.pp_schedule, m, v, fb, ws)
         pipe += 2 * (p - 1) * hop
         red = collective_time(red_kind, (pad if mode != "ddp" else psi) * gbytes, n, ldp)
-        tied = sum(math.prod(shapes[x]) for x in ch.tied) * pb
+        tied = sum(math.prod(shapes[x]) for x in ch.tied) * pr.landed
         step = pipe + red + opt + tail + tied_exchange_time(tied, lpp) + loss_broadcast_time(p, lpp) + \
             schedule_tail_time(lpp, mid * Bl + Bp + hop)   # the first stage's last backward after the last's
     # ---- memory (the busiest rank)
@@ -255,7 +259,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     if recompute == "full":
         act += layer.saved
     work = 2 * max(layer.max_value, post.max_value, pre.max_value)
-    base = persistent_bytes(mode, psi, n, dt, pad)
+    base = persistent_bytes(mode, psi, n, pr.states, pad)
     extra = 0.0
     if mode == "zero3":
         extra += (2 + 1 / n) * lay_pad * pb + (pre_pad + post_pad) * pb   # in use, the next in flight
@@ -290,11 +294,13 @@ def _divisors(x: int) -> list[int]:
 
 
 def candidates(world: int, gb: int, *, heads: int = 0, layers: int = 0,
-               mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 512):
-    """Yield (axes, plan, recompute) of the search space (see the module docstring)."""
+               mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, max_microbatches: int = 512,
+               base: Optional[Plan] = None):
+    """Yield (axes, plan, recompute) of the search space (see the module docstring); each plan
+    is ``base`` (default ``Plan()``) with the searched fields set."""
     for axes in _meshes(world, mesh_axes):
         if _ruled_out(axes, gb, heads, layers) is None:
-            yield from _plans_for(axes, gb, layers, recompute, max_microbatches)
+            yield from _plans_for(axes, gb, layers, recompute, max_microbatches, base or Plan())
 
 
 def _meshes(world: int, mesh_axes: Optional[dict]):
@@ -321,27 +327,43 @@ def _ruled_out(axes: dict, gb: int, heads: int, layers: int) -> Optional[str]:
     return None
 
 
-def _plans_for(axes, gb, layers, recompute, max_microbatches):
+def _plans_for(axes, gb, layers, recompute, max_microbatches, base: Plan):
     pp, dp, tp = axes["pp"], axes["dp"], axes["tp"]
     rows = gb // dp
+
+    def plan(**fields):     # base's other fields kept; a combination base's fields refuse is no candidate
+        try:
+            return replace(base, **fields)
+        except ValueError:
+            return None
+
     for mode in DP_MODES:
         if dp == 1 and mode != "ddp":
             continue
         for sp in ((False, True) if tp > 1 else (False,)):
             for rc in recompute:
-                base = Plan(dp=mode, tp=tp > 1, sp=sp, recompute=rc)   # the plan carries its recomputation
+                # the plan carries its recomputation
+                fields = dict(dp=mode, tp=tp > 1, sp=sp, recompute=rc, pp_schedule=None, microbatches=1,
+                              virtual_stages=1)
                 if pp == 1:
-                    yield axes, base, rc
+                    one = plan(**fields)
+                    if one is not None:
+                        yield axes, one, rc
                     continue
                 for m in _divisors(rows):
                     if m > max_microbatches or m < pp:
                         continue
                     # zero-bubble defers weight gradients out of backward: not with recomputation
                     for sched in ("gpipe", "1f1b") + (("zero_bubble",) if rc == "none" else ()):
-                        yield axes, replace(base, pp_schedule=sched, microbatches=m), rc
+                        one = plan(**{**fields, "pp_schedule": sched, "microbatches": m})
+                        if one is not None:
+                            yield axes, one, rc
                     for v in (2, 4):
                         if m % pp == 0 and layers and layers % (pp * v) == 0:
-                            yield axes, replace(base, pp_schedule="interleaved", microbatches=m, virtual_stages=v), rc
+                            one = plan(**{**fields, "pp_schedule": "interleaved", "microbatches": m,
+                                          "virtual_stages": v})
+                            if one is not None:
+                                yield axes, one, rc
 
 
 def _clean_axes(axes: dict) -> dict:
@@ -354,20 +376,23 @@ def _clean_axes(axes: dict) -> dict:
 def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cluster="local",
          global_batch: Optional[int] = None, top: int = 10, exhaustive: bool = False,
          mesh_axes: Optional[dict] = None, recompute=RECOMPUTE, flash_attention: bool = True,
-         profiles: Optional[Profiles] = None, detail: bool = True) -> PlanReport:
+         profiles: Optional[Profiles] = None, detail: bool = True, base: Optional[Plan] = None) -> PlanReport:
     """Find the fastest plan for ``model`` on ``world_size`` devices of ``cluster`` (a preset
     name or a Cluster) that fits in device memory; ``example_inputs`` are one batch (meta
     tensors are fine), ``global_batch`` the rows per step (default: the example's).
     ``mesh_axes`` restricts the search to one mesh shape; ``recompute`` to some modes.
+    ``base``: the plan whose fields the search does not choose every candidate keeps (its
+    precision: ``Plan(param_dtype=torch.bfloat16)`` plans a mixed-precision run; default ``Plan()``).
     Raises InfeasiblePlan (with the smallest memory any plan needs) when nothing fits."""
     t0 = time.perf_counter()
     c = get_cluster(cluster)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: expected a positive integer")
     profiles = profiles or Profiles(model, example_inputs, example_kwargs, flash=flash_attention, cluster=c)
-    base = profiles.base
-    gb = global_batch or base.rows
-    heads, layers = base.heads, len(base.layers)
+    first = profiles.base
+    gb = global_batch or first.rows
+    heads, layers = first.heads, len(first.layers)
+    base = base or Plan()
     chains: dict = {}
     limit = float(c.device.memory_bytes)
     keep = max(top, 1)
@@ -377,11 +402,11 @@ def find_plan(model, world_size: int, *, example_inputs, example_kwargs=None, cl
     bound_cache: dict = {}
     refused: list = []
     for axes, pl, rc in candidates(world_size, gb, heads=heads, layers=layers, mesh_axes=mesh_axes,
-                                   recompute=recompute):
+                                   recompute=recompute, base=base):
         key = (axes["tp"], pl.sp)
         if key not in chains:
             try:
-                chains[key] = _Chain(profiles.get(*key))
+                chains[key] = _Chain(profiles.get(*key, dtype=base.param_dtype))
             except ValueError as exc:       # the tp pass refuses this size (heads, fused parts)
                 chains[key] = None
                 refused.append(f"tp={key[0]}{' with sp' if key[1] else ''}: {exc}")

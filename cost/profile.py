@@ -77,6 +77,9 @@ class GroupCost:
     matmul_flops: float = 0.0          # forward FLOPs of matmuls with a parameter weight (the W of zero-bubble)
     attention_flops: float = 0.0       # forward FLOPs of attention (what selective recomputation redoes)
     dense_flops: float = 0.0           # forward FLOPs of every matmul (weights and activations alike)
+    matmul_dtype: Optional[torch.dtype] = None   # the dtype most of the group's matmul and attention FLOPs
+                                       # run in (the device's peak for it: ``Device.matmul_peak``);
+                                       # None: 16-bit (a group built by hand)
     pointwise_bytes: float = 0.0       # forward bytes read + written by the ops neither matmul nor attention
     attention_heads: float = 0.0       # (batch row, head) slices the attention kernels run over
     tp_forward: list = field(default_factory=list)    # (kind, bytes per rank, scales with the batch) on tp
@@ -130,6 +133,14 @@ class Profile:
     @property
     def layers(self) -> list[GroupCost]:
         return [g for g in self.groups if is_layer(g.name)]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the trainable parameters as the graph holds them (the model's
+        dtype, or under mixed precision the compute copy's); 4 for a model without any."""
+        nbytes = sum(b for g in self.groups for b in g.param_bytes.values())
+        elements = sum(math.prod(shp) for g in self.groups for shp in g.params.values())
+        return max(1, round(nbytes / elements)) if elements else 4
 
     def signatures(self) -> dict:
         """signature -> number of layers that have it (repeated blocks solved once)."""
@@ -395,6 +406,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         where[node] = g
         members[g].append(node)
     counted: set = set()
+    by_dtype: dict = {}        # group -> {dtype: matmul and attention FLOPs}
     stashed: set = set()       # matmul inputs a split backward keeps for W, counted once
     cored: set = set()         # groups whose attention forward has run (in graph order)
     for node in gm.graph.nodes:
@@ -432,6 +444,10 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                     g.w_stash += _nbytes(r, mesh)
         if name in MATMULS:
             g.dense_flops += flops
+        if (name in MATMULS or name in ATTENTION) and isinstance(node.meta.get(meta.VAL), torch.Tensor):
+            per = by_dtype.setdefault(g.name, {})
+            dtype = node.meta[meta.VAL].dtype
+            per[dtype] = per.get(dtype, 0.0) + flops
         if name in ATTENTION:
             g.attention_flops += flops
             q, kv = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
@@ -472,6 +488,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             groups[gname].reads.add(name)
         for gname in read_back.get(name, ()):
             groups[gname].read_by_backward.add(name)
+    for gname, per in by_dtype.items():
+        groups[gname].matmul_dtype = max(per, key=per.get)
     order = [g for g in order if members[g] or groups[g].params]
     # what crosses each group boundary (a pipeline cut after the group)
     pos = {g: i for i, g in enumerate(order)}

@@ -2,9 +2,11 @@
 the one it is calibrated on.
 
 Every row carries its source, the configuration as published, and the published figure. The
-estimate of a row builds the model on the meta device, profiles it as the run's software ran
-it (attention keeping its scores before flash attention; the run's recomputation), and
-evaluates the run's mesh and plan on the run's cluster preset. ``predict(row)`` returns the
+estimate of a row builds the model on the meta device in fp32, as a user hands autopar a
+model, asks the plan for the run's mixed precision (``Plan(param_dtype=torch.bfloat16)``:
+bf16 compute, fp32 masters and Adam state; gradient sums in the run's dtype), profiles it as
+the run's software ran it (attention keeping its scores before flash attention; the run's
+recomputation), and evaluates the run's mesh and plan on the run's cluster preset. ``predict(row)`` returns the
 estimate in the published row's own unit, so that the ratio predicted / published reads the
 same for every row: above 1, the model predicts the run faster than it ran.
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 import autopar
 from autopar.cost.cluster import get_cluster
@@ -62,14 +66,23 @@ class Run:
         return n
 
 
+MIXED = {"param_dtype": torch.bfloat16}
+"""Mixed precision as the runs trained: 16-bit compute, fp32 master weights and Adam state. The
+Megatron runs of 2021-22 computed in fp16 with loss scaling, which autopar does not implement:
+bf16 stands for it (the same width, the same tensor-core peak)."""
+
+
 def _megatron(label, model, t, p, gpus, batch, published, *, unit="tflops", source=NARAYANAN, sp=False,
               recompute="full", notes=""):
-    """Megatron-LM as run then: data parallelism with the gradient all-reduce after the
-    backward pass (its local DDP; no overlap), tensor parallelism (with sequence parallelism
-    only where the row says so), 1F1B with one sequence per micro-batch, attention keeping
-    its scores (no flash attention), Megatron's vocabulary-parallel LM head."""
+    """Megatron-LM as run then: mixed precision with the 16-bit gradients all-reduced in their
+    own dtype (``reduce_dtype``: its local DDP without fp32 accumulation, the default for fp16),
+    data parallelism with that all-reduce after the backward pass (no overlap), tensor
+    parallelism (with sequence parallelism only where the row says so), 1F1B with one sequence
+    per micro-batch, attention keeping its scores (no flash attention), Megatron's
+    vocabulary-parallel LM head."""
     d = gpus // (t * p)
-    plan = {"dp": "ddp", "tp": t > 1, "sp": sp and t > 1, "overlap": False, "vocab_parallel": True if t > 1 else None}
+    plan = {"dp": "ddp", "tp": t > 1, "sp": sp and t > 1, "overlap": False, "vocab_parallel": True if t > 1 else None,
+            **MIXED, "reduce_dtype": torch.bfloat16}
     if p > 1:
         plan.update(pp_schedule="1f1b", microbatches=batch // d)
     return Run(label, source, model, "dgx-a100-80gb", {"pp": p, "dp": d, "tp": t}, batch, plan, recompute,
@@ -107,25 +120,26 @@ KORTHIKANTI_TABLE_4 = tuple(
 
 _FLOAT8 = ("Float8 matmuls (torchao) on the linear layers, torch.compile's fusions: the cost model prices "
            "bf16 matmuls and unfused pointwise ops")
+# torchtitan: FSDP2's mixed precision (bf16 parameters, fp32 gradient reduction, its defaults)
 TORCHTITAN_ROWS = (
     Run("8B FSDP, 8 GPUs (table 1)", TORCHTITAN, "llama3-8b", "grand-teton-h100", {"dp": 8}, 16,
-        {"dp": "zero3"}, "selective", True, "tps", 5762, published_memory_gib=82.4),
+        {"dp": "zero3", **MIXED}, "selective", True, "tps", 5762, published_memory_gib=82.4),
     Run("8B FSDP, 128 GPUs (table 3)", TORCHTITAN, "llama3-8b", "grand-teton-h100", {"dp": 128}, 256,
-        {"dp": "zero3"}, "selective", True, "tps", 5605, published_memory_gib=67.0),
+        {"dp": "zero3", **MIXED}, "selective", True, "tps", 5605, published_memory_gib=67.0),
     Run("8B FSDP + compile, 8 GPUs (table 1)", TORCHTITAN, "llama3-8b", "grand-teton-h100", {"dp": 8}, 16,
-        {"dp": "zero3"}, "selective", True, "tps", 6667, notes="torch.compile's fusions",
+        {"dp": "zero3", **MIXED}, "selective", True, "tps", 6667, notes="torch.compile's fusions",
         published_memory_gib=77.0),
     Run("70B FSDP 32 x TP 8, Float8 (table 4)", TORCHTITAN, "llama3-70b", "grand-teton-h100",
-        {"dp": 32, "tp": 8}, 512, {"dp": "zero3", "tp": True, "sp": True}, "full", True, "tps", 829,
+        {"dp": 32, "tp": 8}, 512, {"dp": "zero3", "tp": True, "sp": True, **MIXED}, "full", True, "tps", 829,
         notes=_FLOAT8, published_memory_gib=71.9),
     Run("405B FSDP 8 x TP 8 x PP 8, 1F1B, Float8 (table 5)", TORCHTITAN, "llama3-405b", "grand-teton-h100",
         {"pp": 8, "dp": 8, "tp": 8}, 256,
-        {"dp": "zero3", "tp": True, "sp": True, "pp_schedule": "1f1b", "microbatches": 32}, "full", True, "tps",
+        {"dp": "zero3", "tp": True, "sp": True, "pp_schedule": "1f1b", "microbatches": 32, **MIXED}, "full", True, "tps",
         100, notes=_FLOAT8 + "; asynchronous TP", published_memory_gib=82.5),
     Run("405B FSDP 8 x TP 8 x PP 8, interleaved, Float8 (table 5)", TORCHTITAN, "llama3-405b",
         "grand-teton-h100", {"pp": 8, "dp": 8, "tp": 8}, 256,
         {"dp": "zero3", "tp": True, "sp": True, "pp_schedule": "interleaved", "microbatches": 32,
-         "virtual_stages": 2}, "full", True, "tps", 128, notes=_FLOAT8 + "; asynchronous TP",
+         "virtual_stages": 2, **MIXED}, "full", True, "tps", 128, notes=_FLOAT8 + "; asynchronous TP",
         published_memory_gib=72.7),
 )
 
@@ -154,11 +168,12 @@ OUTLIERS = {
 }
 
 # BLOOM-176B's run (BigScience, 2022): Megatron-DeepSpeed, 48 nodes of 8 A100 80GB, TP=4, PP=12,
-# DP=8 with ZeRO-1, micro-batch 2, global batch 2,048, sequence 2,048, bf16, activation
+# DP=8 with ZeRO-1, micro-batch 2, global batch 2,048, sequence 2,048, bf16 mixed precision (its
+# BF16 optimizer accumulates and reduces gradients in fp32: the plan's default sums), activation
 # checkpointing, attention keeping its scores; gradients reduced after the pipeline's flush.
 CALIBRATION = Run("BLOOM-176B", BLOOM, "bloom-176b", "dgx-a100-80gb", {"pp": 12, "dp": 8, "tp": 4}, 2048,
                   {"dp": "zero1", "tp": True, "overlap": False, "vocab_parallel": True, "pp_schedule": "1f1b",
-                   "microbatches": 128}, "full", False, "tflops", 156,
+                   "microbatches": 128, **MIXED}, "full", False, "tflops", 156,
                   notes="ALiBi and the embedding LayerNorm priced as learned positions (a negligible difference)")
 
 
@@ -173,10 +188,11 @@ _PROFILES: dict = {}
 
 
 def profiles(run: Run, cluster) -> Profiles:
-    """The model's profiles (cached per model, attention kind and cluster)."""
+    """The model's profiles, built in fp32 (cached per model, attention kind and cluster); the
+    plan's ``param_dtype`` profiles its program in bf16."""
     key = (run.model, run.flash, cluster.name, cluster.device)
     if key not in _PROFILES:
-        model, example = named(run.model)
+        model, example = named(run.model, dtype=torch.float32)
         _PROFILES[key] = Profiles(model, example, flash=run.flash, cluster=cluster)
     return _PROFILES[key]
 
@@ -223,4 +239,4 @@ def fit_matmul_efficiency(run: Run = CALIBRATION, lo: float = 0.2, hi: float = 1
 
 
 __all__ = ["Run", "NARAYANAN_TABLE_1", "KORTHIKANTI_TABLE_4", "TORCHTITAN_ROWS", "VALIDATION", "CALIBRATION",
-           "GOAL", "OUTLIERS", "estimate", "in_unit", "speed_ratio", "fit_matmul_efficiency", "megatron_flops"]
+           "GOAL", "OUTLIERS", "MIXED", "profiles", "estimate", "in_unit", "speed_ratio", "fit_matmul_efficiency", "megatron_flops"]

@@ -123,7 +123,7 @@ def test_pipeline_with_more_stages_than_layers_is_estimated_as_the_pass_cuts(axe
     c = GPTConfig(layers=2)
     x, t = gpt_batch(c, 8)
     plan = autopar.Plan(**kw)
-    fp32 = get_cluster("dgx-h100").with_(mixed_precision=False)      # the model runs in fp32
+    fp32 = get_cluster("dgx-h100")      # the fp32 model, priced in fp32 (no param_dtype in the plan)
     pred = evaluate_plan(Profiles(TinyGPT(c), (x,)), axes, plan, fp32, 8)
     world = axes["pp"]
     got, starts = [], None
@@ -171,7 +171,7 @@ def test_llama_bytes_match_the_cost_model(axes, kw):
     world = math.prod(axes.values())
     torch.manual_seed(0)
     x, t = gpt_batch(Llama().config, 8)
-    fp32 = get_cluster("dgx-h100").with_(mixed_precision=False)      # the model runs in fp32
+    fp32 = get_cluster("dgx-h100")      # the fp32 model, priced in fp32 (no param_dtype in the plan)
     pred = evaluate_plan(Profiles(Llama(), (x,)), axes, autopar.Plan(**kw), fp32, 8)
     with fake_rank(world, world - 1):
         dm = autopar.compile(Llama(), autopar.Mesh(**axes), example_inputs=(x,), plan=autopar.Plan(**kw))

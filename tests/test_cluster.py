@@ -24,8 +24,10 @@ def test_a100_preset_has_datasheet_numbers():
     assert c is PRESETS["dgx-a100-80gb"]
     d = c.device
     assert (d.peak_flops, d.mem_bandwidth, d.memory_bytes) == (312e12, 2039 * GB, 80 * 10**9)
-    assert (d.matmul_efficiency, d.memory_efficiency, d.dtype_bytes) == (0.599, 0.88, 2)
-    assert c.gpus_per_node == 8 and c.mixed_precision
+    assert (d.matmul_efficiency, d.memory_efficiency) == (0.601, 0.88)
+    # the datasheet's fp32 (CUDA cores) and TF32 tensor-core rates, dense
+    assert (d.fp32_flops, d.tf32_flops) == (19.5e12, 156e12)
+    assert c.gpus_per_node == 8
     assert c.intra == Link("nvlink", 300 * GB, 5e-6)
     assert c.inter == Link("infiniband", 25 * GB, 1e-5)
     assert c.host == Link("pcie", 32 * GB, 1e-5)
@@ -37,9 +39,11 @@ def test_h100_preset_has_datasheet_numbers():
     d = c.device
     assert (d.peak_flops, d.mem_bandwidth, d.memory_bytes) == (989e12, 3350 * GB, 80 * 10**9)
     # the A100's fitted efficiency x the published maximum-achievable-matmul ratio 80.1% / 85.9%
-    assert d.matmul_efficiency == pytest.approx(0.599 * (792.1 / 989) / (267.9 / 312), abs=1e-3)
-    assert (d.memory_efficiency, d.dtype_bytes) == (0.84, 2)
-    assert c.gpus_per_node == 8 and c.mixed_precision
+    assert d.matmul_efficiency == pytest.approx(0.601 * (792.1 / 989) / (267.9 / 312), abs=1e-3)
+    assert d.memory_efficiency == 0.84
+    # the H100 whitepaper's SXM5 fp32 (non-tensor) and TF32 tensor rates, dense
+    assert (d.fp32_flops, d.tf32_flops) == pytest.approx((66.9e12, 494.7e12))
+    assert c.gpus_per_node == 8
     assert c.intra == Link("nvlink", 450 * GB, 5e-6)
     assert c.inter == Link("infiniband", 50 * GB, 1e-5)
     assert c.host == Link("pcie", 64 * GB, 1e-5)
@@ -48,7 +52,7 @@ def test_h100_preset_has_datasheet_numbers():
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_number_has_a_source(name):
-    """Every number of a preset (device, links, node size, precision) is cited in its
+    """Every number of a preset (device, links, node size) is cited in its
     ``citations``; efficiencies name a measurement or a fit, not "calibrated elsewhere";
     the local-only fields stay at their defaults; ``source`` lists the citations."""
     c = PRESETS[name]
@@ -529,7 +533,8 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     d = c.device
     for value in (d.peak_flops, d.mem_bandwidth, d.memory_bytes, c.host.bandwidth):
         assert value > 0 and math.isfinite(value)
-    assert d.dtype_bytes == 4 and 0 < d.matmul_efficiency <= 1 and 0 < d.memory_efficiency <= 1
+    assert 0 < d.matmul_efficiency <= 1 and 0 < d.memory_efficiency <= 1
+    assert d.fp32_flops is None and d.tf32_flops is None      # the measured rate prices every dtype
     assert 0 < d.attention_efficiency <= 1 and 0 <= d.attention_overhead < 1e-3
     assert 0 < d.op_overhead < 1e-3 and 0 < d.step_overhead < 1e-2
     assert 0 <= d.pass_overhead < 1e-2 and 0 < d.message_overhead < 1e-2
@@ -542,7 +547,7 @@ def test_calibrate_local_measures_plausible_numbers(local_cluster):
     assert 0 <= d.collective_overhead < 1e-2 and "collective_overhead" in c.source
     assert 0.1 < c.intra.skew_scale < 10 and "skew_scale" in c.source
     assert {(k, g) for k, g, _, _ in c.intra.skew} >= {("all_reduce", 2), ("p2p", 2)}
-    assert not c.mixed_precision and c.gpus_per_node >= 1
+    assert c.gpus_per_node >= 1
     kinds = {(k, g) for k, g, _, _ in c.intra.fits}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("p2p", 2)} <= kinds
     assert all(a > 0 and b > 0 for _, _, a, b in c.intra.fits)

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import sympy as sp
+import torch
 
 import autopar
 from autopar.sizes import ring_bytes
@@ -38,7 +39,8 @@ def test_group_time_sums_the_op_classes_on_the_roofline():
     """A layer's forward time: its matmuls at peak x matmul efficiency, its attention kernel at
     peak x attention efficiency plus a setup per (row, head) slice, the other ops' bytes at
     bandwidth x memory efficiency and a dispatch per op, summed (not the max of FLOPs and bytes:
-    the classes run one after another)."""
+    the classes run one after another). The peak is that of the dtype the matmuls run in: this
+    fp32 model's at the A100's TF32 tensor-core rate (156 TFLOP/s, datasheet), not bf16's 312."""
     import dataclasses
     cfg = GPTConfig(vocab=67, seq=32, dim=64, heads=4, layers=2)
     x, _ = gpt_batch(cfg, 8)
@@ -49,11 +51,13 @@ def test_group_time_sums_the_op_classes_on_the_roofline():
     assert g.dense_flops + g.attention_flops < g.flops and 0 < g.pointwise_bytes < g.bytes_moved
     c = get_cluster("dgx-a100-80gb")
     d = c.device
-    base = (g.dense_flops / (d.peak_flops * d.matmul_efficiency) + g.attention_flops / (d.peak_flops * d.matmul_efficiency)
+    assert g.matmul_dtype == torch.float32
+    peak = 156e12
+    base = (g.dense_flops / (peak * d.matmul_efficiency) + g.attention_flops / (peak * d.matmul_efficiency)
             + g.pointwise_bytes / (d.mem_bandwidth * d.memory_efficiency))
     assert group_time(g, c) == pytest.approx(base) and group_time(g, c, 2.0) == pytest.approx(2 * base)
     slow = c.with_(device=dataclasses.replace(d, attention_efficiency=0.3, attention_overhead=1e-6, op_overhead=2e-6))
-    extra = g.attention_flops / (d.peak_flops * 0.3) - g.attention_flops / (d.peak_flops * 0.6)
+    extra = g.attention_flops / (peak * 0.3) - g.attention_flops / (peak * d.matmul_efficiency)
     assert group_time(g, slow) == pytest.approx(base + extra + g.attention_heads * 1e-6 + g.ops * 2e-6)
 
 
@@ -163,8 +167,8 @@ def test_alpha_beta_times():
 def test_a_tied_table_costs_one_exchange_after_the_pipeline():
     """The two stages holding a tied embedding / LM head sum its gradients by one exchange, each
     posting its send and receive together (``_sum_tied_grads``): one point-to-point transfer of
-    the table's gradient (the preset's training dtype) on the pipeline's link, alpha + bytes /
-    bandwidth, not two."""
+    the table's gradient (the fp32 model's: 4 B an element) on the pipeline's link, alpha +
+    bytes / bandwidth, not two."""
     c = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=2, max_seq=8)
     x, _ = gpt_batch(c, 8)
     cluster = get_cluster("dgx-a100-80gb")
@@ -173,7 +177,7 @@ def test_a_tied_table_costs_one_exchange_after_the_pipeline():
     tied = [end - start for _, _, label, start, end in e.timeline if label == "tied gradients"]
     assert tied and len(set(tied)) == 1, tied
     link = cluster.intra                      # 2 GPUs of one node
-    assert tied[0] == pytest.approx(link.latency + 64 * 32 * cluster.device.dtype_bytes / link.bandwidth)
+    assert tied[0] == pytest.approx(link.latency + 64 * 32 * 4 / link.bandwidth)
 
 
 def test_ranks_sharing_cores_exchange_after_the_pipeline_on_the_uncontended_link():
@@ -192,8 +196,7 @@ def test_ranks_sharing_cores_exchange_after_the_pipeline_on_the_uncontended_link
                       cluster, 8)
     spans = {label: end - start for _, _, label, start, end in e.timeline if label in ("tied gradients",
                                                                                         "loss broadcast")}
-    dtype = cluster.device.dtype_bytes
-    assert spans["tied gradients"] == pytest.approx(own.latency + 64 * 32 * dtype / own.bandwidth)
+    assert spans["tied gradients"] == pytest.approx(own.latency + 64 * 32 * 4 / own.bandwidth)   # fp32
     assert spans["loss broadcast"] == pytest.approx(2 * (own.latency + 4 / own.bandwidth))
 
 
@@ -221,7 +224,7 @@ def test_a_pipeline_action_on_a_time_shared_core_pays_its_stages_cache_refill():
     prof = profiles.get(1, False, False)
     saved = sum(saved_bytes(g.scaled(2 / prof.rows), "none") for g in prof.groups if g.name in ("pre", "blocks.0"))
     d = cluster.device
-    refill = 2 * (params * d.dtype_bytes + saved) / (d.mem_bandwidth * d.memory_efficiency)
+    refill = 2 * (params * 4 + saved) / (d.mem_bandwidth * d.memory_efficiency)     # fp32 parameters
     assert first[4] == pytest.approx(2 * (first[2] + refill), rel=1e-9)
 
 
@@ -327,7 +330,7 @@ _FAST_ROWS = ("39.1B",)
 
 def _published_setup(name, t, p, gpus, batch):
     run = next(r for r in PUB.NARAYANAN_TABLE_1 if r.model == name)
-    profiles = Profiles(*named(name), flash=False, cluster=get_cluster(run.cluster))
+    profiles = Profiles(*named(name, dtype=torch.float32), flash=False, cluster=get_cluster(run.cluster))
     return profiles, run.axes, autopar.Plan(**run.plan)
 
 
@@ -343,6 +346,21 @@ def test_published_run_within_goal_or_a_named_outlier(run):
         assert abs(ratio - 1) > PUB.GOAL, f"{run.label}: {ratio:.3f} is now within the goal; drop it from OUTLIERS"
     else:
         assert abs(ratio - 1) <= PUB.GOAL, f"{run.label}: predicted / published speed {ratio:.3f}"
+
+
+def test_published_runs_are_fp32_models_under_mixed_precision_plans():
+    """Every published row and the calibration are estimated as a user would hand them to
+    autopar: the model in fp32, mixed precision asked of the plan (bf16 compute; Megatron's
+    16-bit gradient all-reduce as ``reduce_dtype``); the profile the estimate prices is then
+    the bf16 program's (2 B parameters), not the fp32 model's (4 B)."""
+    for run in PUB.VALIDATION + (PUB.CALIBRATION,):
+        plan = autopar.Plan(**run.plan)
+        assert plan.param_dtype == torch.bfloat16, run.label
+        assert plan.grad_reduce_dtype == (torch.bfloat16 if run.source in (PUB.NARAYANAN, PUB.KORTHIKANTI)
+                                          else torch.float32), run.label
+    run = next(r for r in PUB.NARAYANAN_TABLE_1 if r.label == "39.1B")
+    profiles = PUB.profiles(run, get_cluster(run.cluster))
+    assert profiles.base.param_bytes == 4 and profiles.get(8, False, True, torch.bfloat16).param_bytes == 2
 
 
 def test_megatron_rows_bubble_and_memory():
@@ -368,12 +386,15 @@ def test_a100_matmul_efficiency_is_the_calibration_runs_fit():
 @pytest.mark.slow
 def test_planner_beats_or_matches_the_published_configuration():
     """Given the model, cluster and batch of Narayanan et al.'s 39.1B run (512 GPUs, batch
-    1536), the planner finds a plan it predicts at least as fast as the published one."""
+    1536), the planner asked for the run's mixed precision finds a plan it predicts at least as
+    fast as the published one, in that precision."""
     name, t, p, gpus, batch, _ = NARAYANAN_TABLE_1[4]      # 39.1B
     profiles, axes, plan = _published_setup(name, t, p, gpus, batch)
     c = get_cluster("dgx-a100-80gb")
     published = evaluate_plan(profiles, axes, plan, c, batch, recompute="full")
-    report = autopar.plan(None, gpus, example_inputs=(), cluster=c, global_batch=batch, profiles=profiles)
+    report = autopar.plan(None, gpus, example_inputs=(), cluster=c, global_batch=batch, profiles=profiles,
+                          param_dtype=torch.bfloat16)
+    assert report.plan.param_dtype == torch.bfloat16
     assert report.step_time_s <= published.step_time_s
     assert report.memory_bytes <= c.device.memory_bytes
     assert report.candidates[0].reason == "chosen"
@@ -433,7 +454,7 @@ def test_zero3_is_predicted_with_the_collectives_its_compiled_program_issues(buc
     units, buckets = dm.ctx.gather_units, dm.ctx.grad_buckets
     assert (len(units) > 3) == (bucket_bytes < 1 << 20)      # the small bucket cuts the layers
     link = Link("latency alone", 1e30, 1e-3)
-    c = get_cluster("dgx-a100-80gb").with_(intra=link, inter=link, mixed_precision=False)   # fp32, as compiled
+    c = get_cluster("dgx-a100-80gb").with_(intra=link, inter=link)     # the fp32 model priced in fp32, as compiled
     e = evaluate_plan(Profiles(TinyGPT(cfg), (x,)), {"dp": 4}, plan, c, 8)
 
     def count(kind, backward):
@@ -516,7 +537,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch
 c = GPTConfig(vocab=128, seq=8, dim=128, heads=4, layers=4, max_seq=8)
 x, _ = gpt_batch(c, 8)
 profiles = Profiles(TinyGPT(c), (x,))
-cluster = dataclasses.replace(get_cluster("dgx-a100-80gb"), mixed_precision=False)
+cluster = get_cluster("dgx-a100-80gb")
 for mode, kw in (("ddp", {}), ("zero1", {"pp_schedule": "interleaved", "virtual_stages": 2}), ("zero3", {})):
     plan = autopar.Plan(dp=mode, **({"pp_schedule": "1f1b"} | kw), microbatches=4)
     e = evaluate_plan(profiles, {"pp": 2, "dp": 2}, plan, cluster, 8)
@@ -549,7 +570,7 @@ def test_zero_replica_gathers_pay_one_latency_per_runtime_bucket(mode):
     2·W·4 B plus its copies (this rank's W rows staged, read and written; the 2·W gathered
     rows written into the replicas, read and written) at the device's memory rate: its latency
     paid per bucket, not once for the whole model. Written here from the link's alpha-beta."""
-    c = dataclasses.replace(get_cluster("dgx-a100-80gb"), mixed_precision=False)
+    c = get_cluster("dgx-a100-80gb")
     cfg = GPTConfig()
     tok, _ = gpt_batch(cfg, 8)
     model = TinyGPT(cfg)

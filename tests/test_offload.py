@@ -178,7 +178,7 @@ def test_one_rank_mixed_precision_moves_the_fp32_masters_as_the_estimate_prices(
     moved = {(k, ph): b for (_, k, ph), b in dm.offload_stats.bytes.items()}
     assert moved == link_bytes(PSI, mixed=True)
     est = autopar.estimate(model, autopar.Mesh(dp=1, virtual=True), plan, example_inputs=(tok,),
-                           cluster=CLUSTERS["mixed"], profiles=profiles)
+                           cluster=DGX, profiles=profiles)
     assert est.host_bytes == sum(moved.values())
 
 
@@ -190,7 +190,7 @@ def gpt_profiles():
 
 
 DGX = get_cluster("dgx-a100-80gb")
-CLUSTERS = {"mixed": DGX, "fp32": dataclasses.replace(DGX, mixed_precision=False)}
+PRECISION = {"mixed": {"param_dtype": torch.bfloat16}, "fp32": {}}     # the plan's, on the fp32 GPT
 PADDED = sum(-(-s[0] // 2) * 2 * torch.Size(s[1:]).numel() for s in SHAPES.values())   # rows padded over dp=2
 
 
@@ -206,22 +206,25 @@ def _estimates(gpt_profiles, mode, c, **plan):
                              profiles=profiles) for extra in ({}, {"offload": "optimizer"})]
 
 
-@pytest.mark.parametrize("precision", ["mixed", "fp32"])
+@pytest.mark.parametrize("precision", list(PRECISION))
 @pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3"])
 def test_estimate_prices_the_host_link_as_the_runtime_moves_it(gpt_profiles, mode, precision):
-    """dgx-a100 under ZeRO's mixed precision (2 B parameters and gradients, K = 12) and in fp32
-    (4, 4, 8), over dp=2 in one gradient bucket. Bytes: 4 + 4 per element either way, as the
-    runtime moves them (mixed: the fp32 master comes up, the gradient lands in its dtype), E = Ψ
+    """dgx-a100 under ``Plan(param_dtype=torch.bfloat16)`` (bf16 compute copies, fp32 masters
+    and Adam state) and in fp32 (4, 4, 8), over dp=2 in one gradient bucket. Bytes: 4 + 4 per
+    element either way, as the runtime moves them (mixed: the fp32 master comes up, the
+    gradient lands in its dtype), E = Ψ
     (ddp) or the padded Ψ/N; the host holds the copy, its gradient, m and v, 16 B. Memory: the
     device keeps its compute copy, the gradients as they land and (mixed) the master. Time: the
     only bucket's copy down waits for the last reduction, and its copy up comes before its
     gather (ddp, ZeRO-3: one copy, nothing after it), so each is charged whole."""
-    c = CLUSTERS[precision]
-    base, off = _estimates(gpt_profiles, mode, c)
+    c = DGX
+    base, off = _estimates(gpt_profiles, mode, c, **PRECISION[precision])
     e = PSI if mode == "ddp" else PADDED / 2
     assert off.host_bytes == (4 + 4) * e and base.host_bytes == 0
     assert off.host_memory_bytes == (4 + 4 + 8) * e
-    p, g, k = (2, 4, 4) if precision == "mixed" else (4, 4, 0)    # compute copy, landed gradient, master
+    # the persistent compute copy (mixed: ZeRO-2's bf16 replicas; ddp casts per forward, ZeRO-3
+    # gathers per use), the landed gradient, the master
+    p, g, k = ((2 if mode == "zero2" else 0), 4, 4) if precision == "mixed" else (4, 4, 0)
     states = {"ddp": (p + g + k) * PSI, "zero2": p * PSI + (g + k) * e, "zero3": (p + g + k) * e}[mode]
     assert off.memory_breakdown["model states"] == states
     assert off.memory_bytes < base.memory_bytes
@@ -240,7 +243,7 @@ def test_estimate_pipelines_the_copies_up_with_the_gathers_in_the_runtimes_bucke
     the runtime's (a virtual-mesh compile's buckets), each of this rank's bucket rows x 4 B;
     bucket k's all-gather starts once its copy is up, and bucket k+1's copy starts before bucket
     k's gather ends; so the copies up add less than their sum, and at least the first one."""
-    c = CLUSTERS["fp32"]
+    c = DGX
     model, tok, _ = gpt_profiles
     plan = dict(bucket_bytes=32_000)
     base, off = _estimates(gpt_profiles, "zero2", c, **plan)
@@ -295,7 +298,7 @@ def _check_estimate_bytes(r, name, gpt_profiles, precision):
     model, tok, profiles = gpt_profiles
     axes, plan = offload.PLANS[name]
     est = autopar.estimate(model, autopar.Mesh(**axes, virtual=True), plan, example_inputs=(tok,),
-                           cluster=CLUSTERS[precision], profiles=profiles)
+                           cluster=DGX, profiles=profiles)
     assert r["dp_index"] == 0 and est.host_bytes == sum(r["bytes"].values())
 
 

@@ -14,10 +14,9 @@ from autopar.cost.planner import InfeasiblePlan, _Chain, _score
 pytestmark = pytest.mark.timeout(300)
 
 # a fixed CPU-like cluster, so that these tests do not depend on this machine's calibration
-CPU = Cluster(name="cpu-fixed", device=Device("cpu", 1e11, 2.5e10, 24 * 10**9, 1.0, 0.6, dtype_bytes=4,
-                                              op_overhead=6e-6),
+CPU = Cluster(name="cpu-fixed", device=Device("cpu", 1e11, 2.5e10, 24 * 10**9, 1.0, 0.6, op_overhead=6e-6),
               gpus_per_node=8, intra=Link("gloo", 1.5e9, 2e-4), inter=Link("gloo", 1.5e9, 2e-4),
-              host=Link("host", 2.5e10, 1e-7), mixed_precision=False)
+              host=Link("host", 2.5e10, 1e-7))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +145,8 @@ def test_compiled_module_explains_its_predicted_costs():
                          plan=autopar.Plan(dp="zero2"))
     text = dm.explain(cluster="dgx-h100")
     assert "predicted (cost model" in text
-    assert "2*Psi + 14*Psi/N" in text            # the formula, then its number
+    # the formula, then its number: the fp32 plan's states, ZeRO-2's 4Ψ + (4 + 8)Ψ/N
+    assert "4*Psi + 12*Psi/N" in text
     e = dm.predict("dgx-h100")
     assert f"{e.comm_bytes:,.0f} B" in text and f"{e.step_time_s * 1e3:12.3f} ms" in text
 

@@ -39,7 +39,7 @@ def test_block_once_profile_equals_the_whole_model_profile(name):
     once = Profiles(model, inputs)
     whole = Profiles(model, inputs, blocks_once=False)
     assert once.stack is not None and once.stack[1] == len(whole.base.layers)
-    assert len(once._ctx.params) < len(whole._ctx.params)           # it did capture fewer blocks
+    assert len(once._graph(None)[1].params) < len(whole._graph(None)[1].params)   # it captured fewer blocks
     for tp, sp in ((1, False), (2, False), (2, True)):
         a, b = once.get(tp, sp), whole.get(tp, sp)
         assert [g.name for g in a.groups] == [g.name for g in b.groups]

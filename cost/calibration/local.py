@@ -1389,7 +1389,7 @@ def _measure_local() -> Cluster:
     ]).strip()
     device = Device(name=f"cpu ({_cpu_model()})", peak_flops=flops, mem_bandwidth=mem_bw,
                     memory_bytes=_total_ram(), matmul_efficiency=matmul, memory_efficiency=pointwise,
-                    dtype_bytes=4, op_overhead=overhead, step_overhead=step_overhead,
+                    op_overhead=overhead, step_overhead=step_overhead,
                     attention_efficiency=attention, attention_overhead=attention_overhead,
                     pass_overhead=pass_overhead, backward_op_ratio=ratio, backward_pass_share=share,
                     message_overhead=message_overhead, sync_overhead=sync,
@@ -1403,7 +1403,7 @@ def _measure_local() -> Cluster:
                "the mean of its timings before and after the probes")
     cluster = Cluster(name="local", device=device, gpus_per_node=os.cpu_count() or 1, intra=gloo,
                       inter=gloo, host=Link("host-memory", mem_bw, 1e-7), source=source,
-                      mixed_precision=False, shared=shared, contention=contention, fingerprint=prints)
+                      shared=shared, contention=contention, fingerprint=prints)
     if shared is not None and shared_steps is not None:
         # the synthetic stacks' own steps on ranks sharing cores: ZeRO-3's host work, read with
         # the stacks' collectives at the level their tp steps read (next to no compute between
