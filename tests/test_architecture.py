@@ -19,7 +19,7 @@ IR = {"autopar.meta", "autopar.placement", "autopar.sizes", "autopar.ops", "auto
       "autopar.functionalize", "autopar.data_dependent"}
 FRONT = {"autopar", "autopar.api", "autopar.checkpoint", "autopar.explain", "autopar.testing", "autopar.models", "autopar.demo",
          "autopar.__main__", "autopar.verification", "autopar.zoo", "autopar._frozen", "autopar.tuning",
-         "autopar.variants", "autopar.fuzz", "autopar.fuzz_models"}
+         "autopar.variants", "autopar.fuzz", "autopar.fuzz_models", "autopar.doctor"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -545,6 +545,7 @@ for mode, kw in (("ddp", {}), ("zero1", {"pp_schedule": "interleaved", "virtual_
 """
 
 
+@pytest.mark.slow
 def test_an_estimate_does_not_depend_on_the_process_string_hash_seed():
     """The estimate walks a rank's parameters and buckets in the profile's order, not a set's:
     the same plans estimated in processes with different ``PYTHONHASHSEED`` give the same
