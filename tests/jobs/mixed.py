@@ -71,15 +71,20 @@ def loss_curves(steps: int = 20):
     return fp32, bf16
 
 
-def collective_dtypes(axes: dict, plan_text: str):
-    """One training step with torch.distributed's collectives wrapped: (axis, kind, phase,
-    dtype) of every buffer they were handed, in order; and the module's bytes by dtype."""
+def _gpt(axes: dict, plan_text: str):
+    """(plan, mesh, the project's GPT compiled for them, tokens, targets) from seed 0."""
     plan = autopar.Plan.parse(plan_text)
     mesh = autopar.Mesh(**axes)
     c = GPTConfig()
     tok, tgt = gpt_batch(c, 8)
     torch.manual_seed(0)
-    dm = autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan)
+    return plan, mesh, autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan), tok, tgt
+
+
+def collective_dtypes(axes: dict, plan_text: str):
+    """One training step with torch.distributed's collectives wrapped: (axis, kind, phase,
+    dtype) of every buffer they were handed, in order; and the module's bytes by dtype."""
+    plan, mesh, dm, tok, tgt = _gpt(axes, plan_text)
     opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
     groups = {}
     for axis in axes:
@@ -160,12 +165,7 @@ def replicated_grad_sums(axes: dict, plan_text: str):
     compute-dtype partial gradients, widened, one per micro-batch. Returns every rank's (dp
     coordinate, addends; none where the rank holds no ``ln_f``: an earlier pipeline stage) and
     this rank's full master gradients of ``ln_f``."""
-    plan = autopar.Plan.parse(plan_text)
-    mesh = autopar.Mesh(**axes)
-    c = GPTConfig()
-    tok, tgt = gpt_batch(c, 8)
-    torch.manual_seed(0)
-    dm = autopar.compile(TinyGPT(c), mesh, example_inputs=(tok,), plan=plan)
+    plan, mesh, dm, tok, tgt = _gpt(axes, plan_text)
     sent = []
     all_reduce = AxisComm.all_reduce_
 

@@ -245,15 +245,8 @@ def optimizers(name):
     opt_ref = cls(ref.parameters(), **kwargs)
     opt = dm.optimizer(cls, per_tensor="per_tensor" in name, **kwargs)
     ref_losses = _train(ref, opt_ref, sched(opt_ref) if sched else None, x, y, 4)
-    n = axes.get("dp", 1)
     losses = _train(dm, opt, sched(opt) if sched else None, x, y, 4, shard=dm.shard_batch)
-    if n > 1:   # this rank's loss is its slice's: the step's loss is their mean
-        t = torch.tensor(losses)
-        torch.distributed.all_reduce(t)
-        losses = (t / n).tolist()
-    full = dm.full_state_dict()
-    return {"param_err": max(_err(full[k], p.detach()) for k, p in ref.named_parameters()),
-            "losses": losses, "ref_losses": ref_losses, "is_instance": isinstance(opt, cls),
+    return {**_against(dm, ref, axes, losses, ref_losses), "is_instance": isinstance(opt, cls),
             "lr": [g["lr"] for g in opt.param_groups], "ref_lr": [g["lr"] for g in opt_ref.param_groups]}
 
 
@@ -309,6 +302,12 @@ def stock_optimizer(name, steps=4):
         losses = _train(dm, opt, None, x, y, steps, shard=dm.shard_batch)
     except ValueError as e:
         return {"error": str(e)}
+    return _against(dm, ref, axes, losses, ref_losses)
+
+
+def _against(dm, ref, axes: dict, losses: list, ref_losses: list) -> dict:
+    """The step losses (this rank's slice's, averaged over dp) and the largest parameter error
+    of ``dm`` against the single-device ``ref``."""
     n = axes.get("dp", 1)
     if n > 1:   # this rank's loss is its slice's: the step's loss is their mean
         t = torch.tensor(losses)
