@@ -530,8 +530,9 @@ def batch(transfers: list[Transfer]) -> list[Watched]:
             at.append(i)
     handles: list = [None] * len(transfers)
     for group, idx in groups:
-        ops = [dist.P2POp(dist.isend if transfers[i].kind == "send" else dist.irecv, transfers[i].tensor,
-                          transfers[i].peer, group, transfers[i].tag) for i in idx]
+        host = _host_staged(group, [transfers[i] for i in idx])
+        ops = [dist.P2POp(dist.isend if transfers[i].kind == "send" else dist.irecv, host[k],
+                          transfers[i].peer, group, transfers[i].tag) for k, i in enumerate(idx)]
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
@@ -543,8 +544,41 @@ def batch(transfers: list[Transfer]) -> list[Watched]:
             raise err from exc
         assert len(works) in (1, len(idx)), (len(works), len(idx))
         for k, i in enumerate(idx):
-            handles[i] = Watched(works[k if len(works) == len(idx) else 0], entries[i])
+            work = works[k if len(works) == len(idx) else 0]
+            staged = host[k] is not transfers[i].tensor and transfers[i].kind == "recv"
+            handles[i] = _Staged(work, entries[i], host[k], transfers[i].tensor) if staged else \
+                Watched(work, entries[i])
     return handles
+
+
+def _host_staged(group, transfers: list[Transfer]) -> list[torch.Tensor]:
+    """The tensors a batch over ``group`` hands the backend: gloo moves host memory only (its
+    point-to-point reads and writes the tensor's pointer as host memory), so on gloo a device
+    tensor travels through a host copy: a send's copied down before it is posted, a receive's
+    lands in a host buffer copied up when it is waited on (``_Staged``). On the CPU, and on
+    NCCL, the tensors themselves."""
+    if all(t.tensor.device.type == "cpu" for t in transfers) or dist.get_backend(group) != "gloo":
+        return [t.tensor for t in transfers]
+    return [t.tensor if t.tensor.device.type == "cpu" else
+            t.tensor.to("cpu") if t.kind == "send" else torch.empty_like(t.tensor, device="cpu")
+            for t in transfers]
+
+
+class _Staged(Watched):
+    """A receive into a device tensor over gloo (``_host_staged``): waiting copies the host
+    buffer it landed in up to the device tensor, once."""
+    __slots__ = ("_host", "_into")
+
+    def __init__(self, work, entry: Entry, host: torch.Tensor, into: torch.Tensor):
+        super().__init__(work, entry)
+        self._host, self._into = host, into
+
+    def wait(self, *args) -> bool:
+        ok = super().wait(*args)
+        if self._host is not None:
+            self._into.copy_(self._host)
+            self._host = None
+        return ok
 
 
 @contextlib.contextmanager

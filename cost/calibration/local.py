@@ -583,8 +583,8 @@ def _measure_op_overhead(ranks: _Ranks, op_weights: tuple) -> tuple:
     ops; backward runs each forward op's gradients, not twice its cost: about 1.2x the forward's
     on this machine), the constants what a stage does per micro-batch besides its ops (its
     call, the runtime's autograd functions and hooks). (A fit that makes no sense on a noisy
-    machine falls back to pass + 3 x ops x per-op over F + B, split as the arithmetic is.) A send
-    or receive action's CPU time is the per-message cost. The same pipelines under the
+    machine falls back to pass + 3 x ops x per-op over F + B, split as the arithmetic is.) The CPU
+    time of posting a batch of transfers, per transfer in it, is the per-message cost. The same pipelines under the
     zero-bubble schedule: the growth of the F, B and W actions' time per micro-batch over
     1F1B's, fitted as pass + matmuls x per-matmul (the matmuls with a parameter weight, whose
     weight gradients W defers), is what splitting out the W action costs, and the F
@@ -812,7 +812,7 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
     per pipeline (thread CPU seconds of this
     rank's F, B (and W) actions per micro-batch, median of ``steps`` rounds after 3; (op name ->
     count of the ops the profile counts in its stage per micro-batch, its matmuls with a
-    parameter weight); CPU seconds per send or receive action;
+    parameter weight); CPU seconds per transfer posted (a batch's over its transfers);
     {kind: median thread CPU seconds of one action of that kind}; the mean wall seconds of
     the step's schedule, ``train_step``'s own timer; this rank's pipeline index; per step, the
     wall time its schedule's last action ended and the seconds from then to ``train_step``'s
@@ -858,6 +858,17 @@ def _op_overhead_probe(pipelines: tuple, steps: int = 25) -> list:
                     spent[a.kind] += took
 
         dm._run = timed
+        post = dm._post
+
+        def timed_post(batch, *args, **kwargs):     # a batch of transfers: its CPU time per message
+            c0 = time.thread_time()
+            try:
+                return post(batch, *args, **kwargs)
+            finally:
+                spent["message"] += time.thread_time() - c0
+                count["message"] += len(batch)
+
+        dm._post = timed_post
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -1326,8 +1337,8 @@ def _measure_local() -> Cluster:
         f"processes, stepped in turn, the F actions fitted as pass + ops x op (each op weighed by op_weights), "
         f"the B actions likewise: "
         f"{overhead * 1e6:.1f} us per op forward, backward_op_ratio {ratio:.2f} x that per op backward, "
-        f"{pass_overhead * 1e6:.0f} us per stage pass (backward_pass_share {share:.2f}); message_overhead: a send or receive action's CPU "
-        f"time, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
+        f"{pass_overhead * 1e6:.0f} us per stage pass (backward_pass_share {share:.2f}); message_overhead: a transfer's CPU "
+        f"time posted in its batch, {message_overhead * 1e6:.0f} us; step_overhead: AdamW.step over 48 tensors of 64x64 / 48: "
         f"{step_overhead * 1e6:.1f} us; split_pass_overhead, split_op_overhead: the same pipelines under the "
         f"zero-bubble schedule, F + B + W time per micro-batch over 1F1B's F + B, fitted as pass + matmuls x "
         f"per-matmul (those with a parameter weight): "
