@@ -47,9 +47,13 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
     the durations given).
 
     ``rendezvous``: messages move as gloo moves them, a send only once its receive is posted,
-    the receives posted as autopar's pipeline runtime posts them (those between a compute
-    action and the next when that action starts; one before a rank's first compute action
-    when the rank reaches it). A send whose receive was posted before it travels from the send;
+    the receives posted one compute action ahead (those between a compute action and the next
+    when that action starts; one before a rank's first compute action when the rank reaches
+    it), as the runtime posted them before it posted transfers in batches. The runtime now
+    posts each receive in the batch ``autopar.schedule.batch_transfers`` places it in (with the
+    sends issued at the same point of the schedule); this replay does not model those batches
+    yet, so where a batch posts a receive later or earlier than one action ahead it prices
+    another order than the one that runs. A send whose receive was posted before it travels from the send;
     one sent first waits in the sender's process until the receiver's notice that its receive
     is posted arrives, and the sender's event-loop thread, not the thread that sent, then
     writes it (gloo's tcp transport: ``Pair::send`` of an unbound buffer, ``onNotifyRecvReady``
@@ -95,7 +99,7 @@ def execute_shared(schedule: Schedule, programs, cores: float, costs: dict | Non
                                 if b.kind in COMPUTE:
                                     break
                                 # a gradient's buffer takes the shapes of the forward's outputs: not
-                                # posted before that forward ran (the runtime's _can_post)
+                                # posted before that forward ran
                                 if b.kind.startswith("RECV") and not (b.kind == "RECV_B" and a.kind == "F"
                                                                       and (a.stage, a.mb) == (b.stage, b.mb)):
                                     post(b)
