@@ -19,7 +19,8 @@ Where the ranks run:
 - without CUDA: the CPU over gloo.
 
 ``--backend`` overrides the choice. ``--quick`` runs the checks marked quick (two ranks
-each), in about a minute; the full set fits in five minutes on one GPU.
+each). The full set takes about 25 s on a 2-core CPU, and is sized for five minutes on one
+GPU (``--quick``: one).
 """
 from __future__ import annotations
 
