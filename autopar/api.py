@@ -50,12 +50,15 @@ __all__ = ["compile", "estimate", "plan"]
 # ---- compile ---------------------------------------------------------------------------------------
 
 def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None,
-            plan: Union[Plan, str] = "auto", cluster=None, exported=None) -> DistributedModule:
+            plan: Union[Plan, str] = "auto", cluster=None, exported=None,
+            base: Optional[Plan] = None) -> DistributedModule:
     """Compile ``model`` for ``mesh``. ``example_inputs`` (and ``example_kwargs``) are one
     global batch: the graph is captured at its shapes (the logical program), and this rank's
     module runs on its data-parallel slice. ``plan="auto"`` lets the planner choose among the
     plans the mesh's axes allow, by the cost model of ``cluster`` (a preset name or a Cluster;
-    default: this machine's calibrated ``local`` preset). ``exported``: the
+    default: this machine's calibrated ``local`` preset); ``base`` gives the fields the planner
+    does not choose (``base=Plan(param_dtype=torch.bfloat16)``: a mixed-precision run, planned
+    as one). ``exported``: the
     ``torch.export.export(model, example_inputs, example_kwargs)`` of this very model, used
     instead of exporting again (one model compiled under several plans exports once; copy the
     two together, ``copy.deepcopy((model, exported))``); not for pipelines, which capture one
@@ -64,7 +67,7 @@ def compile(model: nn.Module, mesh: Mesh, *, example_inputs, example_kwargs=None
         raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     _batch_rows(args, kwargs, mesh.axis_size("dp"))   # before planning, which would find no plan and not say why
-    plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster)
+    plan, reason = _resolve_plan(plan, mesh, model, example_inputs, example_kwargs, cluster, base)
     plan.check_mesh(mesh)
     ctx = CompileContext(mesh=mesh, plan=plan)
     ctx.model_class, ctx.model_config = _model_source(model)
@@ -366,16 +369,29 @@ def _profile(gm, ctx: CompileContext):
 # ---- plan="auto" -------------------------------------------------------------------------------------
 
 def _resolve_plan(plan: Union[Plan, str], mesh: Mesh, model, example_inputs, example_kwargs,
-                  cluster) -> tuple[Plan, str]:
+                  cluster, base: Optional[Plan] = None) -> tuple[Plan, str]:
+    _check_base(plan, base)
     if isinstance(plan, Plan):
         return plan, "given by the user"
     if plan == "auto":
-        return _auto_plan(mesh, model, example_inputs, example_kwargs, cluster)
+        return _auto_plan(mesh, model, example_inputs, example_kwargs, cluster, base)
     raise ValueError(f"plan={plan!r} is not a plan: pass plan='auto' or an autopar.Plan(...), "
                      "e.g. Plan(dp='zero2')")
 
 
-def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tuple[Plan, str]:
+def _check_base(plan, base) -> None:
+    """``base`` is plan='auto''s: a given plan carries every field itself."""
+    if base is None:
+        return
+    if not isinstance(base, Plan):
+        raise TypeError(f"base must be an autopar.Plan (the fields plan='auto' keeps), got {base!r}")
+    if plan != "auto":
+        raise ValueError(f"base={base} is for plan='auto' (the fields the planner does not choose); with "
+                         f"plan={plan} set those fields in the plan itself")
+
+
+def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster,
+               base: Optional[Plan] = None) -> tuple[Plan, str]:
     """plan='auto': rank 0 runs the planner over the plans this mesh's axes allow (recomputation
     included: the plan it returns carries it) and broadcasts its choice, so every rank
     compiles the same program whatever its own measurements would say."""
@@ -387,7 +403,7 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
             profiles = Profiles(model, example_inputs, example_kwargs, cluster=c, dropout_math=True)   # as it will run
             report = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                                cluster=c, global_batch=max(rows) if rows else None, mesh_axes=dict(mesh.axes),
-                               profiles=profiles)
+                               profiles=profiles, base=base)
             runner_up = report.candidates[1] if len(report.candidates) > 1 else None
             chosen = [str(report.plan), (
                 f"plan='auto' picked {report.plan} on {mesh} with the cost model ({c.name}): predicted "
@@ -408,7 +424,8 @@ def _auto_plan(mesh: Mesh, model, example_inputs, example_kwargs, cluster) -> tu
 
 def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inputs, example_kwargs=None,
              cluster="local", global_batch: Optional[int] = None, recompute=None,
-             flash_attention: bool = True, profiles: Optional[Profiles] = None) -> Estimate:
+             flash_attention: bool = True, profiles: Optional[Profiles] = None,
+             base: Optional[Plan] = None) -> Estimate:
     """Predict ``plan`` for ``model`` on ``mesh`` (real or ``virtual=True``) and ``cluster`` (a
     preset name or an ``autopar.cost.cluster.Cluster``) without running it: per-rank step time,
     memory, bytes and bubble (``autopar.cost.estimate.Estimate``). ``example_inputs`` are one
@@ -418,7 +435,9 @@ def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inpu
     ``flash_attention=False`` models attention that keeps its a·s² probabilities. The step is
     priced in the plan's precision (``param_dtype``, ``reduce_dtype``, ``master_dtype``), else
     in the model's own dtype, whatever the cluster.
-    ``plan="auto"`` asks the planner first."""
+    ``plan="auto"`` asks the planner first (``base``: the fields it does not choose, as for
+    ``compile``)."""
+    _check_base(plan, base)
     if plan == "auto":
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be an autopar.Mesh, got {type(mesh).__name__}")
@@ -426,7 +445,7 @@ def estimate(model, mesh: Mesh, plan: Union[Plan, str] = "auto", *, example_inpu
                                         cluster=cluster)
         plan = find_plan(model, mesh.size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                          cluster=cluster, global_batch=global_batch, mesh_axes=dict(mesh.axes),
-                         profiles=profiles).plan
+                         profiles=profiles, base=base).plan
     return estimate_plan(model, mesh, plan, example_inputs=example_inputs, example_kwargs=example_kwargs,
                          cluster=cluster, global_batch=global_batch, recompute=recompute,
                          flash_attention=flash_attention, profiles=profiles)

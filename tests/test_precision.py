@@ -164,3 +164,21 @@ def test_the_planner_plans_the_precision_it_is_asked_for(gpt):
                for c in kept.candidates)
     with pytest.raises(ValueError, match="reduce_dtype=bfloat16.*needs param_dtype"):
         autopar.plan(model, N, reduce_dtype=BF16, **kw)
+
+
+def test_plan_auto_keeps_the_fields_of_its_base(gpt):
+    """``compile(plan="auto", base=...)`` and ``estimate(plan="auto", base=...)`` plan the run the
+    base asks for: the chosen plan carries its precision (and the module runs it: fp32 masters,
+    bf16 compute); a base beside a given plan is refused, since that plan carries every field."""
+    model, x, _, _, profiles = gpt
+    base = autopar.Plan(param_dtype=BF16)
+    est = autopar.estimate(model, autopar.Mesh(dp=N, virtual=True), "auto", example_inputs=(x,), cluster=H100,
+                           profiles=profiles, base=base)
+    assert est.plan.param_dtype == BF16
+    with fake_rank(2):
+        dm = autopar.compile(TinyGPT(CFG), autopar.Mesh(dp=2), example_inputs=(x,), plan="auto", cluster=H100,
+                             base=base)
+    assert dm.plan.param_dtype == BF16 and dm.plan.master_dtype == torch.float32
+    with pytest.raises(ValueError, match=r"base=Plan\(.*param_dtype='bfloat16'.*\) is for plan='auto'"):
+        autopar.compile(TinyGPT(CFG), autopar.Mesh(dp=1, virtual=True), example_inputs=(x,), plan=autopar.Plan(),
+                        base=base)
