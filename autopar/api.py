@@ -36,7 +36,7 @@ from .explain import Inspector, graph_text
 from .mesh import Mesh
 from .planspec import Plan
 from .runtime import DistributedModule, PipelineModule, emit, flight, slice_batch
-from .runtime.module import cast_input
+from .runtime.module import cast_inputs
 from .runtime.comm import CommStats
 from .sizes import batch_split_error
 from .schedule import SCHEDULES, Schedule, build_schedule, simulate
@@ -136,9 +136,7 @@ def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
 def _compute_inputs(args: tuple, kwargs: dict, plan: Plan):
     """The example inputs as the compute dtype's program takes them: floating inputs cast to
     ``param_dtype`` (as ``DistributedModule.forward`` casts the inputs it is given)."""
-    if not plan.mixed:
-        return args, kwargs
-    return pytree.tree_map(lambda t: cast_input(t, plan.param_dtype), (args, kwargs))
+    return cast_inputs((args, kwargs), plan.param_dtype)
 
 
 def _device_type(model: nn.Module, mesh: Mesh) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -59,10 +60,7 @@ class Check:
 
     @property
     def world(self) -> int:
-        n = 1
-        for _, size in self.mesh:
-            n *= size
-        return n
+        return math.prod(size for _, size in self.mesh)
 
 
 BF16 = torch.bfloat16

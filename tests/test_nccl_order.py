@@ -240,7 +240,7 @@ def test_a_batch_is_noted_op_by_op_and_nccl_completion_comes_from_the_work():
                                     flight.Transfer("recv", torch.zeros(2), 1, group, "b"),
                                     flight.Transfer("send", torch.zeros(1), 1, group, "c")])
             handles[1].wait()
-            after = flight.isend(torch.zeros(1), 1, group, "d")
+            after = flight.launch(group, "send", "d", 4, dist.isend, torch.zeros(1), 1, group, 0, peer=1)   # alone
         got = [(e.kind, e.seq, e.nbytes, e.label) for e in tape]
         assert got == [("send", 1, 12, "a"), ("recv", 1, 8, "b"), ("send", 2, 4, "c"), ("send", 3, 4, "d")]
         assert len({e.batch for e in tape[:3]}) == 1 and tape[3].batch is None

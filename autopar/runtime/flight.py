@@ -1,8 +1,8 @@
 """The flight recorder: a collective that cannot complete becomes an error that says what every
 rank was last doing.
 
-Every collective and point-to-point transfer of the runtime is issued through ``launch`` (or
-``isend``/``irecv``, or ``batch`` for transfers posted together), which notes it in this
+Every collective of the runtime is issued through ``launch`` and every point-to-point transfer
+through ``batch`` (the transfers posted together), which note it in this
 process's ring of the last ``RING`` entries: the group (its description, ``dp`` or ``dp:grads``
 as the ``Mesh`` names it, and its ranks), the kind, a sequence number (per group for
 collectives; per group, kind and peer for transfers, so that the same number names the same
@@ -71,8 +71,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "PeerError", "Recorder", "RECORDER", "Transfer", "Watched", "launch", "isend", "irecv",
-           "batch", "recording", "published", "agreed"]
+__all__ = ["CollectiveError", "PeerError", "Recorder", "RECORDER", "Transfer", "Watched", "launch", "batch",
+           "recording", "published", "agreed"]
 
 RING = 32            # entries kept per process (all of them go to the dump file)
 PUBLISHED = 16       # newest entries a rank publishes to the store
@@ -482,18 +482,6 @@ def launch(group, kind: str, label: str, nbytes: int, start, *args, peer: int | 
         RECORDER.waited(e, None)
         return None
     return Watched(work, e)
-
-
-def isend(tensor, peer: int, group, label: str, tag: int = 0) -> Watched:
-    """``dist.isend`` to global rank ``peer`` over ``group``, noted in the recorder."""
-    return launch(group, "send", label, tensor.numel() * tensor.element_size(), dist.isend, tensor, peer,
-                  group, tag, peer=peer)
-
-
-def irecv(tensor, peer: int, group, label: str, tag: int = 0) -> Watched:
-    """``dist.irecv`` from global rank ``peer`` over ``group``, noted in the recorder."""
-    return launch(group, "recv", label, tensor.numel() * tensor.element_size(), dist.irecv, tensor, peer,
-                  group, tag, peer=peer)
 
 
 @dataclasses.dataclass(frozen=True)

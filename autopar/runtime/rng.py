@@ -95,11 +95,11 @@ class RandomMasks(nn.Module):
     process's own generator, as one device)."""
 
     def __init__(self, sites: tuple[MaskSite, ...], local: dict[int, LocalSite], external: bool = False,
-                 mode: str = "exact", device: str | torch.device = "cpu", mesh=None):
+                 mode: str = "exact", mesh=None):
         super().__init__()
         self.sites, self.local, self.external, self.mode = tuple(sites), dict(local), external, mode
         self.mesh = mesh
-        self.device = torch.device(device)    # set by each draw to the module's device
+        self.device = torch.device("cpu")     # set by each draw to the module's device
         # (site, micro-batch) -> this rank's mask (booleans); ``local`` attention: the slice's key
         self.masks: dict[tuple[int, int], torch.Tensor | int] = {}
         # sites inside recomputed regions (``passes/recompute.py``): their masks are not held
