@@ -5,7 +5,9 @@
     loss = loss_fn(dm(*dm.shard_batch((tokens,))), dm.shard_batch(targets)); loss.backward()
     opt = dm.optimizer(torch.optim.AdamW, lr=3e-4); opt.step()
 """
-from . import cost, models, passes, testing
+import importlib
+
+from . import cost, models, passes
 from .api import compile, estimate, plan
 from .capture import CaptureError
 from .data_dependent import DataDependentShapeError
@@ -21,3 +23,12 @@ from .verification import Divergence, VerifyReport, verify
 __all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "DataDependentShapeError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
            "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence", "tune", "TuneReport"]
+
+
+def __getattr__(name: str):
+    """``autopar.testing``, the test harness, is imported on first use: ``import autopar`` does not
+    load it (the library launches its ranks with ``autopar.launch``), and ``autopar.testing.run(...)``
+    works after ``import autopar`` alone."""
+    if name == "testing":
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -102,21 +102,40 @@ def _lower(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cl
            check_modes: bool = False):
     """Capture ``source`` on the global batch ``(args, kwargs)`` and run the plan's passes: this
     rank's rewritten graph, with the order of its collectives checked against the other ranks'."""
-    plan, mesh = ctx.plan, ctx.mesh
+    mesh = ctx.mesh
     with flight.agreed(mesh):     # every rank alone until each has its graph: one's failure stops them all
-        gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
-                     exported=exported, autocast=_compute_autocast(ctx))   # the logical graph, at global shapes
-        gm = _autocast(gm, ctx)
-        passes.find_sites(gm, ctx)                     # dropout: the single-device draw order
-        # this rank's forward takes its slice of the batch: the shapes its inputs are checked against
-        ctx.input_shapes = _shapes(_slice(args, kwargs, mesh.axis_size("dp"), mesh.coordinate("dp")))
-        ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
-        ctx.snapshots.append(("capture", graph_text(gm)))
-        ctx.profile_source = _profile(gm, ctx)
-        _recompute_budget(ctx, cluster, max(_batch_rows(args, kwargs), default=1))
-        gm = _run_passes(gm, ctx)
+        [(_, _, gm)] = _lower_graph(source, ctx, args, kwargs, cluster, rows=max(_batch_rows(args, kwargs), default=1),
+                                    part=(mesh.axis_size("dp"), mesh.coordinate("dp")), exported=exported,
+                                    check_modes=check_modes)
     passes.check_collective_order([(gm, ctx)], ctx)   # before any communication: a mismatch is an error, not a hang
     return gm
+
+
+def _lower_graph(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: dict, cluster, *, rows: int,
+                 part: tuple[int, int], microbatches: int = 1, exported=None, check_modes: bool = True,
+                 cut=None) -> list[tuple]:
+    """The compile driver's one sequence, for a single program and a pipeline alike: capture
+    ``source`` on ``(args, kwargs)`` (the global batch; a pipeline's first micro-batch of it,
+    one of ``microbatches``) into the logical graph, add autocast's casts, number the random
+    sites, note what this rank's forward takes (part ``part = (n, i)`` of the inputs along dim 0:
+    the shapes its inputs are checked against, and their dtypes), make the cost model's profile
+    and choose a recompute budget's layers (``rows``: the global batch's rows), then run the
+    plan's passes. Over the whole graph, or with ``cut`` over each piece that ``cut(graph)``
+    yields as (key, its context, its graph, snapshot prefix): a pipeline's stages, each
+    rewritten before the next is cut out. Returns (key, context, rewritten graph) per piece
+    (a single program: one, its key None)."""
+    plan = ctx.plan
+    gm = capture(source, *_compute_inputs(args, kwargs, plan), ctx, check_modes=check_modes,
+                 exported=exported, autocast=_compute_autocast(ctx))   # the logical graph
+    gm = _autocast(gm, ctx)
+    passes.find_sites(gm, ctx, microbatches=microbatches)     # dropout: the single-device draw order
+    ctx.input_shapes = _shapes(_slice(args, kwargs, *part))
+    ctx.input_dtypes = _dtypes(_compute_inputs(args, kwargs, plan))   # mixed precision: inputs cast first
+    ctx.snapshots.append(("capture", graph_text(gm)))
+    ctx.profile_source = _profile(gm, ctx)
+    _recompute_budget(ctx, cluster, rows)
+    pieces = cut(gm) if cut is not None else [(None, ctx, gm, "")]
+    return [(key, pctx, _run_passes(pgm, pctx, prefix)) for key, pctx, pgm, prefix in pieces]
 
 
 def _model_source(model: nn.Module) -> tuple[str, tuple[str, str] | None]:
@@ -229,30 +248,28 @@ def _lower_stages(source: nn.Module, ctx: CompileContext, args: tuple, kwargs: d
                          "into micro-batches; give every batched input the same number of rows")
     _batch_rows(args, kwargs, n, m)
     ctx.microbatch_rows = rows[0] // m
-    mb_args, mb_kwargs = _slice(args, kwargs, m, 0)
-    gm = capture(source, *_compute_inputs(mb_args, mb_kwargs, plan), ctx,
-                 check_modes=True, autocast=_compute_autocast(ctx))   # the logical graph of one micro-batch
-    gm = _autocast(gm, ctx)
-    passes.find_sites(gm, ctx, microbatches=m)
-    ctx.input_shapes = _shapes(_slice(mb_args, mb_kwargs, n, 0))
-    ctx.input_dtypes = _dtypes(_compute_inputs(mb_args, mb_kwargs, plan))
-    ctx.snapshots.append(("capture", graph_text(gm)))
-    ctx.profile_source = _profile(gm, ctx)
-    _recompute_budget(ctx, cluster, rows[0])
+    mb_args, mb_kwargs = _slice(args, kwargs, m, 0)     # the logical graph of one micro-batch
+    laid = _lower_graph(source, ctx, mb_args, mb_kwargs, cluster, rows=rows[0], part=(n, 0), microbatches=m,
+                        cut=lambda gm: _cut_stages(gm, ctx))
+    return schedule, laid
+
+
+def _cut_stages(gm, ctx: CompileContext):
+    """The pipeline's cut of the logical graph ``gm`` (snapshotted), and each stage this rank
+    holds as (stage spec, its context, its graph, snapshot prefix), one at a time: the driver
+    (``_lower_graph``) runs the passes over a stage before the next is taken."""
+    p = ctx.mesh.axis_size("pp")
     heads = tied_head_layouts(gm, ctx) if ctx.plan.tp else {}   # on the whole graph: both copies of a table alike
     top = passes.pipeline(gm, ctx)
     ctx.snapshots.append(("pipeline", top.code + "".join(
         f"\n# ---- stage {k} ----\n{graph_text(top.get_submodule(f'stage_{k}'))}" for k in range(len(ctx.stages)))))
     shared = {name: heads.get(name, ("R", None)) for name in ctx.params if sum(name in s.params for s in ctx.stages) > 1}
     ctx.notes += [note for _, note in shared.values() if note]
-    laid = []
     for spec in ctx.stages:
-        if spec.index % p != mesh.coordinate("pp"):
+        if spec.index % p != ctx.mesh.coordinate("pp"):
             continue
         sgm = top.get_submodule(f"stage_{spec.index}")
-        sctx = _stage_context(ctx, spec, sgm, shared)
-        laid.append((spec, sctx, _run_passes(sgm, sctx, prefix=f"stage{spec.index}_")))
-    return schedule, laid
+        yield spec, _stage_context(ctx, spec, sgm, shared), sgm, f"stage{spec.index}_"
 
 
 COLLECT_BYTES = 64 << 20

@@ -14,10 +14,11 @@ from .cost.calibration import calibrate_local
 from .cost.cluster import cached_local
 from .cost.formulas import dp_comm_elements, evaluate
 from .cost.memory import model_state_bytes
+from .launch import run
 from .mesh import Mesh
 from .sizes import ring_bytes
 from .models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from .testing import optimizer_state_bytes, run
+from .runtime.optim import optimizer_state_bytes
 
 
 def _rank_main(steps: int, out_dir: str):
@@ -50,15 +51,15 @@ def _rank_main(steps: int, out_dir: str):
         rest = max(d for k, d in diff.items() if not k.endswith("qkv.bias"))
         rows.append((step, float(mean) / world, float(ref_loss.detach()), max(diff.values()), rest, moved))
         opt.zero_grad()
-    psi = sum(s.numel for s in dm._sync.specs.values())
-    psi_pad = sum(s.padded_numel for s in dm._sync.specs.values())
+    psi = sum(s.numel for s in dm.sync.specs.values())
+    psi_pad = sum(s.padded_numel for s in dm.sync.specs.values())
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in dm.parameters()}
-    held.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in dm._sync._replicas.values()})
+    held.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in dm.sync.replicas.values()})
     mem = sum(held.values()) + sum(p.numel() * 4 for p in dm.parameters()) + optimizer_state_bytes(opt)
     paths = dm.dump(os.path.join(out_dir, f"rank{rank}")) if rank == 0 else []
     return {"rows": rows, "psi": psi, "psi_pad": psi_pad, "plan": str(dm.plan), "mode": dm.plan.dp, "mem": mem,
             "why": next((n for n in dm.ctx.notes if "auto" in n), ""),
-            "read": sum(dm._sync.specs[n].padded_numel for n in dm._sync.saved_in_backward)
+            "read": sum(dm.sync.specs[n].padded_numel for n in dm.sync.saved_in_backward)
             if dm.plan.dp == "zero3" else 0,
             "paths": paths}
 

@@ -4,7 +4,7 @@ One prepared check of the whole platform, for a machine seen for the first time 
 a new PyTorch). For each plan of ``CHECKS`` it starts the plan's ranks as local processes,
 compiles a small model (the project's Llama: grouped-query attention, rotary positions,
 RMSNorm, a gated MLP), trains a few AdamW steps under the plan and against the single-device
-model (``autopar.testing.parity``: outputs, loss, gradients, parameters after every step),
+model (``autopar.compare.parity``: outputs, loss, gradients, parameters after every step),
 then times more steps. The report gives, per plan: the parity verdict and its largest
 errors, the step time (median, the device synchronised around every step), and the peak
 memory of the device (``torch.cuda.max_memory_allocated``; on a CPU the process's peak
@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 
 from .api import compile as autopar_compile
+from .compare import parity
+from .launch import RankPool, harness_device, quiet
 from .mesh import Mesh
 from .models import lm_loss, small
 from .planspec import Plan
 from .runtime.timing import now
-from .testing import RankPool, harness_device, parity, quiet
 
 __all__ = ["Check", "CHECKS", "Row", "run_checks", "table", "main"]
 

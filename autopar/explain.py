@@ -23,6 +23,7 @@ from .cost.memory import model_state_bytes
 from .passes.analysis import batch_dependent
 from .passes.pipeline import BALANCE_SLACK
 from .passes.tensor_parallel import whole_share
+from .runtime.optim import optimizer_state_bytes
 from .runtime.pipeline_module import PipelineModule
 from .runtime.recompute import Recomputed
 from .schedule import bubble_formula
@@ -104,7 +105,7 @@ def _mb(x: float) -> str:
 def _shapes_section(dm) -> list[str]:
     """The input shapes the module runs: the compiled ones (what the rest of explain describes)
     and those compiled since, on first call (``autopar.variants``)."""
-    others = list(getattr(dm, "_programs", {}))
+    others = list(dm.programs)
     line = f"  input shapes (this rank): {tuple(dm.ctx.input_shapes)} as compiled"
     return [line + (f"; also compiled on first call: {', '.join(str(s) for s in others)}" if others else "")]
 
@@ -112,7 +113,7 @@ def _shapes_section(dm) -> list[str]:
 def explain(dm, cluster=None) -> str:
     """The plan on this rank: its notes, parameters, collectives and bytes per step against the
     formula, memory held against the formula, and the cost model's predicted step."""
-    ctx, sync = dm.ctx, dm._sync
+    ctx, sync = dm.ctx, dm.sync
     mode, n = dm.plan.dp, dm.mesh.axis_size("dp")
     lines = [f"autopar plan: {dm.plan} on {dm.mesh} (this is rank {dm.mesh.rank})"]
     lines += [f"  {note}" for note in ctx.notes]
@@ -203,19 +204,18 @@ def explain(dm, cluster=None) -> str:
                 by_dtype[_dtype(t.dtype)] = by_dtype.get(_dtype(t.dtype), 0) + st.nbytes()
         return total
 
-    params = held(list(dm.parameters()) + list(sync._replicas.values()))
+    params = held(list(dm.parameters()) + list(sync.replicas.values()))
     params_by_dtype = dict(by_dtype)
-    grads = held([p.grad for p in dm.parameters() if p.grad is not None] + list(sync._persistent.values()))
-    opt = dm._optimizer() if dm._optimizer is not None else None
+    grads = held([p.grad for p in dm.parameters() if p.grad is not None] + list(sync.persistent_grads.values()))
+    opt = dm.built_optimizer
     line = f"  held now: parameters {_mb(params)}" + (
         f" ({', '.join(f'{_mb(b)} {d}' for d, b in sorted(params_by_dtype.items()))})"
         if len(params_by_dtype) > 1 else "") + \
         f", gradients {_mb(grads)}"
-    if opt is not None and dm._offload is not None:
+    if opt is not None and dm.offload is not None:
         line += f", optimizer state none (on the host, below); total {_mb(params + grads)}"
     elif opt is not None:
-        state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        state = optimizer_state_bytes(opt)
         line += f", optimizer state {_mb(state)}; total {_mb(params + grads + state)}"
     else:
         line += " (no dm.optimizer(...) built yet)"
@@ -275,12 +275,12 @@ def offload_section(dm) -> list:
     and what ``dm.offload_stats`` measured."""
     if dm.plan.offload is None:
         return []
-    off = dm._offload
+    off = dm.offload
     if off is None:
         return ["\noptimizer offload: the optimizer's state and step go to the host once dm.optimizer(...) is built"]
     down, up = off.step_bytes()
     elements = sum(p.numel() for p in off.device_params.values())
-    opt = dm._optimizer() if dm._optimizer is not None else None
+    opt = dm.built_optimizer
     held = off.host_bytes(opt)
     link = off.link
     itemsize = next(iter(off.device_params.values())).element_size() if off.device_params else 0
@@ -300,7 +300,7 @@ def offload_section(dm) -> list:
 def _offload_overlap(dm) -> str:
     """What the host link's copies overlap, as the runtime issues them (``autopar.runtime.offload``;
     the cost model prices the same, ``cost.offload``)."""
-    buckets = sum(len(s.buckets) for s in dm._syncs())
+    buckets = sum(len(s.buckets) for s in dm.syncs())
     if not buckets:
         down = "no gradient bucket is reduced here, so the gradients go down in the step, before it"
     elif dm.plan.dp == "zero1":

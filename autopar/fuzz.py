@@ -26,7 +26,7 @@ budget.
 
 Pipelines (``PIPELINE_PLANS``) run on local processes, their send and receive needing them
 (``verify``'s threaded ranks have none): the model trains one SGD step on a ``RankPool``
-under ``autopar.testing.parity``, whose loss, gradients and parameters after the step are
+under ``autopar.compare.parity``, whose loss, gradients and parameters after the step are
 compared with the single-device model's, within the same tolerance.
 """
 from __future__ import annotations
@@ -46,9 +46,10 @@ from typing import Optional
 import torch
 
 from . import fuzz_models
+from .compare import parity
+from .launch import RankPool, quiet
 from .mesh import Mesh
 from .planspec import Plan
-from .testing import RankPool, parity, quiet
 from .verification import verify
 
 __all__ = ["Spec", "Verdict", "PLANS", "FAMILIES", "generate", "build", "example", "source", "check", "shrink",

@@ -406,7 +406,7 @@ def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *
     ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
     each compute action's duration and each message's transfer time (the cost model's
     per-stage times). Raises ScheduleDeadlock if the ranks cannot all finish. (Ranks sharing
-    processors: ``autopar.cost.replay``.)"""
+    processors: ``autopar.cost.pipeline``.)"""
     schedule.validate()
     return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
 
@@ -437,13 +437,177 @@ def action_costs(schedule: Schedule, costs: dict | None) -> dict:
 
 
 def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float = 0.0, *,
-            duration=None, latency=None) -> Timeline:
-    """Replay already-lowered per-rank ``programs`` (see ``lower``) in event time."""
+            duration=None, latency=None, cores: float | None = None, wake: float = 0.0, placement=None,
+            speed=1.0, rendezvous: bool = False) -> Timeline:
+    """Replay already-lowered per-rank ``programs`` (see ``lower``) in event time: the one
+    interpreter of an action list's timing, shared by the simulator (``simulate``), the NCCL
+    batches (``batch_transfers``) and the cost model's pipeline (``autopar.cost.pipeline``).
+    The runtime (``autopar.runtime.pipeline_module``) runs the same lowered programs in the
+    batches ``batch_transfers`` cuts, with tensors instead of durations: it waits on real
+    messages, so it has no clock to share with this replay.
+
+    A compute action takes ``duration(action)`` (default: ``costs`` per kind, see
+    ``action_costs``); a message arrives ``latency(send)`` (default ``comm``) after its send.
+    By default each rank has a processor of its own. Ranks that share ``cores`` processors, as
+    processes on one CPU do, advance at min(1, cores / k) while k of them compute at once
+    (processor sharing, the scheduler's fair share); a rank waiting for a message takes no
+    processor, and one woken by its message while every processor is taken waits ``wake`` more
+    for one.
+
+    ``placement``, when given, is per rank (group, processors of the group, processes per
+    rank) and replaces ``cores``: ranks of one group share that group's processors alone, each
+    rank standing for that many processes computing in lockstep (its replicas along the other
+    mesh axes), so a busy rank advances at min(1, processors / (processes x busy ranks of its
+    group)). Every rate is multiplied by ``speed`` (a number, or a function of the processes
+    computing at that moment).
+
+    ``rendezvous``: messages move as gloo moves them, a send only once its receive is posted,
+    the receives posted one compute action ahead (those between a compute action and the next
+    when that action starts; one before a rank's first compute action when the rank reaches
+    it). A send whose receive was posted before it travels from the send; one sent first waits
+    in the sender's process until the receiver's notice that its receive is posted arrives, and
+    the sender's event-loop thread, not the thread that sent, then writes it (gloo's tcp
+    transport: ``Pair::send`` of an unbound buffer, ``onNotifyRecvReady`` on the event-loop
+    thread), so it travels from the post only while some processor is free for that thread:
+    while every processor computes, it stands still. The runtime posts its receives in the
+    batches of ``batch_transfers``; this option prices the one-action-ahead posting, the order
+    the cost model's calibration measured.
+
+    Raises ScheduleDeadlock if the ranks cannot all finish."""
+
     cost = action_costs(schedule, costs)
     took = duration or (lambda a: cost[a.kind])
     travel = latency or (lambda a: comm)
     if comm < 0:
         raise ValueError(f"comm={comm!r}: expected a latency >= 0")
+    cores = len(programs) if cores is None else cores
+    if not cores > 0:
+        raise ValueError(f"cores={cores!r}: expected a positive number of processors")
+    _check_programs(schedule, programs)
+    n = len(programs)
+    pc, events = [0] * n, [[] for _ in programs]
+    arrival: dict = {}
+    left: dict = {}              # rank -> (action, start, work left) while it computes
+    blocked: set = set()         # ranks asleep on a message not yet arrived
+    resume: dict = {}            # rank -> when it gets a processor after its message woke it
+    posted: set = set()          # rendezvous: receives posted
+    waiting: dict = {}           # rendezvous: receive not yet posted -> its send, sent
+    flying: dict = {}            # rendezvous: send -> latency left, moving only while a processor is free
+    processors = cores if placement is None else sum({g: c for g, c, _ in placement}.values())
+    now, eps = 0.0, 1e-15
+
+    def post(recv) -> None:
+        if recv in posted:
+            return
+        posted.add(recv)
+        send = waiting.pop(recv, None)
+        if send is not None:     # sent before: the sender's event-loop thread writes it now
+            flying[send] = travel(send)
+
+    while True:
+        moved = True
+        while moved:     # until no rank moves: a message sent now may wake a rank the pass went by
+            moved = False
+            for r, prog in enumerate(programs):      # run each idle rank up to its next compute or blocked receive
+                while r not in left and pc[r] < len(prog):
+                    a = prog[pc[r]]
+                    if a.kind in COMPUTE:
+                        left[r] = (a, now, took(a))
+                        moved = True
+                        if rendezvous:    # the runtime posts the receives before the next compute action now
+                            for b in prog[pc[r] + 1:]:
+                                if b.kind in COMPUTE:
+                                    break
+                                # a gradient's buffer takes the shapes of the forward's outputs: not
+                                # posted before that forward ran
+                                if b.kind.startswith("RECV") and not (b.kind == "RECV_B" and a.kind == "F"
+                                                                      and (a.stage, a.mb) == (b.stage, b.mb)):
+                                    post(b)
+                        break
+                    if a.kind.startswith("SEND"):
+                        recv = matching_recv(a)
+                        if not rendezvous or recv in posted:
+                            arrival[a] = now + travel(a)
+                        else:
+                            waiting[recv] = a
+                    elif r in resume:
+                        if resume[r] > now + eps:
+                            break
+                        del resume[r]
+                    elif rendezvous and a not in posted:
+                        post(a)
+                        continue
+                    elif arrival.get(matching_send(a), math.inf) > now + eps:
+                        blocked.add(r)
+                        break
+                    elif r in blocked:
+                        blocked.discard(r)
+                        full = (len(left) >= cores if placement is None else
+                                sum(placement[q][2] for q in left if placement[q][0] == placement[r][0])
+                                >= placement[r][1])
+                        if wake and full:
+                            resume[r] = now + wake
+                            break
+                    pc[r] += 1
+                    moved = True
+        if not left:
+            waits = [resume[r] if r in resume else arrival.get(matching_send(prog[pc[r]]), math.inf)
+                     for r, prog in enumerate(programs) if pc[r] < len(prog)]
+            if flying:       # every processor free: the messages in flight move
+                step = min([min(flying.values())] + [t - now for t in waits if t < math.inf])
+                now += step
+                _land(flying, arrival, step, now, eps)
+                continue
+            if not waits:
+                break
+            if min(waits) == math.inf:
+                stuck = [r for r, prog in enumerate(programs) if pc[r] < len(prog)]
+                raise ScheduleDeadlock(deadlock_message(schedule, programs, pc, stuck,
+                                                         {a: q for q, pr in enumerate(programs) for a in pr
+                                                          if a.kind.startswith("SEND")}))
+            now = min(waits)
+            continue
+        if placement is None:
+            pace = speed(len(left)) if callable(speed) else speed
+            rates = dict.fromkeys(left, min(1.0, cores / len(left)) * pace)
+        else:
+            busy: dict = {}
+            for r in left:
+                busy[placement[r][0]] = busy.get(placement[r][0], 0) + placement[r][2]
+            pace = speed(sum(busy.values())) if callable(speed) else speed
+            rates = {r: min(1.0, placement[r][1] / busy[placement[r][0]]) * pace for r in left}
+        step = min(w / rates[r] for r, (_, _, w) in left.items())
+        pending = [t for t in list(arrival.values()) + list(resume.values()) if t > now + eps]
+        step = min([step] + [t - now for t in pending])
+        free = (len(left) if placement is None else sum(busy.values())) < processors - eps
+        if flying and free:
+            step = min([step] + list(flying.values()))
+        now += step
+        if flying and free:
+            _land(flying, arrival, step, now, eps)
+        for r in list(left):
+            a, start, w = left[r]
+            w -= step * rates[r]
+            if w <= eps * max(1.0, now):
+                events[r].append((a, start, now))
+                del left[r]
+                pc[r] += 1
+            else:
+                left[r] = (a, start, w)
+    return Timeline(schedule, events, now)
+
+
+def _land(flying: dict, arrival: dict, step: float, now: float, eps: float) -> None:
+    """Move the messages in flight by ``step`` seconds; those with no latency left arrive now."""
+    for a in list(flying):
+        flying[a] -= step
+        if flying[a] <= eps * max(1.0, now):
+            arrival[a] = now
+            del flying[a]
+
+
+def _check_programs(schedule: Schedule, programs) -> None:
+    """Every action of a known kind, and every receive's send somewhere in the programs."""
     sent_by = {a: r for r, prog in enumerate(programs) for a in prog if a.kind.startswith("SEND")}
     for r, prog in enumerate(programs):
         for a in prog:
@@ -453,30 +617,6 @@ def execute(schedule: Schedule, programs, costs: dict | None = None, comm: float
                 raise ScheduleDeadlock(f"rank {r} waits at {a}, but no rank ever executes its matching "
                                        f"{matching_send(a)}: add it to rank "
                                        f"{schedule.rank_of(matching_send(a).stage)} or drop the receive")
-    clock, pc = [0.0] * len(programs), [0] * len(programs)
-    arrival, events = {}, [[] for _ in programs]
-    progress = True
-    while progress:
-        progress = False
-        for r, prog in enumerate(programs):
-            while pc[r] < len(prog):
-                a = prog[pc[r]]
-                if a.kind in COMPUTE:
-                    d = took(a)
-                    events[r].append((a, clock[r], clock[r] + d))
-                    clock[r] += d
-                elif a.kind.startswith("SEND"):
-                    arrival[a] = clock[r] + travel(a)
-                elif matching_send(a) in arrival:
-                    clock[r] = max(clock[r], arrival[matching_send(a)])
-                else:
-                    break
-                pc[r] += 1
-                progress = True
-    stuck = [r for r, prog in enumerate(programs) if pc[r] < len(prog)]
-    if stuck:
-        raise ScheduleDeadlock(deadlock_message(schedule, programs, pc, stuck, sent_by))
-    return Timeline(schedule, events, max(clock, default=0.0))
 
 
 def deadlock_message(schedule, programs, pc, stuck, sent_by) -> str:

@@ -16,6 +16,11 @@ the cost model wants a formula (``cost/`` builds its symbolic expressions from t
     gather_unit_bytes            what a ZeRO-3 unit's gather holds while in flight
     cut_buckets                  gradients (in the order they become ready) cut into buckets:
                                  the first at 1 MiB, the others at Plan.bucket_bytes
+    grad_buckets                 ddp's and ZeRO-1/2's gradient buckets of parameters in order of
+                                 first use (the collectives pass cuts them; the cost model prices them)
+    gather_units, cut_unit       ZeRO-3's gather units: one per numbered layer, the other
+                                 parameters one root unit, each cut at Plan.bucket_bytes
+    unit_grad_buckets            ZeRO-3's gradient buckets: its units, last first
     state_bytes                  parameters + gradients + optimizer state of one rank per ZeRO
                                  stage (Rajbhandari et al., "ZeRO", SC'20, section 3)
     inflight_microbatches        micro-batches whose activations a pipeline rank holds at its
@@ -28,9 +33,8 @@ from __future__ import annotations
 import math
 
 __all__ = ["chunk", "chunk_range", "local_size", "padded", "padded_numel", "RING_FACTOR", "ring_bytes",
-           "gather_unit_bytes", "cut_buckets", "state_bytes", "mixed_state_dtypes", "inflight_microbatches",
-           "FIRST_BUCKET_BYTES",
-           "batch_split_error"]
+           "gather_unit_bytes", "cut_buckets", "grad_buckets", "cut_unit", "gather_units", "unit_grad_buckets",
+           "state_bytes", "mixed_state_dtypes", "inflight_microbatches", "FIRST_BUCKET_BYTES", "batch_split_error"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 """The first gradient bucket is cut at 1 MiB (or ``Plan.bucket_bytes`` if smaller), so that
@@ -105,6 +109,51 @@ def cut_buckets(sizes, bucket_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES,
         cur_bytes += size
     return buckets + [cur] if cur else buckets
 
+
+
+def _cut_named(names: list, nbytes, bucket_bytes: int, first_bytes: int, dtypes=None) -> list[list]:
+    """``names`` cut by ``cut_buckets`` over their bytes (``nbytes[name]``), one dtype each
+    (``dtypes[name]``; None: one dtype for all)."""
+    breaks = ({i for i in range(1, len(names)) if dtypes[names[i]] != dtypes[names[i - 1]]}
+              if dtypes is not None else ())
+    cuts = cut_buckets([nbytes[x] for x in names], bucket_bytes, first_bytes, breaks)
+    return [[names[i] for i in bucket] for bucket in cuts]
+
+
+def grad_buckets(order, nbytes, bucket_bytes: int, dtypes=None) -> list[list]:
+    """ddp's and ZeRO-1/2's gradient buckets, as parameter names: the parameters of ``order``
+    (the order of first use) in reverse, the order their gradients become ready, cut by
+    ``cut_buckets`` over their bytes (``nbytes[name]``: the collective's, padded where it
+    moves equal chunks), the first bucket at ``FIRST_BUCKET_BYTES`` (so that communication
+    starts early in backward), the others at ``bucket_bytes``, one dtype each (``dtypes[name]``;
+    None: one dtype for all)."""
+    return _cut_named(list(reversed(order)), nbytes, bucket_bytes, FIRST_BUCKET_BYTES, dtypes)
+
+
+def cut_unit(members, nbytes, bucket_bytes: int, dtypes=None) -> list[list]:
+    """One of ZeRO-3's units (``members``, in order of first use) cut where it passes
+    ``bucket_bytes`` (``nbytes[name]``: each member's padded bytes) or changes dtype."""
+    return _cut_named(list(members), nbytes, bucket_bytes, bucket_bytes, dtypes)
+
+
+def gather_units(order, nbytes, bucket_bytes: int, key, dtypes=None) -> list[list]:
+    """ZeRO-3's gather units, as parameter names in order of first use: the parameters of
+    ``order`` (the order of first use) grouped by ``key(name)`` (the numbered layer they sit
+    in, as wrapping every transformer block; None: the root unit of the others), each group
+    cut by ``cut_unit``. Each unit is one all-gather in forward, one in backward if backward
+    reads any of it, and its gradients one reduce-scatter."""
+    by_key: dict = {}
+    for name in order:
+        by_key.setdefault(key(name) or "", []).append(name)
+    units = [unit for members in by_key.values() for unit in cut_unit(members, nbytes, bucket_bytes, dtypes)]
+    position = {name: i for i, name in enumerate(order)}
+    return sorted(units, key=lambda u: position[u[0]])   # prefetch follows first use
+
+
+def unit_grad_buckets(units) -> list[list]:
+    """ZeRO-3's gradient buckets: its gather ``units`` (``gather_units``), last unit first, each
+    unit's members last first (the order their gradients become ready)."""
+    return [list(reversed(u)) for u in reversed(units)]
 
 def state_bytes(mode: str, psi, n, dtypes=(4, 4, 8), padded_psi=None):
     """Per-rank bytes of parameters + gradients + optimizer state after a step, with ``psi``

@@ -154,7 +154,8 @@ def timed_rounds(steps_by_name: dict, steps: int, block: int = 4, device=None) -
     Why blocks: a training loop runs one plan step after step. A step right after another
     model's starts with that model's parameters, optimizer state and activations in the caches
     instead of its own. Measured on 2 processes (gpt h96 L2 s16, the 9 plans of the hold-out
-    grid at world 2, three interleaved repeats, 2026-12-04; BENCHMARKS.md, hold-out runs 22-25):
+    grid at world 2, three interleaved repeats; benchmarks/bench_holdout.py, BENCHMARKS.md,
+    section bench_holdout.py):
     ddp took 8.1 ms a step one step each in turn, 7.2 ms in blocks of 4 and 6.7 ms alone;
     ZeRO-1 11.6 and 8.9 ms, ZeRO-2 10.1 and 8.1 ms."""
     times = {name: [] for name in steps_by_name}

@@ -110,7 +110,7 @@ class ShapeVariants:
                              "could not be copied to compile another shape; compile again with example inputs of "
                              "this shape")
         _agree(ctx, shapes)
-        count = len(dm._programs) + 1
+        count = len(dm.programs) + 1
         log.warning("autopar: compiling this module for this rank's input shapes %s (compiled for %s; shape %d "
                     "of its cache): the first call of a new shape compiles, later ones reuse it. Each rank takes "
                     "its slice of the batch: pass dm.shard_batch(global_batch)%s", shapes,
@@ -141,7 +141,7 @@ def bind_program(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple = ())
 def bind_stage(gm: fx.GraphModule, dm, ctx: CompileContext, sites: tuple) -> DistributedModule:
     """A pipeline stage's graph ``gm`` at a new shape as a stage module over the stage ``dm``'s
     tensors, gradient sync and tp communicator (``bind_program``)."""
-    return DistributedModule(bind_program(gm, dm, ctx, sites), ctx, dm._sync, dm.comm_stats, dm._tp)
+    return DistributedModule(bind_program(gm, dm, ctx, sites), ctx, dm.sync, dm.comm_stats, dm.tp_comm)
 
 
 def _agree(ctx: CompileContext, shapes: tuple) -> None:

@@ -9,7 +9,7 @@
                     graph run by the same recording interpreter (sequence-parallel regions
                     entered), on its data-parallel slice, then backward, ``full_grads()`` and
                     ``full_state_dict()``. The ranks are threads on torch's threaded process group
-                    (``autopar.testing.run_threads``), or gloo processes (``testing.run``) where the
+                    (``autopar.launch.run_threads``), or gloo processes (``launch.run``) where the
                     plan or the model needs them or ``spawn=True`` asks;
 
 then rebuilds each logical node's global value from the ranks' local ones by the node's layout
@@ -68,13 +68,14 @@ from torch.utils import _pytree as pytree
 from . import meta, passes
 from .api import compile as autopar_compile
 from .capture import capture
+from .compare import scaled_error
 from .context import CompileContext
+from .launch import run as run_processes, run_threads
 from .mesh import Mesh
 from .placement import Layout, Partial, Placement, Replicate, Shard, TPParam
 from .passes.tensor_parallel import SPLITS
 from .planspec import Plan
 from .runtime.module import attr_path
-from .testing import run as run_processes, run_threads
 
 __all__ = ["verify", "VerifyReport", "Divergence"]
 
@@ -422,8 +423,9 @@ def _rank_job(model, axes, plan, args, kwargs, target, loss_fn, logical, seed) -
 
 # ---- putting values together --------------------------------------------------------------------------------
 
-def scaled_error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    """``max|a - b| / max(max|b|, floor)`` over the finite elements of ``b`` (a mask's -inf); inf
+def _node_error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|a - b| / max(max|b|, floor)`` over the finite elements of ``b`` (a mask's -inf), in
+    float64: ``compare.scaled_error`` with the reference's largest magnitude as its scale; inf
     when the shapes differ or an element is finite in one and not the other, or an infinity
     of the other sign."""
     if tuple(a.shape) != tuple(b.shape):
@@ -438,7 +440,7 @@ def scaled_error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     if not finite.any():
         return 0.0
     a, b = a[finite], b[finite]
-    return float((a - b).abs().max() / (max(float(b.abs().max()), floor) + TINY))
+    return scaled_error(a, b, atol=max(float(b.abs().max()), floor) + TINY, dtype=torch.float64)
 
 
 def _cat(parts: list, dim: int, groups: int) -> torch.Tensor:
@@ -462,7 +464,7 @@ def _combine(parts: list, p: Placement, axis: str, gradient: bool, groups: int, 
         return None if isinstance(p, Partial) else torch.stack(parts).sum(0) * c
     if isinstance(p, Replicate) or gradient:
         for i, x in enumerate(parts[1:], 1):
-            e = scaled_error(x, parts[0])
+            e = _node_error(x, parts[0])
             if e > tol:
                 raise _Disagree(f"{axis} ranks 0 and {i} hold different values of a {p} "
                                 f"{'gradient' if gradient else 'value'} (scaled difference {e:.3g})")
@@ -547,7 +549,7 @@ class _Comparison:
             got = (self.rank0.full_params if phase == "forward" else self.rank0.full_grads).get(lg.param)
             if got is None:
                 return None
-            err = scaled_error(got * c if phase == "gradient" else got, ref_val, floor)
+            err = _node_error(got * c if phase == "gradient" else got, ref_val, floor)
         else:
             store = "values" if phase == "forward" else "grads"
             pieces = {tuple(r.coords[a] for a in self.axes): getattr(r, store).get(name) for r in self.records}
@@ -562,7 +564,7 @@ class _Comparison:
             if got is None and not detail:
                 return None
             if got is not None:
-                err = scaled_error(got, ref_val, floor)
+                err = _node_error(got, ref_val, floor)
                 if math.isinf(err):
                     detail = f"put together it has shape {tuple(got.shape)}, one device {tuple(ref_val.shape)}"
         self._record(name, phase, err)
@@ -658,7 +660,7 @@ def verify(model: nn.Module, mesh: Union[Mesh, dict, str], plan: Union[Plan, str
     ``tol``: the largest scaled error accepted (default 1e-4, 2e-2 for 16-bit floats).
     The ranks are threads of this process unless the plan or the model needs processes
     (collective matmuls send point to point, which the threaded process group cannot; dropout
-    needs a random generator per rank) or ``spawn=True`` asks for them (``autopar.testing.run``:
+    needs a random generator per rank) or ``spawn=True`` asks for them (``autopar.launch.run``:
     ``model`` and ``loss_fn`` must pickle, and patches made in this process do not reach them);
     ``spawn=False`` refuses those plans instead. ``timeout`` bounds the ranks' run in seconds."""
     axes = _axes(mesh)

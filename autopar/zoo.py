@@ -6,8 +6,8 @@ way: ``model(input_ids=..., labels=...)`` returning ``.loss`` for language model
 masked, sequence-to-sequence; state-space ones too), ``model(pixel_values=..., labels=...)`` for
 a vision classifier, ``model(input_features=..., labels=...)`` for an audio one (Whisper's
 encoder). ``python -m autopar zoo`` trains each under the plans of ``PLANS`` against the
-single-device model (``autopar.testing.parity``), checks what each step moved and what each
-rank holds against the plan's formula (``volume_check``), and prints the table the README shows.
+single-device model (``autopar.compare.parity``), checks what each step moved and what each
+rank holds against the plan's formula (``volume_check``), and prints the table docs/hugging-face.md shows.
 
 ``transformers`` is a test extra; this module imports it when a model is built.
 """
@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .compare import parity
+from .launch import RankPool, quiet
 from .mesh import Mesh, process_device
 from .passes.tensor_parallel import whole_share
 from .planspec import Plan
 from .runtime.comm import CommStats
 from .runtime.dpsync import dp_gather
 from .runtime.tpcomm import tp_gather
-from .testing import RankPool, parity, quiet
 
 __all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table", "plan_world",
            "Holdings", "volume_check"]
@@ -73,7 +74,7 @@ class Arch:
     """causal | masked | seq2seq | vision | audio"""
     overrides: dict = field(default_factory=dict)
     family: str = "decoder"
-    """decoder | moe | state-space | encoder | encoder-decoder | vision | audio (the README table's grouping)"""
+    """decoder | moe | state-space | encoder | encoder-decoder | vision | audio (the grouping of docs/hugging-face.md's table)"""
 
 
 def _moe(**kw):

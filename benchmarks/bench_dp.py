@@ -75,7 +75,7 @@ SEED = 0
 
 # ---- byte counting on the torch.distributed Python API ----------------------------------------
 
-_KIND = {
+KIND = {
     "all_reduce": ("all_reduce", "tensor"),
     "all_gather_single": ("all_gather", "output_tensor"),
     "all_gather_into_tensor": ("all_gather", "output_tensor"),
@@ -123,7 +123,7 @@ class Counter:
 def wrap_collectives(counter: Counter):
     """Wrap torch.distributed.<collective> (the names FSDP2, DDP hooks and autopar call)."""
     saved = {}
-    for name, (kind, arg) in _KIND.items():
+    for name, (kind, arg) in KIND.items():
         orig = getattr(dist, name, None)
         if orig is None:
             continue
@@ -163,7 +163,7 @@ def settle_collectives(timeout_s: float = 0.05):
     thread has dropped its references to the tensors, so that the last reference (and the
     free the profiler must see) belongs to the calling thread."""
     saved = {}
-    for name in _KIND:
+    for name in KIND:
         orig = getattr(dist, name, None)
         if orig is None:
             continue
@@ -285,7 +285,7 @@ class Impl:
 # ---- memory: the profiler's allocation events ---------------------------------------------------
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """Kineto prints a line to fd 2 at every profiler start/stop; keep the report readable."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -298,7 +298,7 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _allocation_events(prof, paths: bool = False) -> list[tuple]:
+def allocation_events(prof, paths: bool = False) -> list[tuple]:
     """(time ns, address, signed bytes, implied free time ns or None) of every CPU
     allocation/free the profiler recorded, and with ``paths`` the names of the enclosing
     events (outermost first) as a fifth element. A block allocated inside a c10d op (gloo's
@@ -393,7 +393,7 @@ def profiled(build) -> tuple:
     """
     from torch.profiler import ProfilerActivity, profile, record_function
     gc.collect()
-    with _quiet_stderr(), settle_collectives(), \
+    with quiet_stderr(), settle_collectives(), \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         impl = build()
         impl.step(ranges=True)                        # optimizer state, lazy init, DDP bucket rebuild
@@ -401,7 +401,7 @@ def profiled(build) -> tuple:
         with record_function("bench::measured_step"):
             impl.step(ranges=True)
     mark = next(e for e in prof.profiler.kineto_results.events() if e.name() == "bench::measured_step")
-    return impl, live_totals(_allocation_events(prof), mark.start_ns(), mark.end_ns())
+    return impl, live_totals(allocation_events(prof), mark.start_ns(), mark.end_ns())
 
 
 def run_parts(rank_main, world: int, args, report) -> dict:

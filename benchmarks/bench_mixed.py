@@ -70,7 +70,7 @@ from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.ops import value_bytes
 
 # benchmarks/ is the script's folder: the helpers and models of the other benchmarks
-from bench_dp import _KIND, PHASE_RANGE, interleaved, local_slice, profiled, ring_volume, run_parts  # noqa: E402
+from bench_dp import KIND, PHASE_RANGE, interleaved, local_slice, profiled, ring_volume, run_parts  # noqa: E402
 from bench_dp import CONFIG as DP_CONFIG, GLOBAL_BATCH as DP_BATCH, N_BATCHES  # noqa: E402
 from bench_tp import CONFIG as TP_CONFIG, GLOBAL_BATCH as TP_BATCH, GPT, loss_fn  # noqa: E402
 
@@ -125,7 +125,7 @@ def wrap_dist(counter: DtypeCounter):
     """bench_dp's wrapper of the torch.distributed Python collectives (what FSDP2 and autopar
     call), recording the dtype as well."""
     saved = {}
-    for name, (kind, arg) in _KIND.items():
+    for name, (kind, arg) in KIND.items():
         orig = getattr(dist, name, None)
         if orig is None:
             continue

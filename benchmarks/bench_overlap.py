@@ -21,7 +21,7 @@ forward, cross-entropy, backward, optimizer.step.
   losses  each implementation runs 3 warm-up steps right after it is built; the per-rank losses of
           those 3 identical steps must agree with FSDP2's to 1e-5.
   memory  measured right after the warm-up steps, before the next implementation is built
-          (the method of tests/jobs/predict.py's measured_memory): "state" = a census of every live tensor
+          (the method of autopar.predict_local.measured_memory): "state" = a census of every live tensor
           storage in the process after zero_grad + gc (min of 3 samples) minus the same census
           taken before the implementation was built; "peak" = state + the profiler's allocator
           peak (allocated - freed, [memory] events) during one step body (forward, backward,
@@ -55,7 +55,7 @@ import autopar.testing
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
 from autopar.testing import profiled_peak_bytes, steady_live_bytes
 
-from bench_dp import _quiet_stderr  # noqa: E402  (benchmarks/ is the script's folder)
+from bench_dp import quiet_stderr  # noqa: E402  (benchmarks/ is the script's folder)
 
 LR = 1e-3
 SEED = 0
@@ -171,7 +171,7 @@ def rank_main(cfg_kw: dict, batch: int, rounds: int, warmup: int) -> dict:
         for _ in range(3):
             impl.opt.zero_grad(set_to_none=True)
             dist.barrier()
-            with _quiet_stderr():
+            with quiet_stderr():
                 extra_peaks.append(profiled_peak_bytes(impl.body))
         mem[name] = {"state": held, "step_peaks": extra_peaks, "peak": held + sorted(extra_peaks)[1]}
         impls[name] = impl

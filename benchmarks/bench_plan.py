@@ -5,10 +5,10 @@
 1. Planner speed: GPT-3 175B-shaped models of 24, 48, 96 and 192 layers on 1,024 virtual
    A100s (dgx-a100-80gb preset, global batch 1,536): capture + profiles, search, total.
 2. Predictions against measurements on this machine (``local`` preset): the small GPT of
-   tests/jobs/predict.py at world 4 under every plan of PREDICT_PLANS, measured on real gloo
+   autopar/predict_local.py at world 4 under every plan of PREDICT_PLANS, measured on real gloo
    processes (bytes per step, peak memory, median step time), with the ratio to the prediction;
    and the plan the planner picks, measured in the same run.
-3. Predictions against published runs (tests/published_runs.py): every row of Narayanan et al.
+3. Predictions against published runs (autopar/published_runs.py): every row of Narayanan et al.
    (SC'21) table 1, Korthikanti et al. (2022) table 4's iteration times, torchtitan's Llama 3.1
    8B/70B/405B H100 figures, each estimated as published, with the ratio; ``--fit`` also fits the
    A100 matmul efficiency on the calibration run (BLOOM-176B) the preset's number comes from.
@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def planner_speed():
@@ -64,31 +61,31 @@ def planner_speed():
 
 def local_predictions(runs: int, steps: int = 21):
     import autopar
-    from jobs import predict as jobs
+    from autopar import predict_local as tier
     from autopar.cost.calibration import calibrate_local
     from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import TinyGPT, gpt_batch
     from autopar.testing import run
     c = calibrate_local()
-    cfg = jobs.PREDICT_CONFIG
-    x, _ = gpt_batch(cfg, jobs.PREDICT_BATCH)
+    cfg = tier.PREDICT_CONFIG
+    x, _ = gpt_batch(cfg, tier.PREDICT_BATCH)
     profiles = Profiles(TinyGPT(cfg), (x,))
-    pred = {name: evaluate_plan(profiles, axes, autopar.Plan(**kw), c, jobs.PREDICT_BATCH)
-            for name, axes, kw in jobs.PREDICT_PLANS}
+    pred = {name: evaluate_plan(profiles, axes, autopar.Plan(**kw), c, tier.PREDICT_BATCH)
+            for name, axes, kw in tier.PREDICT_PLANS}
     report = autopar.plan(TinyGPT(cfg), 4, example_inputs=(x,), cluster=c, recompute=("none",))
-    pick = next((n for n, axes, kw in jobs.PREDICT_PLANS
+    pick = next((n for n, axes, kw in tier.PREDICT_PLANS
                  if axes == report.mesh.axes and autopar.Plan(**kw) == report.plan), None)
-    print(f"\n## predictions against measurements: small GPT ({cfg}), batch {jobs.PREDICT_BATCH}, world 4 "
+    print(f"\n## predictions against measurements: small GPT ({cfg}), batch {tier.PREDICT_BATCH}, world 4 "
           f"on {os.cpu_count()} cores, local preset")
     print(f"planner pick (local preset, world 4): {report.plan} on {dict(report.mesh.axes)} = "
           f"{pick or 'not a hand plan'}")
     for k in range(runs):
-        per_rank = run(jobs.measured_plans, 4, None, steps, timeout=900)
+        per_rank = run(tier.measured_plans, 4, None, steps, timeout=900)
         print(f"\nrun {k + 1}:")
         print(f"{'plan':16s} {'bytes meas':>11s} {'pred':>11s} | {'peak MB meas':>12s} {'pred':>7s} {'ratio':>6s} | "
               f"{'step ms meas':>12s} {'pred':>7s} {'ratio':>6s}")
         fastest = None
-        for name, _, _ in jobs.PREDICT_PLANS:
+        for name, _, _ in tier.PREDICT_PLANS:
             rs = [r[name] for r in per_rank]
             b = max(r["bytes"] for r in rs)
             peak = max(r["peak"] for r in rs)
@@ -105,8 +102,8 @@ def local_predictions(runs: int, steps: int = 21):
 
 
 def published(fit: bool = False):
-    """Every published run of tests/published_runs.py, estimated as it ran, against its figure."""
-    import published_runs as P
+    """Every published run of autopar/published_runs.py, estimated as it ran, against its figure."""
+    from autopar import published_runs as P
     from autopar.cost.cluster import get_cluster
     cal = P.CALIBRATION
     print("\n## published runs: the calibration and every validation row, each estimated as published")

@@ -15,8 +15,8 @@ sending each way over a group of its own (``PipelineModule._p2p_group``).
 2. Pipelines: hold-out rows (``bench_holdout.py``'s models; 1F1B on 2 stages, 4 micro-batches,
    batch 8), each measured as the grid measures a row (compiled, 3 untimed steps, 41 steps each
    after a barrier; the slowest rank's mean), ``--repeats`` times in fresh processes, the two
-   ways alternating: the transfers to the lower rank over the pp group itself ("one group",
-   autopar before 2026-12-05) and over ``pp:down`` (autopar now). Printed: each repeat, the
+   ways alternating: the transfers to the lower rank over the pp group itself ("one group")
+   and over ``pp:down`` ("two groups", as autopar's pipelines send). Printed: each repeat, the
    medians, and one group's median over two groups'.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 WAYS = ("one way", "crossing, one group", "crossing, two groups")
@@ -79,7 +78,7 @@ def _row(spec, one_group: bool, steps: int = 41) -> float:
     """The slowest rank's mean step of 1F1B on 2 stages (gathered by the caller: this rank's)."""
     import torch
     from autopar import tuning
-    from jobs.holdout import prepared
+    from autopar.holdout import prepared
     torch.set_num_threads(1)
     step, _, dm, _ = prepared(spec, 8, {"pp": 2}, {"dp": "ddp", "pp_schedule": "1f1b", "microbatches": 4})
     if one_group:

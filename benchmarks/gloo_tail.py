@@ -7,25 +7,20 @@ of gloo collectives, and how a small hold-out row's median and mean step move fr
    rank's time per iteration: 10 matmuls of 256 x 256 ("compute"); five all-reduces of 100 KB
    ("comm"); the matmuls then the all-reduces ("both"); one all-reduce issued asynchronously,
    the matmuls, then its wait ("async"). Prints min, median, mean, 90th percentile and max.
-2. Hold-out rows (``bench_holdout.py``'s models and plans, ``MODEL:PLAN``), each measured
+2. Hold-out rows (the grid's models and plans, ``autopar.holdout``; ``MODEL:PLAN``), each measured
    ``--repeats`` times in fresh processes as the grid measures a row (compiled, 3 untimed steps,
    41 steps each after a barrier): the slowest rank's median and mean step of each repeat, and
    how far the repeats spread (standard deviation over mean). ``--repeats 0`` skips this.
 
-Why: the hold-out grid's step is the slowest rank's mean of its steps (``bench_holdout._step``),
+Why: the hold-out grid's step is the slowest rank's mean of its steps (``autopar.holdout.step_time``),
 and the local calibration fits the pipelines' message latency to mean schedules; this script
-shows the tail that makes the two statistics differ here (BENCHMARKS.md, hold-out runs 44-46).
+shows the tail that makes the two statistics differ here (BENCHMARKS.md, gloo_tail.py).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 MODES = ("compute", "comm", "both", "async")
 
@@ -58,13 +53,13 @@ def _iterations(mode: str, n: int) -> list:
 def _row(key: str, plan: str, world: int, steps: int) -> list:
     """This rank's ``steps`` step times of the hold-out row (``key``, ``plan``), measured alone."""
     import torch
-    import bench_holdout
-    from jobs.holdout import _timed_alone, prepared
+    from autopar.holdout import grid_models, plans, prepared
+    from autopar.measure import timed_alone
     torch.set_num_threads(1)
-    _, spec, batch = next(m for m in bench_holdout.grid_models() if m[0] == key)
-    _, axes, kw = next(p for p in bench_holdout.plans(world) if p[0] == plan)
+    _, spec, batch = next(m for m in grid_models() if m[0] == key)
+    _, axes, kw = next(p for p in plans(world) if p[0] == plan)
     step, *_ = prepared(spec, batch, axes, kw)
-    return _timed_alone(step, steps)
+    return timed_alone(step, steps)
 
 
 def main():

@@ -10,10 +10,11 @@ live is listed by (phase of the step, the innermost enclosing ops, at most 4), w
 and count; blocks from before the measured step are one row ("before the step": the state).
 Rank 0's figures. A block allocated inside gloo's worker thread shows with phase "?".
 
-This is how the gap between ``autopar zero3 + full`` and ``torch FSDP2 + ckpt`` in
-BENCHMARKS.md was found: the two hold the same activations and the same gathered unit, and
-autopar's overlapped collectives hold gloo's staging copies while in flight (a
-``gloo:all_gather`` flat output, a ``c10d::_reduce_scatter_base_`` clone of its input).
+What it shows of the gap between ``autopar zero3 + full`` and ``torch FSDP2 + ckpt``
+(BENCHMARKS.md, section bench_memory.py): the two hold the same activations and the same
+gathered unit, and autopar's overlapped collectives hold gloo's staging copies while in
+flight (a ``gloo:all_gather`` flat output, a ``c10d::_reduce_scatter_base_`` clone of its
+input).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from autopar.models import GPTConfig, gpt_batch
 
 # benchmarks/ is the script's folder
 import bench_memory  # noqa: E402
-from bench_dp import PHASE_RANGE, _allocation_events, _quiet_stderr, live_totals, settle_collectives  # noqa: E402
+from bench_dp import PHASE_RANGE, allocation_events, live_totals, quiet_stderr, settle_collectives  # noqa: E402
 
 MARK = "bench::measured_step"
 
@@ -59,7 +60,7 @@ def rank_main(part: str, names: list) -> dict:
     for name in names:
         dist.barrier()
         gc.collect()
-        with _quiet_stderr(), settle_collectives(), \
+        with quiet_stderr(), settle_collectives(), \
                 profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             impl = bench_memory.Impl(name, part, batches)
             impl.step(ranges=True)
@@ -67,7 +68,7 @@ def rank_main(part: str, names: list) -> dict:
             with record_function(MARK):
                 impl.step(ranges=True)
         mark = next(e for e in prof.profiler.kineto_results.events() if e.name() == MARK)
-        events = _allocation_events(prof, paths=True)
+        events = allocation_events(prof, paths=True)
         res = live_totals(events, mark.start_ns(), mark.end_ns(), at_peak=True)
         rows = attribute(events, res, mark.start_ns())
         out[name] = {"state": res["state"], "peak": res["peak"],

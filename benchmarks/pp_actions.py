@@ -25,7 +25,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 DEFAULT_MODELS = ("gpt h32 L2 s16", "gpt h64 L4 s16", "gpt h96 L4 s48")
 
@@ -48,7 +47,7 @@ def measured(cases, steps: int, pp: int = 2) -> dict:
     """On every rank: {model key: {part: median seconds, "stage": this rank's stage}}."""
     import torch
     import torch.distributed as dist
-    from jobs.holdout import prepared
+    from autopar.holdout import prepared
     torch.set_num_threads(1)
     cur = collections.defaultdict(float)
     runs = []
@@ -94,10 +93,10 @@ def main():
     import autopar
     from autopar.cost.calibration import calibrate_local
     from autopar.cost.estimate import Profiles, evaluate_plan
+    from autopar.holdout import PLANS_2, grid_models
     from autopar.models import gpt_batch
+    from autopar.phases import build
     from autopar.testing import run
-    from bench_holdout import PLANS_2, grid_models
-    from jobs.holdout import build
 
     cluster = calibrate_local()
     kw = next(k for name, _, k in PLANS_2 if name == f"pp {args.schedule}")

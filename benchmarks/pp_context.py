@@ -4,9 +4,9 @@ and a world-2 plan of ``bench_holdout.py``) timed alone on 2 processes in three 
     python benchmarks/pp_context.py [--model "gpt h96 L2 s48"] [--plan "pp 1f1b"] [--steps 41]
 
 1. ``profiler``: compiled, ``--steps`` steps, again, after the census of live bytes, after the
-   memory measurement's profiled steps (``memory_peak.peak_of``), and again.
+   memory measurement's profiled steps (``autopar.measure.peak_of``), and again.
 2. ``warm-up``: 200 consecutive steps after 3, the median of each 20.
-3. ``history``: the row timed alone (``jobs.holdout.measured_cases(..., alone=True)``, as the
+3. ``history``: the row timed alone (``autopar.holdout.measured_cases(..., alone=True)``, as the
    grid times it) before and after the grid's 13 models under the same plan, in the same
    processes, and among them.
 Each figure is the slower rank's median, in ms.
@@ -14,34 +14,30 @@ Each figure is the slower rank's median, in ms.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def _profiler(spec, axes, kw, steps: int) -> list:
     import torch
+    from autopar.holdout import prepared
+    from autopar.measure import peak_of, timed_alone
     from autopar.testing import steady_live_bytes
-    from jobs import memory_peak
-    from jobs.holdout import _timed_alone, prepared
     torch.set_num_threads(1)
     step, body, dm, opt = prepared(spec, 8, axes, kw)
-    out = [("fresh", _timed_alone(step, steps)), ("again", _timed_alone(step, steps))]
+    out = [("fresh", timed_alone(step, steps)), ("again", timed_alone(step, steps))]
     steady_live_bytes(3)
-    out.append(("after the census", _timed_alone(step, steps)))
-    memory_peak.peak_of(body, opt, dm)
-    out += [("after peak_of", _timed_alone(step, steps)), ("again", _timed_alone(step, steps))]
+    out.append(("after the census", timed_alone(step, steps)))
+    peak_of(body, opt, dm)
+    out += [("after peak_of", timed_alone(step, steps)), ("again", timed_alone(step, steps))]
     return out
 
 
 def _warmup(spec, axes, kw, steps: int = 200) -> list:
     import torch
-    from jobs.holdout import _timed_alone, prepared
+    from autopar.holdout import prepared
+    from autopar.measure import timed_alone
     torch.set_num_threads(1)
-    times = _timed_alone(prepared(spec, 8, axes, kw)[0], steps)
+    times = timed_alone(prepared(spec, 8, axes, kw)[0], steps)
     return [(f"steps {i}-{i + 19}", times[i:i + 20]) for i in range(0, steps, 20)]
 
 
@@ -51,9 +47,8 @@ def main():
     ap.add_argument("--plan", default="pp 1f1b", help="a bench_holdout world-2 plan name")
     ap.add_argument("--steps", type=int, default=41)
     args = ap.parse_args()
+    from autopar.holdout import PLANS_2, grid_models, measured_cases
     from autopar.testing import run
-    from bench_holdout import PLANS_2, grid_models
-    from jobs.holdout import measured_cases
     models = grid_models()
     row = next((m for m in models if m[0] == args.model), None)
     plan = [p for p in PLANS_2 if p[0] == args.plan]

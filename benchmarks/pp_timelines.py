@@ -6,12 +6,12 @@ beside the estimate's replay of the same plan (local preset).
                                       [--schedules gpipe 1f1b zero_bubble] [--steps 25]
 
 The model is one of ``bench_holdout.py``'s planner-quality models (or ``tier``: the GPT of the
-timing tier, ``tests/jobs/predict.py``; or a hold-out grid model), on pp=--pp x dp=world/pp. Each schedule is compiled, run
-3 steps, then ``--steps`` steps each after a barrier; per rank, the medians of the step, of the
-time before its first action ("pre"), from its first action's start to its last one's end
-("sched") and after ("post"), and of each kind's summed action time; then the last step's
-actions (ms from the step's start). The estimate's line gives its replay's spans of each pp
-rank (each standing for its dp replicas).
+timing tier, ``autopar/predict_local.py``; or a hold-out grid model), on pp=--pp x dp=world/pp.
+Each schedule is compiled, run 3 steps, then ``--steps`` steps each after a barrier; per rank,
+the medians of the step, of the time before its first action ("pre"), from its first action's
+start to its last one's end ("sched") and after ("post"), and of each kind's summed action
+time; then the last step's actions (ms from the step's start). The estimate's line gives its
+replay's spans of each pp rank (each standing for its dp replicas).
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def _job(spec, batch, plans, steps):
     import torch
     import torch.distributed as dist
-    from jobs.holdout import prepared
+    from autopar.holdout import prepared
     torch.set_num_threads(1)
     out = {}
     for name, axes, kw in plans:
@@ -74,10 +73,10 @@ def main():
     from autopar.cost.cluster import get_cluster
     from autopar.cost.estimate import Profiles, evaluate_plan
     from autopar.models import gpt_batch
+    from autopar.phases import build
     from autopar.testing import run
-    from jobs.holdout import build
     if args.model == "tier":
-        from jobs.predict import PREDICT_BATCH, PREDICT_CONFIG
+        from autopar.predict_local import PREDICT_BATCH, PREDICT_CONFIG
         key, spec, batch = "tier", ("gpt", dataclasses.asdict(PREDICT_CONFIG)), PREDICT_BATCH
     else:
         key, spec, batch = next((q for q in bh.grid_models() if q[0] == args.model), None) or \

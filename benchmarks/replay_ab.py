@@ -7,7 +7,7 @@ the same measured hold-out rows (``bench_holdout.py --plans pp`` logs):
 * ``moment`` (the cost model's): a busy rank is slowed by the measured contention of the
   processes computing at that moment; each stage keeps the cores it is dealt
   (``pipeline_placement``);
-* ``mesh`` (before 2026-12-02, session 4): every busy rank slowed by the contention of the whole
+* ``mesh``: every busy rank slowed by the contention of the whole
   mesh, whoever computes;
 * ``lent``: as ``moment``, but every idle core goes to whichever stage computes.
 
@@ -26,13 +26,12 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from autopar.cost import estimate, replay  # noqa: E402
-from autopar.cost.calibration import local  # noqa: E402
+from autopar.cost import estimate, pipeline  # noqa: E402
+from autopar.cost.calibration import link_fits  # noqa: E402
 from autopar.cost.cluster import cached_local  # noqa: E402
 
-moment = replay.pipeline_placement
+moment = pipeline.pipeline_placement
 
 
 def mesh(p, world, cores, contention):
@@ -57,15 +56,15 @@ def main():
         raise SystemExit("no local calibration in the cache: run bench_holdout.py with the same AUTOPAR_CACHE first")
     cores, table = c.gpus_per_node, c.contention
     hop, wake = c.intra.hop, c.shared.wake if c.shared else 0.0
-    two = local._pipeline_replay(2, cores, table, hop)
-    crowded = local._pipeline_replay(2 * cores, cores, table, hop, wake)
+    two = link_fits.pipeline_replay(2, cores, table, hop)
+    crowded = link_fits.pipeline_replay(2 * cores, cores, table, hop, wake)
     print(f"contention {table}; the synthetic pipeline's measured step: {two * 1e3:.2f} ms on 2 processes, "
           f"{crowded * 1e3:.2f} ms on {2 * cores}")
     runs = [B.parse_grid(path) for path in sys.argv[1:]]
     models = B.grid_models()
     for name, place in VARIANTS.items():
-        h = local._fit_hop(two, 2, cores, table, place=place) if place is not moment else hop
-        w = local._fit_hop(crowded, 2 * cores, cores, table, hop=h, place=place) if place is not moment else wake
+        h = link_fits.fit_hop(two, 2, cores, table, place=place) if place is not moment else hop
+        w = link_fits.fit_hop(crowded, 2 * cores, cores, table, hop=h, place=place) if place is not moment else wake
         estimate.pipeline_placement = place
         cl = dataclasses.replace(c, intra=dataclasses.replace(c.intra, hop=h), inter=dataclasses.replace(c.inter, hop=h),
                                  shared=dataclasses.replace(c.shared, hop=h, wake=w) if c.shared else None)

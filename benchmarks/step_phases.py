@@ -5,7 +5,7 @@ side by side.
     python benchmarks/step_phases.py [--model KEY] [--world 4] [--pp 2] [--steps 21] [--plans NAME ...]
 
 The model is one of ``bench_holdout.py``'s planner-quality models (default: the wide and shallow
-GPT, the one whose pick missed there) or of its hold-out grid (``--model "gpt h32 L2 s16"``).
+GPT) or of its hold-out grid (``--model "gpt h32 L2 s16"``).
 Plans: ddp, ZeRO-2 and ZeRO-3 on dp = world, tp on tp = world, and GPipe, 1F1B and zero-bubble on pp = --pp x dp =
 world / pp with 2 micro-batches, timed round-robin (one step each per round after a barrier); the slowest
 rank's median of each phase is shown, and the fastest rank's (a rank that reaches an exchange
@@ -19,7 +19,7 @@ optimizer step. Predicted phases sum to the predicted step (a single stage's bac
 the rest), and the slowest rank's phases need not sum to its step: ranks wait for each other in
 different phases.
 
-Two more rows per plan (``jobs.phases.STEP_PARTS``): the step's collective waits (every
+Two more rows per plan (``autopar.phases.STEP_PARTS``): the step's collective waits (every
 handle's wait and every synchronous collective, as the runtime's ``flight`` issues them), beside
 the estimate's exposed communication; and the step's thread CPU time, beside the estimate's
 compute. The two pairs are not the same split: the estimate counts each tp collective's host
@@ -34,7 +34,6 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 PLANS = {       # name -> (the mesh axis the plan needs besides dp, or None; plan keyword arguments)
     "ddp": (None, dict(dp="ddp")),
@@ -45,24 +44,6 @@ PLANS = {       # name -> (the mesh axis the plan needs besides dp, or None; pla
     "1f1b": ("pp", dict(dp="ddp", pp_schedule="1f1b", microbatches=2)),
     "zero_bubble": ("pp", dict(dp="ddp", pp_schedule="zero_bubble", microbatches=2)),
 }
-AFTER_SCHEDULE = {"dp reduction (deferred)": "dp reduction", "tied gradients": "tied gradients",
-                  "loss broadcast": "loss broadcast", "optimizer": "optimizer"}
-
-
-def predicted_phases(e, pipeline: bool) -> dict:
-    """{phase: seconds} of an Estimate's timeline, summing to its step time."""
-    tl = e.timeline
-    if pipeline:
-        after = [x for x in tl if x[2] in AFTER_SCHEDULE or x[2].startswith(("all_gather params", "params up"))]
-        out = {"schedule": min(x[3] for x in after)}
-        for label, phase in AFTER_SCHEDULE.items():
-            out[phase] = max((x[4] - x[3] for x in tl if x[2] == label), default=0.0)
-        out["optimizer"] = e.step_time_s - sum(out.values()) + out["optimizer"]   # the gathers after it
-        return out
-    fwd = min(x[3] for x in tl if x[2].startswith("B "))
-    opt = min(x[3] for x in tl if x[2] == "optimizer")
-    tail = max(x[4] for x in tl) - opt
-    return {"forward": fwd, "backward + reductions": e.step_time_s - fwd - tail, "optimizer": tail}
 
 
 def main():
@@ -84,9 +65,9 @@ def main():
     import autopar
     from autopar.cost.calibration import calibrate_local
     from autopar.models import gpt_batch
+    from autopar.phases import (PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, build, medians, phase_times,
+                                predicted_phases)
     from autopar.testing import run
-    from jobs.holdout import build
-    from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, medians, phase_times
     c = calibrate_local()
     key, spec, batch = next(m for m in models if m[0] == args.model)
     model, cfg = build(spec)

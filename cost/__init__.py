@@ -6,7 +6,9 @@
     profile                           what one rank computes, keeps and sends, read from the graph
     lm_head                           an LM head whole or split along the vocabulary: priced, chosen
     offload                           Plan(offload="optimizer"): the host link and the step on the host
-    estimate, replay                  a plan's step composed from those; the pipeline replayed
+    estimate                          a plan's step composed from those (result, profile_cache,
+                                      step_parts, step_layout, step_time, step_report, data_parallel,
+                                      single_stage, pipeline: the schedule replayed, peak_memory)
     planner                           the search over plans
 
 Numbers only at evaluation time; ``autopar.sizes`` holds the arithmetic the runtime shares.

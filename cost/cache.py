@@ -38,11 +38,11 @@ _CODE: list = []        # [digest] once computed
 
 def code_digest() -> str:
     """A digest of the code that measures and fits the local preset: the sources of
-    ``cost/calibration/`` and ``cost/cluster.py`` (12 hex digits)."""
+    ``cost/calibration/``, ``cost/cluster.py`` and ``cost/hardware.py`` (12 hex digits)."""
     if not _CODE:
         here = os.path.dirname(os.path.abspath(__file__))
         calib = os.path.join(here, "calibration")
-        files = [os.path.join(here, "cluster.py")] + sorted(
+        files = [os.path.join(here, "cluster.py"), os.path.join(here, "hardware.py")] + sorted(
             os.path.join(calib, f) for f in os.listdir(calib) if f.endswith(".py"))
         h = hashlib.sha256()
         for path in files:

@@ -4,7 +4,8 @@ The local preset (``cost.calibration``) is measured once and cached. On a shared
 virtual machine whose cores other tenants use) the speed moves by factors over hours: here the
 per-op dispatch cost the calibration measured went from 6.0 to 13.5 us and the per-stage-pass
 cost from 0.35 to 1.13 ms between two calibrations two hours apart, and the estimates made from
-the older one came out at 0.3-0.5 of the steps then measured (BENCHMARKS.md, hold-out, run 13).
+the older one came out at 0.3-0.5 of the steps then measured (benchmarks/bench_holdout.py;
+BENCHMARKS.md, bench_holdout.py).
 
 So the calibration also times a small reference workload (``fingerprint``: a loop of tiny
 adds, which is Python and dispatch, and a 256 x 256 matmul, one thread) and stores it with the

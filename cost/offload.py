@@ -32,7 +32,7 @@ current stream, so they share the compute lane and overlap communication, not co
           bucket's reduction: it delays the rest of backward, so it costs the step where the
           compute lane is the critical path and hides in the slack where the reductions are;
           the last bucket's copy waits for the final reduction and is exposed whole. ZeRO-1's
-          land when backward ends, each after its own reduction (``estimate._single_stage``
+          land when backward ends, each after its own reduction (``single_stage_time``
           places them; a pipeline's deferred reduction: ``flow_time(reductions, copies)``)
     up    after the host step, bucket by bucket in the reducer's order; ZeRO-1/2 issue each
           bucket's replica all-gather as soon as its rows are up, so the up-copies and the

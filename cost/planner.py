@@ -34,12 +34,14 @@ from autopar.sizes import FIRST_BUCKET_BYTES, batch_split_error, chunk, inflight
 from .cluster import get_cluster
 from .comm import collective_time, pipeline_hop_time
 from .compute import dispatch_ops, group_time
-from .estimate import (Estimate, Profiles, _oversubscription, evaluate_plan, group_passes, loss_broadcast_time,
-                       optimizer_time, padded_sum, replica_gathers, saved_bytes, schedule_tail_time, sync_time,
-                       tied_exchange_time)
+from .data_parallel import replica_gathers, sync_time
+from .estimate import evaluate_plan
 from .memory import persistent_bytes, precision
+from .pipeline import closed_form_pipeline, loss_broadcast_time, schedule_tail_time, tied_exchange_time
 from .profile import GroupCost, Profile
-from .replay import closed_form_pipeline
+from .profile_cache import Profiles
+from .result import Estimate
+from .step_parts import group_passes, optimizer_time, oversubscription, padded_sum, saved_bytes
 
 __all__ = ["find_plan", "PlanReport", "Candidate", "InfeasiblePlan", "candidates"]
 
@@ -174,7 +176,7 @@ def _score(ch: _Chain, axes: dict, plan: Plan, recompute: str, c, gb: int) -> tu
     k = gb / (n * m) / ch.rows
     pr = precision(plan, plan.dp, ch.param_bytes)     # gathers in the compute dtype, sums in the reduce dtype
     pb, gbytes = pr.compute, pr.reduce
-    slow = _oversubscription(c, axes)
+    slow = oversubscription(c, axes)
     ltp, ldp, lpp = (c.link_for(axes, axis) for axis in ("tp", "dp", "pp"))
     pre, layer, post = (g.scaled(k) for g in (ch.pre, ch.layer, ch.post))
     Fp, Bp, Wp = group_passes(pre, c, t, ltp, recompute, slow)[:3]
@@ -509,7 +511,7 @@ def _bound(ch: _Chain, axes: dict, rc: str, c, gb: int) -> float:
     least 1/pp of the model's forward and backward arithmetic (no overheads, no comm)."""
     p, n = axes["pp"], axes["dp"]
     k = gb / n / ch.rows
-    slow = _oversubscription(c, _clean_axes(axes))
+    slow = oversubscription(c, _clean_axes(axes))
     total = 0.0
     for g, mult, is_layer in ((ch.pre, 1, False), (ch.layer, ch.L, True), (ch.post, 1, False)):
         fc = (group_time(g, c, k) - dispatch_ops(g, c.device) * c.device.op_overhead) * slow

@@ -9,8 +9,8 @@ rank's slice:
 
 - forward FLOPs (``autopar.ops.node_flops``, divided along the axes the node's work is split
   over) and the bytes its non-view ops read and write (the roofline's memory term);
-- activation bytes autograd keeps for backward, by the saved-tensor table below, each tensor
-  counted once (views resolve to the tensor they view);
+- activation bytes autograd keeps for backward, by the saved-tensor table (``cost.node_costs``),
+  each tensor counted once (views resolve to the tensor they view);
 - the tensor-parallel collectives, forward and the ones autograd runs in backward;
 - its parameters' local element counts, and which of them backward reads (ZeRO-3 gathers
   those again).
@@ -18,19 +18,14 @@ rank's slice:
 Layers whose ops and shapes are equal share a *signature*, so a planner evaluates a
 repeated block once and multiplies.
 
-Saved tensors (what PyTorch's autograd formulas keep; derivatives.yaml): a matmul keeps its
-activation inputs; layer/RMS norm keeps its input and per-row statistics (fp32); pointwise
-nonlinearities keep their input; softmax keeps its output; dropout keeps a one-byte mask;
-an embedding keeps its indices; attention keeps q, k, v, the output and per-row log-sum-exp
-(flash / memory-efficient kernels) or, in the math form, the a·s² probabilities; losses
-keep their input. Adds, views and copies keep nothing.
+What is read off each node (its local bytes, what autograd keeps of it, the collectives it
+causes) is ``cost.node_costs``'s.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,10 +36,12 @@ from autopar import meta, passes
 from autopar.capture import spec_copies_quiet
 from autopar.context import CompileContext, layer_key
 from autopar.mesh import Mesh
-from autopar.ops import ATTENTION, KEEP_INPUT, KEEP_OPERANDS, KEEP_OUTPUT, LOSSES, MATMULS, NORMS, VIEWS, node_flops, op_name
+from autopar.ops import ATTENTION, MATMULS, VIEWS, node_flops
 from autopar.passes.analysis import batch_dependent
-from autopar.placement import Layout, Partial, Shard
 from autopar.planspec import Plan
+
+from .node_costs import (READ_BACK, computing_users, heads_of, mark_flash, needing_grad, node_bytes, node_op,
+                         params_read, root_of, rows_of, saved_by, signature_of, split_factor, tp_comm)
 
 __all__ = ["GroupCost", "Profile", "profile", "is_layer", "layer_of", "repeated_stack", "truncated", "expand", "PROFILED_BLOCKS"]
 
@@ -58,10 +55,6 @@ def is_layer(group: str) -> bool:
     """Whether a group is (part of) a numbered layer rather than what runs before or after them
     (``pre``, ``post``, or a part of either cut off by a pipeline stage: ``pre/1``)."""
     return layer_of(group) not in ("pre", "post")
-
-
-def _op(node: fx.Node) -> str:
-    return op_name(node.target)
 
 
 @dataclass
@@ -150,189 +143,6 @@ class Profile:
         return out
 
 
-def _local_numel(val, layout, mesh: Mesh) -> float:
-    n = float(val.numel())
-    if not isinstance(layout, Layout):
-        return n
-    for axis, pl in layout.placements:
-        if isinstance(pl, Shard):
-            n /= mesh.axis_size(axis)
-    return n
-
-
-def _split_factor(node: fx.Node, mesh: Mesh) -> float:
-    """How many ways a node's work is divided on this rank: the largest split among its
-    output and its inputs (a row-parallel matmul's output is Partial: work divided too)."""
-    f = 1.0
-    for x in [node] + [a for a in node.all_input_nodes]:
-        lay = x.meta.get(meta.LAYOUT)
-        if not isinstance(lay, Layout):
-            continue
-        k = 1.0
-        for axis, pl in lay.placements:
-            if isinstance(pl, (Shard, Partial)):
-                k *= mesh.axis_size(axis)
-        f = max(f, k)
-    return f
-
-
-def _nbytes(node: fx.Node, mesh: Mesh) -> float:
-    val = node.meta.get(meta.VAL)
-    if isinstance(val, torch.Tensor):
-        return _local_numel(val, node.meta.get(meta.LAYOUT), mesh) * val.element_size()
-    if isinstance(val, (tuple, list)):
-        lays = node.meta.get(meta.LAYOUT)
-        lays = lays if isinstance(lays, (tuple, list)) else [None] * len(val)
-        return sum(_local_numel(v, lay, mesh) * v.element_size()
-                   for v, lay in zip(val, lays) if isinstance(v, torch.Tensor))
-    return 0.0
-
-
-def _root(node: fx.Node, sp: bool = False) -> fx.Node:
-    """The tensor a chain of views reads (q, k, v split from one qkv product resolve to it).
-    Under sequence parallelism a gathered column input is kept as its shard (and gathered
-    again in backward), so the gather resolves to what it gathers."""
-    seen = 0
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and seen < 64 and (
-            _op(node) in VIEWS or (sp and _op(node) == "tp_gather" and len(node.args) > 4 and node.args[4])):
-        if _op(node) in _COPYING_VIEWS and _broadcast_below(node.args[0]):
-            return node          # a reshape of a broadcast copies: its result is a tensor of its own
-        node, seen = node.args[0], seen + 1
-    return node
-
-
-_COPYING_VIEWS = frozenset({"reshape", "flatten", "contiguous"})
-
-
-def _broadcast_below(node: fx.Node) -> bool:
-    """Whether a chain of views under ``node`` broadcasts (an ``expand`` to more elements than it
-    reads, as grouped-query attention repeats its key/value heads): then a reshape of it
-    cannot be a view, and copies."""
-    seen = 0
-    while node.op == "call_function" and _op(node) in VIEWS and node.args and isinstance(node.args[0], fx.Node) \
-            and seen < 64:
-        if _op(node) == "expand":
-            out, inp = node.meta.get(meta.VAL), node.args[0].meta.get(meta.VAL)
-            if isinstance(out, torch.Tensor) and isinstance(inp, torch.Tensor) and out.numel() > inp.numel():
-                return True
-        node, seen = node.args[0], seen + 1
-    return False
-
-
-def _saved(node: fx.Node, batch: set, grad: set) -> tuple[list, float, bool]:
-    """(activation nodes whose value backward keeps, extra bytes the op keeps itself, whether
-    the extra is attention scores) for one call_function node of the logical graph; ``grad``:
-    the nodes that need a gradient (autograd records nothing for an op none of whose inputs do)."""
-    name, args = _op(node), [a for a in node.args if isinstance(a, fx.Node)]
-    act = [a for a in args if a in batch]
-    val = node.meta.get(meta.VAL)
-    if node not in batch or node not in grad:
-        return [], 0.0, False
-    if name in KEEP_OPERANDS:
-        a, b = (node.args + (None, None))[:2]
-        keep = [a] if a in batch and b in grad else []      # for b's gradient (a quotient's: a / b**2)
-        if b in batch and (a in grad or (name == "div" and b in grad)):
-            keep.append(b)
-        return keep, 0.0, False
-    if name in MATMULS or name in LOSSES:
-        return act, 0.0, False
-    if name in NORMS:
-        x = node.args[0].meta.get(meta.VAL)
-        norm = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else [x.shape[-1]]
-        rows = x.numel() // max(1, math.prod(norm))
-        stats = 2 if name in ("layer_norm", "native_layer_norm") else 1
-        return act[:1], float(rows * 4 * stats), False
-    if name in KEEP_OUTPUT:
-        return [node], 0.0, False
-    if name in KEEP_INPUT:
-        return act, 0.0, False
-    if name in ("dropout", "native_dropout", "feature_dropout"):
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return [], (float(val.numel()) if p and train else 0.0), False
-    if name in ("embedding", "tp_vocab_embedding"):
-        idx = node.args[1]
-        return ([idx] if isinstance(idx, fx.Node) and idx in batch else []), 0.0, False
-    if name in ATTENTION:
-        q = node.args[0].meta[meta.VAL]
-        k = node.args[1].meta[meta.VAL]
-        *b, s, _ = q.shape
-        flash = node.meta.get(meta.FLASH, True)
-        dropout = (node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)) or 0.0
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        act = act[:3] + ([mask] if isinstance(mask, fx.Node) and mask in batch else [])   # a mask is kept too
-        if flash:
-            return act + [node], float(math.prod(b) * s * 4), False
-        probs = math.prod(b) * s * k.shape[-2]
-        extra = probs * q.element_size() * (2 if dropout else 1) + (probs if dropout else 0)
-        return act, float(extra), True
-    return [], 0.0, False
-
-
-def _needing_grad(graph: fx.Graph, params: dict) -> set:
-    """The nodes that need a gradient: the trainable parameters and every op that reads one of
-    them or such an op's result."""
-    out: set = set()
-    for n in graph.nodes:
-        if n.op == "get_attr":
-            info = params.get(n.meta.get(meta.PARAM))
-            if info is not None and info.requires_grad and not info.is_buffer:
-                out.add(n)
-        elif n.op in ("call_function", "call_module", "call_method") and any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
-
-
-READ_BACK = MATMULS | NORMS | {"embedding", "mul", "div"}
-"""Ops whose backward reads a parameter they take (autograd saves it: a product's other
-gradient needs it), so that ZeRO-3 gathers the parameter again in backward; a sum's does not."""
-
-_PASS_THROUGH = VIEWS | {"_to_copy", "clone"}
-
-
-def _computing_users(node: fx.Node) -> list:
-    """The ops that compute with ``node``'s value, through views and dtype copies of it."""
-    out, todo, seen = [], list(node.users), set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if u.op == "call_function" and _op(u) in _PASS_THROUGH:
-            todo.extend(u.users)
-        elif u.op == "call_function":
-            out.append(u)
-    return out
-
-
-def _tp_comm(node: fx.Node, info, sp: bool = False) -> tuple[list, list]:
-    """Forward and backward tp collectives a comm node causes (autograd's conjugates)."""
-    fwd, bwd = [], []
-    if info.phase == "backward":
-        bwd.append((info.kind, info.nbytes))
-        return fwd, bwd
-    fwd.append((info.kind, info.nbytes))
-    name = _op(node)
-    if name == "tp_gather":
-        varying = bool(node.args[4]) if len(node.args) > 4 else False
-        if varying:
-            bwd.append(("reduce_scatter", info.nbytes))
-            if sp:      # the column input was kept as its shard: gathered again in backward
-                bwd.append(("all_gather", info.nbytes))
-    elif name == "tp_reduce_scatter":
-        bwd.append(("all_gather", info.nbytes))
-    return fwd, bwd
-
-
-def _signature(nodes: list[fx.Node]) -> tuple:
-    sig = []
-    for n in nodes:
-        val = n.meta.get(meta.VAL)
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        sig.append((_op(n) if n.op == "call_function" else n.op, shape))
-    return tuple(sig)
-
-
 CONTEXT_READ = ("params", "in_spec", "out_spec", "constant_inputs", "head_policy")
 """the fields of the compile's context ``profile`` reads (what capture filled in)"""
 
@@ -355,7 +165,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     ``ctx0``; neither is changed: the passes run on a copy) on one rank of a tp group of size
     ``tp`` (see the module docstring). ``flash``: attention runs as a fused kernel (no a·s²
     probabilities kept; ``dropout_math``: but attention with dropout keeps them, as autopar's
-    runtime does, see ``_mark_flash``). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
+    runtime does, see ``mark_flash``). LM heads are laid out by ``vocab_parallel`` or ``ctx0.head_policy``,
     as the compile lays them out. ``stage_starts``: the names of the nodes where pipeline stages
     1, 2, ... start (``passes.stage_bounds``); a group a cut falls in is split there (its later
     part named ``<group>/<stage>``) and ``Profile.stage_starts`` says where each stage starts."""
@@ -365,7 +175,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
     ctx = CompileContext(mesh=mesh, plan=plan)
     # the passes below rewrite the graph, never a tensor: the copy shares the model's tensors
     gm = copy_captured(gm, ctx0, ctx, {id(t): t for t in (*gm.parameters(), *gm.buffers())})
-    rows = _rows(gm)
+    rows = rows_of(gm)
     # on the logical graph: which layer each parameter belongs to, who reads it, what backward reads
     logical = _logical_groups(gm)
     first_groups = _split_at(logical, stage_starts)
@@ -375,8 +185,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             name = node.meta[meta.PARAM]
             for u in node.users:
                 readers.setdefault(name, set()).add(logical.get(u, "pre"))
-            for u in _computing_users(node):
-                if _op(u) in READ_BACK:
+            for u in computing_users(node):
+                if node_op(u) in READ_BACK:
                     read_back.setdefault(name, set()).add(logical.get(u, "pre"))
     order0 = list(dict.fromkeys(logical.values()))
     owner_of = {name: layer_key(name) or min(readers.get(name, {"pre"}), key=order0.index)
@@ -385,12 +195,12 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         owner_of = {name: g if g in readers.get(name, (g,)) else min(readers[name], key=order0.index)
                     for name, g in owner_of.items()}
     batch_before = batch_dependent(gm.graph)
-    _mark_flash(gm, flash, dropout_math)
+    mark_flash(gm, flash, dropout_math)
     gm = passes.shard(gm, ctx)
     if tp > 1:
         gm = passes.collectives(gm, ctx)
     batch = batch_dependent(gm.graph) | batch_before
-    grad = _needing_grad(gm.graph, ctx.params)
+    grad = needing_grad(gm.graph, ctx.params)
     groups: dict[str, GroupCost] = {g: GroupCost(g) for g in order0}
     order: list[str] = list(order0)
     members: dict[str, list] = {g: [] for g in order0}
@@ -400,7 +210,7 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             continue
         g = logical.get(node)
         if g is None:      # inserted by a pass: with the parameters or the value it reads
-            params = _params_read(node)
+            params = params_read(node)
             ins = [where[a] for a in node.all_input_nodes if a in where and logical.get(a)]
             g = owner_of.get(params[0], "pre") if params else (ins[0] if ins else "pre")
         where[node] = g
@@ -416,8 +226,8 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         info = node.meta.get(meta.COMM)
         if info is not None and info.axis == "tp":
             if node in batch:     # a gathered activation is part of backward's working set too
-                g.max_value = max(g.max_value, _nbytes(node, mesh))
-            f, b = _tp_comm(node, info, plan.sp)
+                g.max_value = max(g.max_value, node_bytes(node, mesh))
+            f, b = tp_comm(node, info, plan.sp)
             scales = node in batch       # parameter syncs and position-table slices do not
             g.tp_forward += [(kind, nb, scales) for kind, nb in f]
             g.tp_backward += [(kind, nb, scales) for kind, nb in b]
@@ -425,23 +235,23 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                 continue
         if node.op != "call_function" or node not in batch:
             continue
-        split = _split_factor(node, mesh)
+        split = split_factor(node, mesh)
         flops = node_flops(node) / split
-        name = _op(node)
+        name = node_op(node)
         g.ops += 1
         g.op_names[name] = g.op_names.get(name, 0) + 1
         if name not in VIEWS:
-            g.max_value = max(g.max_value, _nbytes(node, mesh))
+            g.max_value = max(g.max_value, node_bytes(node, mesh))
         g.flops += flops
         if name in MATMULS and any(a.op == "get_attr" or a not in batch for a in node.all_input_nodes):
             g.matmul_flops += flops
             g.weight_matmuls += 1
-            g.w_stash += _nbytes(node, mesh)          # its output's gradient, kept for W
+            g.w_stash += node_bytes(node, mesh)          # its output's gradient, kept for W
             for a in node.all_input_nodes:            # and its input (once per tensor)
-                r = _root(a, plan.sp)
+                r = root_of(a, plan.sp)
                 if a in batch and r in batch and r not in stashed:
                     stashed.add(r)
-                    g.w_stash += _nbytes(r, mesh)
+                    g.w_stash += node_bytes(r, mesh)
         if name in MATMULS:
             g.dense_flops += flops
         if (name in MATMULS or name in ATTENTION) and isinstance(node.meta.get(meta.VAL), torch.Tensor):
@@ -453,11 +263,11 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
             q, kv = node.args[0].meta[meta.VAL], node.args[1].meta[meta.VAL]
             g.attention_heads += flops / (4 * q.shape[-2] * kv.shape[-2] * q.shape[-1])
         if name not in VIEWS and flops:
-            moved = _nbytes(node, mesh) + sum(_nbytes(a, mesh) for a in node.all_input_nodes)
+            moved = node_bytes(node, mesh) + sum(node_bytes(a, mesh) for a in node.all_input_nodes)
             g.bytes_moved += moved
             if name not in MATMULS and name not in ATTENTION:
                 g.pointwise_bytes += moved
-        keep, extra, quadratic = _saved(node, batch, grad)
+        keep, extra, quadratic = saved_by(node, batch, grad)
         g.saved += extra / split
         if quadratic:
             g.saved_quadratic += extra / split
@@ -467,14 +277,14 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         if name in ATTENTION:
             cored.add(where[node])
         for a in keep:
-            r = _root(a, plan.sp)
+            r = root_of(a, plan.sp)
             if r in counted or r not in batch:
                 continue
             counted.add(r)
             owner = groups[where.get(r, where[node])]
-            owner.saved += _nbytes(r, mesh)
+            owner.saved += node_bytes(r, mesh)
             if after_core and owner is g:
-                g.saved_after_core += _nbytes(r, mesh)
+                g.saved_after_core += node_bytes(r, mesh)
     shapes: dict = {}
     for name, info in ctx.params.items():
         if info.is_buffer or not info.requires_grad:
@@ -497,9 +307,9 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
         out = 0.0
         for node in members[gname]:
             if node in batch and any(pos.get(where.get(u), -1) > i for u in node.users):
-                out += _nbytes(node, mesh)
+                out += node_bytes(node, mesh)
         groups[gname].out_bytes = out
-        groups[gname].signature = _signature(members[gname])
+        groups[gname].signature = signature_of(members[gname])
     last_reader: dict = {}
     for node in gm.graph.nodes:
         if node in logical and node in batch and node.op == "call_function":   # as the pass counts: logical ops
@@ -507,14 +317,14 @@ def profile(gm: fx.GraphModule, ctx0: CompileContext, *, tp: int = 1, sp: bool =
                                      for u in node.users), default=-1)
     for node, last in last_reader.items():     # it crosses every cut from its group's end to its last reader
         for i in range(pos[where[node]], last):
-            groups[order[i]].cross_bytes += _nbytes(node, mesh)
+            groups[order[i]].cross_bytes += node_bytes(node, mesh)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for a in out_node.all_input_nodes:
         if a in where and a in batch:
-            groups[where[a]].final_bytes += _nbytes(a, mesh)
+            groups[where[a]].final_bytes += node_bytes(a, mesh)
     tied = [n for n, r in readers.items() if len(r) > 1 and n in ctx.params and not ctx.params[n].is_buffer]
     return Profile(tp=tp, sp=plan.sp, rows=rows, groups=[groups[g] for g in order], shapes=shapes, tied=tied,
-                   heads=_heads(gm), stage_starts=tuple(pos[g] for g in first_groups))
+                   heads=heads_of(gm), stage_starts=tuple(pos[g] for g in first_groups))
 
 
 def _split_at(logical: dict, starts: tuple) -> list:
@@ -536,52 +346,6 @@ def _split_at(logical: dict, starts: tuple) -> list:
         missing = starts[stage]
         raise ValueError(f"stage start {missing!r} is not a node of the profiled graph (or is out of order)")
     return firsts
-
-
-def _mark_flash(gm: fx.GraphModule, flash: bool, dropout_math: bool = False) -> None:
-    """Mark each attention node fused (flash / memory-efficient kernel) or math form.
-    ``dropout_math``: attention with dropout runs the math form whatever the kernel, as
-    autopar's runtime runs it (``runtime.rng.rng_sdpa`` applies the single-device mask to the
-    probabilities); without, the fused kernel is assumed to drop out inside (Megatron's)."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in ATTENTION:
-            dropout = (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) or 0.0
-            n.meta[meta.FLASH] = flash and not (dropout_math and dropout)
-
-
-def _rows(gm: fx.GraphModule) -> int:
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta.get(meta.VAL)
-            if isinstance(v, torch.Tensor) and v.dim():
-                return int(v.shape[0])
-    return 1
-
-
-def _heads(gm: fx.GraphModule) -> int:
-    """The heads of the graph's first attention (its query is batch x heads x seq x head dim)."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in ATTENTION:
-            return int(n.args[0].meta[meta.VAL].shape[1])
-    return 0
-
-
-def _params_read(node: fx.Node, depth: int = 0) -> list:
-    """Canonical names of the parameters an inserted node reads (through a bucket's getitem:
-    the parameter at that index)."""
-    if node.op == "get_attr":
-        return [node.meta[meta.PARAM]] if node.meta.get(meta.PARAM) else []
-    if depth > 3 or node.op != "call_function":
-        return []
-    if node.target is operator.getitem and isinstance(node.args[1], int):
-        src = node.args[0]
-        attrs = [a for a in src.all_input_nodes if a.op == "get_attr" and a.meta.get(meta.PARAM)]
-        if node.args[1] < len(attrs):
-            return [attrs[node.args[1]].meta[meta.PARAM]]
-    out = []
-    for a in node.all_input_nodes:
-        out += _params_read(a, depth + 1)
-    return out
 
 
 def _logical_groups(gm: fx.GraphModule) -> dict:

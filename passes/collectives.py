@@ -15,10 +15,11 @@ business: a bucket goes out as soon as its gradients are ready)
 A replicated activation that a node's strategy wants sharded (a mask built for the whole
 batch, meeting this rank's slice) is sliced locally (``dp_local_chunk``, no communication).
 
-It also fixes the units of communication: ZeRO-3 gathers parameters a unit at a time (one
-numbered layer, ``ctx.gather_units``) and reduces each unit's gradients together; the other
-modes bucket gradients in reverse order of first use, the order they become ready
-(``ctx.grad_buckets``).
+It also fixes the units of communication (``autopar.sizes``, whose cut the cost model prices
+too): ZeRO-3 gathers parameters a unit at a time (one numbered layer, cut at
+``plan.bucket_bytes``: ``sizes.gather_units``, ``ctx.gather_units``) and reduces each unit's
+gradients together; the other modes bucket gradients in reverse order of first use, the order
+they become ready, the first bucket at 1 MiB (``sizes.grad_buckets``, ``ctx.grad_buckets``).
 """
 from __future__ import annotations
 
@@ -34,43 +35,18 @@ from autopar.placement import Layout, Partial, Replicate, Shard
 from autopar.runtime.dpsync import dp_bucket_sync, dp_gather, dp_local_chunk, dp_release
 from autopar.runtime.tpcomm import (tp_all_reduce, tp_copy, tp_gather, tp_param_sync, tp_reduce_scatter, tp_split,
                                     tp_vocab_cross_entropy, tp_vocab_embedding)
-from autopar.sizes import FIRST_BUCKET_BYTES, chunk_range, cut_buckets, local_size, ring_bytes
+from autopar.sizes import chunk_range, gather_units, grad_buckets, local_size, ring_bytes, unit_grad_buckets
 
 from .analysis import input_nodes
 from .lm_head import CE_VALUES
 from .tensor_parallel import varying as _varying
 
 
-def _size_buckets(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
-    """Gradient buckets for ddp and ZeRO-1/2: reverse order of first use (the order gradients
-    become ready), one dtype each, cut by ``sizes.cut_buckets`` (the first at 1 MiB, so that
-    communication starts early in backward, the others at ``plan.bucket_bytes``)."""
-    names = list(reversed(order))
-    return _cut(names, ctx, specs, first_bytes=FIRST_BUCKET_BYTES)
-
-
-def _cut(names: list[str], ctx: CompileContext, specs, first_bytes: int) -> list[list[str]]:
-    """``names`` cut into buckets of at most ``plan.bucket_bytes`` (the first at most
-    ``first_bytes``) of padded bytes, one dtype each."""
-    dtypes = [ctx.params[x].dtype for x in names]
-    breaks = {i for i in range(1, len(names)) if dtypes[i] != dtypes[i - 1]}
-    cuts = cut_buckets([specs[x].padded_numel * ctx.params[x].dtype.itemsize for x in names],
-                       ctx.plan.bucket_bytes, first_bytes, breaks)
-    return [[names[i] for i in bucket] for bucket in cuts]
-
-
-def _gather_units(order: list[str], ctx: CompileContext, specs) -> list[list[str]]:
-    """ZeRO-3 gather units in order of first use: one per numbered layer (as wrapping every
-    transformer block), the remaining parameters as the root unit; a unit is cut where it
-    passes ``plan.bucket_bytes`` or changes dtype. Each unit is one all-gather in forward,
-    one in backward if backward reads any of it, and its gradients one reduce-scatter."""
-    by_key: dict[str, list[str]] = {}
-    for name in order:
-        by_key.setdefault(layer_key(name) or "", []).append(name)
-    units = [unit for members in by_key.values()
-             for unit in _cut(members, ctx, specs, first_bytes=ctx.plan.bucket_bytes)]
-    position = {name: i for i, name in enumerate(order)}
-    return sorted(units, key=lambda u: position[u[0]])   # prefetch follows first use
+def _bucket_sizes(order: list[str], ctx: CompileContext, specs) -> tuple[dict, dict]:
+    """(padded bytes, dtype) of each parameter of ``order``: what ``sizes.grad_buckets`` and
+    ``sizes.gather_units`` cut by."""
+    return ({x: specs[x].padded_numel * ctx.params[x].dtype.itemsize for x in order},
+            {x: ctx.params[x].dtype for x in order})
 
 
 def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -81,11 +57,12 @@ def collectives(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     used.sort(key=lambda nd: min(position[u] for u in nd.users))     # order of first use
     params = {nd.meta[meta.PARAM]: nd for nd in used}
     order = list(params)
+    nbytes, dtypes = _bucket_sizes(order, ctx, specs)
     if ctx.plan.dp == "zero3":
-        ctx.gather_units = _gather_units(order, ctx, specs)
-        ctx.grad_buckets = [list(reversed(u)) for u in reversed(ctx.gather_units)]
+        ctx.gather_units = gather_units(order, nbytes, ctx.plan.bucket_bytes, layer_key, dtypes)
+        ctx.grad_buckets = unit_grad_buckets(ctx.gather_units)
     else:
-        ctx.grad_buckets = _size_buckets(order, ctx, specs)
+        ctx.grad_buckets = grad_buckets(order, nbytes, ctx.plan.bucket_bytes, dtypes)
     _insert_local_slices(gm, ctx)
     if ctx.plan.tp:
         _insert_tp_redistributions(gm, ctx)

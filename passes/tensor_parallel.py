@@ -63,7 +63,7 @@ from .kv_heads import kv_whole
 from .lm_head import decide_head, find_heads, fold_losses, head_note
 from .rules import OpInfo, RULES, Strategy, format_placement, shrink, strategies_for, tensor_inputs
 from .rules.registry import replicated
-from .rules.view import _groups
+from .rules.view import dim_groups
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -486,7 +486,7 @@ class _Walk:
             return
         a, b = info.args[0].shape, info.out.shape
         d = cur[0].dim
-        for ga, gb in _groups(a, b):
+        for ga, gb in dim_groups(a, b):
             if ga[0] == d and len(gb) > 1:
                 lead = b[gb[0]]
                 raise ValueError(
@@ -524,7 +524,7 @@ def _heads_after(node, features: int) -> Optional[int]:
 def _last_dim_split(a, b) -> Optional[list]:
     """The dims of shape ``b`` that a view of shape ``a`` splits its last dim into (alone: not
     merged with the dims before it), else None."""
-    for ga, gb in _groups(tuple(a), tuple(b)):
+    for ga, gb in dim_groups(tuple(a), tuple(b)):
         if ga == [len(a) - 1]:
             return gb
     return None

@@ -1,9 +1,11 @@
-"""The bad-input matrix (issue 14): every case of ``jobs.bad_inputs.CASES`` runs on both ranks
-of a real process group and must raise its clear error (or warning) on every rank, with the
-ranks still in step afterwards (a collective follows each case) and, for mistakes made at
-run time, the same module then running a correct step. No case may hang: the job has a
-timeout. The README's troubleshooting table lists every case with the message a run gives.
-The killed, stalled and mismatched ranks are in tests/test_hangs.py (fresh processes)."""
+"""The bad-input matrix: mistakes a user can make (a mesh that does not fit the world, a plan
+that does not fit the mesh, a model or batch autopar cannot split, a wrong call at run time).
+Every case of ``jobs.bad_inputs.CASES`` runs on both ranks of a real process group and must
+raise its clear error (or warning) on every rank, with the ranks still in step afterwards (a
+collective follows each case) and, for mistakes made at run time, the same module then running
+a correct step. No case may hang: the job has a timeout. The table "Errors for bad inputs" in
+docs/debugging.md lists every case with the message a run gives. The killed, stalled and
+mismatched ranks are in tests/test_hangs.py (fresh processes)."""
 import os
 import re
 
@@ -12,7 +14,7 @@ import pytest
 import autopar
 from jobs import bad_inputs
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+TABLE = os.path.join(os.path.dirname(__file__), "..", "docs", "debugging.md")   # its "Errors for bad inputs"
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +41,15 @@ def test_no_process_group_says_how_to_get_one():
         autopar.Mesh(dp=2)
 
 
-def test_the_readme_table_lists_every_case_with_its_message(results):
-    text = open(README).read()
+def test_the_docs_table_lists_every_case_with_its_message(results):
+    text = open(TABLE).read()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z0-9_]+)` \|.*$", text, re.M)}
     for case_id, *_ in bad_inputs.CASES:
-        assert case_id in rows, f"README's troubleshooting table has no row for {case_id}"
+        assert case_id in rows, f"the bad-input table of docs/debugging.md has no row for {case_id}"
         typ, msg = results[0][case_id]
         head = " ".join(msg.split())[:60].replace("|", "\\|")
         head = re.sub(r"/tmp/\S+", "", head)       # temporary paths differ between runs
         assert re.sub(r"/tmp/\S+", "", rows[case_id]).find(head) >= 0, \
-            f"README row of {case_id} does not show the message a run gives: {head!r}"
+            f"the docs/debugging.md row of {case_id} does not show the message a run gives: {head!r}"
 
 

@@ -128,34 +128,34 @@ def test_contention_is_the_ranks_shared_throughput():
     rates (their harmonic mean over the loop alone), not the mean of each rank's pace: three
     ranks at 2x alone and one starved at 4x share 2 cores at 4 / (3/2 + 1/4) = 2.29x (their
     mean would say 2.5x); ranks alike read their common slowdown; never below 1."""
-    from autopar.cost.calibration.local import _slowdowns
+    from autopar.cost.calibration.host_fits import slowdowns
     alone = 1e-3
-    got = dict(_slowdowns(alone, {4: [2e-3, 2e-3, 2e-3, 4e-3], 2: [1.05e-3, 1.05e-3], 1: [0.9e-3]}))
+    got = dict(slowdowns(alone, {4: [2e-3, 2e-3, 2e-3, 4e-3], 2: [1.05e-3, 1.05e-3], 1: [0.9e-3]}))
     assert got[4] == pytest.approx(4 / (3 / 2 + 1 / 4)) and got[2] == pytest.approx(1.05) and got[1] == 1.0
 
 
 def test_contention_keeps_the_median_of_its_readings():
     """Several readings of k processes at once: each the ranks' shared throughput, the median of
     them kept, so that one reading taken while something else ran on the machine moves nothing."""
-    from autopar.cost.calibration.local import _slowdowns
+    from autopar.cost.calibration.host_fits import slowdowns
     alone = 1e-3
     readings = {4: [[2.2e-3] * 4, [2.8e-3] * 4, [2.1e-3, 2.1e-3, 2.1e-3, 2.4e-3]], 2: [[1.1e-3] * 2, [1.2e-3] * 2, [1e-3] * 2]}
-    got = dict(_slowdowns(alone, readings))
+    got = dict(slowdowns(alone, readings))
     assert got[4] == pytest.approx(2.2) and got[2] == pytest.approx(1.1)
 
 
 
 def test_compute_probes_read_their_inputs_from_a_pool_beyond_the_cache():
     """The matmul, pointwise and attention probes take each call's inputs from the next copy of
-    a pool of at least ``_POOL_BYTES``, distinct tensors in turn, so that no call reads what
+    a pool of at least ``POOL_BYTES``, distinct tensors in turn, so that no call reads what
     the last one left in the core's cache."""
     import torch
-    from autopar.cost.calibration.local import _POOL_BYTES, _pool, _rotating
-    pool = _pool(lambda: (torch.zeros(256, 256), torch.zeros(64)))
+    from autopar.cost.calibration.compute_probes import POOL_BYTES, input_pool, rotating
+    pool = input_pool(lambda: (torch.zeros(256, 256), torch.zeros(64)))
     per = 256 * 256 * 4 + 64 * 4
-    assert len(pool) * per >= _POOL_BYTES - per and len({id(e[0]) for e in pool}) == len(pool)
+    assert len(pool) * per >= POOL_BYTES - per and len({id(e[0]) for e in pool}) == len(pool)
     seen = []
-    call = _rotating(pool, lambda a, b: seen.append(id(a)))
+    call = rotating(pool, lambda a, b: seen.append(id(a)))
     for _ in range(len(pool) + 1):
         call()
     assert seen[:len(pool)] == [id(e[0]) for e in pool] and seen[-1] == seen[0]
@@ -178,9 +178,9 @@ def test_skew_scale_sets_the_tables_level_on_the_runtimes_own_steps():
     """``Link.skew_scale`` multiplies every latency the skew table gives (its shape along the
     compute kept), not the bandwidth term; the calibration's scale is what its tp stacks'
     collectives blocked a rank for over the table's latency of their kinds after the CPU
-    work between them (``_skew_scale``), 1 where either is missing; a scale that is not a
+    work between them (``skew_scale``), 1 where either is missing; a scale that is not a
     positive finite number is refused."""
-    from autopar.cost.calibration.local import _skew_scale
+    from autopar.cost.calibration.link_fits import skew_scale
     from autopar.cost.comm import collective_time
     fits = (("all_reduce", 2, 5e-4, 1e-9), ("all_gather", 2, 4e-4, 1e-9))
     skew = (("all_reduce", 2, 2e-4, 1e-3), ("all_reduce", 2, 1e-3, 2e-3),
@@ -192,10 +192,10 @@ def test_skew_scale_sets_the_tables_level_on_the_runtimes_own_steps():
     # after 6e-4 s of CPU work the table says 1.5 ms (all-reduce) and 0.8 ms (all-gather)
     blocked = 0.9e-3
     # (the probe's collectives are of 4 bytes: their bandwidth term, 4 ns here, is within rel=1e-4)
-    assert _skew_scale(link, blocked, 6e-4, ["all_reduce"]) == pytest.approx((blocked / 1.5e-3, 1.5e-3), rel=1e-4)
-    assert _skew_scale(link, blocked, 6e-4, ["all_gather", "all_reduce"])[0] == pytest.approx(blocked / 1.15e-3, rel=1e-4)
-    assert _skew_scale(link, 0.0, 6e-4, ["all_reduce"])[0] == 1.0
-    assert _skew_scale(Link("gloo", 1e9, 1e-4, fits=fits), blocked, 6e-4, ["all_reduce"])[0] == 1.0
+    assert skew_scale(link, blocked, 6e-4, ["all_reduce"]) == pytest.approx((blocked / 1.5e-3, 1.5e-3), rel=1e-4)
+    assert skew_scale(link, blocked, 6e-4, ["all_gather", "all_reduce"])[0] == pytest.approx(blocked / 1.15e-3, rel=1e-4)
+    assert skew_scale(link, 0.0, 6e-4, ["all_reduce"])[0] == 1.0
+    assert skew_scale(Link("gloo", 1e9, 1e-4, fits=fits), blocked, 6e-4, ["all_reduce"])[0] == 1.0
     for bad in (0.0, -1.0, math.inf):
         with pytest.raises(ValueError, match="skew_scale"):
             Link("gloo", 1e9, 1e-4, skew_scale=bad)
@@ -208,7 +208,7 @@ def test_a_pooled_skew_table_prices_every_kind_at_the_kinds_mean():
     without the flag each kind its own. The calibration's scale is then taken against that
     mean, so the probe's all-reduces and a tp+sp step's all-gathers and reduce-scatters are
     priced at one level."""
-    from autopar.cost.calibration.local import _skew_scale
+    from autopar.cost.calibration.link_fits import skew_scale
     from autopar.cost.comm import collective_time
     fits = (("all_reduce", 2, 5e-4, 1e-9), ("all_gather", 2, 4e-4, 1e-9), ("reduce_scatter", 2, 4e-4, 1e-9),
             ("p2p", 2, 1e-4, 1e-9))
@@ -230,8 +230,8 @@ def test_a_pooled_skew_table_prices_every_kind_at_the_kinds_mean():
     # the probe's all-reduces blocked 1.2 ms after 0.6 ms of CPU work: 1.2 / 1.5 on the pooled
     # link, 1.2 / 1.5 on the all-reduce's own table too (its points happen to be the mean here at
     # 0.6 ms), but 1.2 / 1.0 against the all-gather's own
-    assert _skew_scale(pooled, 1.2e-3, 6e-4, ["all_reduce"])[0] == pytest.approx(0.8, rel=1e-4)
-    assert _skew_scale(own, 1.2e-3, 6e-4, ["all_gather"])[0] == pytest.approx(1.2, rel=1e-4)
+    assert skew_scale(pooled, 1.2e-3, 6e-4, ["all_reduce"])[0] == pytest.approx(0.8, rel=1e-4)
+    assert skew_scale(own, 1.2e-3, 6e-4, ["all_gather"])[0] == pytest.approx(1.2, rel=1e-4)
 
 
 def _shared_cores_cluster(shared: Link):
@@ -246,7 +246,7 @@ def _shared_cores_cluster(shared: Link):
 
 def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its_steps_did():
     """ZeRO-3's host work per tensor on ranks sharing cores (``Cluster.shared_sync``, fitted by
-    ``_shared_sync_factor``): the factor on its charge at the contention at which the cost
+    ``shared_sync_factor``): the factor on its charge at the contention at which the cost
     model's ZeRO-3 step of the calibration's synthetic stack on 4 processes of 2 cores grows
     from 2 to 8 blocks as the slowest rank's measured step did. Planted: the measured steps
     are the model's own at 0.6 (one rank; the other 10% quicker), recovered within 1%; steps
@@ -254,22 +254,23 @@ def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its
     than cores, only under its mode, by the host work it scales: sync_overhead x tensors x
     contention x (1 - factor), written here."""
     import autopar
-    from autopar.cost.calibration.local import _SYNC_BLOCKS, _Stack, _shared_sync_factor, _stack_growth
+    from autopar.cost.calibration.host_fits import shared_sync_factor, stack_growth
+    from autopar.cost.calibration.stack import SYNC_BLOCKS, Stack
     from autopar.cost.estimate import Profiles, evaluate_plan
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     shared = Link("shared", 1e9, 1e-4, fits=tuple((k, 4, 5e-4, 1e-9) for k in kinds))
     cluster = _shared_cores_cluster(shared)
-    lo, hi = _SYNC_BLOCKS
-    growth = _stack_growth(cluster, 4, "zero3")
+    lo, hi = SYNC_BLOCKS
+    growth = stack_growth(cluster, 4, "zero3")
     slowest = {("zero3", lo): 0.05, ("zero3", hi): 0.05 + growth(0.6)}
     quicker = {key: 0.9 * t for key, t in slowest.items()}
-    factor, measured, at_one = _shared_sync_factor(cluster, 4, [quicker, slowest])
+    factor, measured, at_one = shared_sync_factor(cluster, 4, [quicker, slowest])
     assert factor == pytest.approx(0.6, rel=0.01)
     assert measured == pytest.approx(growth(0.6)) and at_one == pytest.approx(growth(1.0))
     assert at_one > measured
-    assert _shared_sync_factor(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+    assert shared_sync_factor(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
     # the charge it moves: 8 blocks of 12 tensors
-    prof = Profiles(_Stack(8, hi), (torch.randn(4, 8),), blocks_once=False)
+    prof = Profiles(Stack(8, hi), (torch.randn(4, 8),), blocks_once=False)
     fitted = dataclasses.replace(cluster, shared_sync=(("zero3", 0.6),))
     step = {(c.shared_sync, mode, world): evaluate_plan(prof, {"dp": world}, autopar.Plan(dp=mode), c, 4 * world).step_time_s
             for c in (cluster, fitted) for mode in ("ddp", "zero3") for world in (2, 4)}
@@ -282,50 +283,51 @@ def test_zero3s_host_work_on_shared_cores_is_fitted_where_the_model_grows_as_its
 
 def test_the_stacks_collective_level_is_fitted_where_the_models_tp_step_grows_as_its_steps_did():
     """The level of the shared link's skew table on the calibration's synthetic stacks
-    (``_shared_skew_scale``): the ``Link.skew_scale`` at which the cost model's ``Plan(tp=True)``
+    (``shared_skew_scale``): the ``Link.skew_scale`` at which the cost model's ``Plan(tp=True)``
     step of the stack on ``Mesh(tp=4)`` of 2 cores grows from 2 to 8 blocks as the slowest
     rank's measured step did. Planted at 0.7 and recovered within 1%; out-of-range growth is
     held to [1/4, 2]. With a flat table of alpha a, what the scale moves is a x (1 - scale) per
     tp collective: each of a block's two MLP halves all-reduces once forward and once backward,
     4 a block, written here. ZeRO-3's factor is read with the stacks' collectives at that level
-    (``_shared_sync_factor(scale=...)``)."""
-    from autopar.cost.calibration.local import (_SYNC_BLOCKS, _shared_skew_scale, _shared_sync_factor,
-                                                _stack_growth)
+    (``shared_sync_factor(scale=...)``)."""
+    from autopar.cost.calibration.host_fits import shared_skew_scale, shared_sync_factor, stack_growth
+    from autopar.cost.calibration.stack import SYNC_BLOCKS
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     alpha = 2e-3
     skew = tuple((k, g, t, alpha) for k in kinds for g in (2, 4) for t in (2e-4, 1e-3, 4e-3))
     shared = Link("shared", 1e9, 1e-4, fits=tuple((k, g, 5e-4, 1e-9) for k in kinds for g in (2, 4)), skew=skew)
     cluster = _shared_cores_cluster(shared)
-    lo, hi = _SYNC_BLOCKS
-    growth = _stack_growth(cluster, 4, "tp", "skew_scale")
+    lo, hi = SYNC_BLOCKS
+    growth = stack_growth(cluster, 4, "tp", "skew_scale")
     assert growth(1.0) - growth(0.7) == pytest.approx(alpha * 0.3 * 4 * (hi - lo), rel=1e-6)
     slowest = {("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.7)}
     quicker = {key: 0.9 * t for key, t in slowest.items()}
-    scale, measured, at_one = _shared_skew_scale(cluster, 4, [quicker, slowest])
+    scale, measured, at_one = shared_skew_scale(cluster, 4, [quicker, slowest])
     assert scale == pytest.approx(0.7, rel=0.01)
     assert measured == pytest.approx(growth(0.7)) and at_one == pytest.approx(growth(1.0))
-    assert _shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.1)}])[0] == 0.25
-    assert _shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
-    assert _shared_skew_scale(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+    assert shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.1)}])[0] == 0.25
+    assert shared_skew_scale(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
+    assert shared_skew_scale(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
     # ZeRO-3's factor read with the stacks' collectives at that level: a planted factor recovered,
     # where the table as measured would read the collectives' excess as host work
     scaled = dataclasses.replace(cluster, shared=dataclasses.replace(shared, skew_scale=0.7))
-    z = _stack_growth(scaled, 4, "zero3")
+    z = stack_growth(scaled, 4, "zero3")
     steps = [{("zero3", lo): 0.05, ("zero3", hi): 0.05 + z(0.6)}]
-    assert _shared_sync_factor(cluster, 4, steps, scale=0.7)[0] == pytest.approx(0.6, rel=0.01)
-    assert _shared_sync_factor(cluster, 4, steps)[0] < 0.5
+    assert shared_sync_factor(cluster, 4, steps, scale=0.7)[0] == pytest.approx(0.6, rel=0.01)
+    assert shared_sync_factor(cluster, 4, steps)[0] < 0.5
 
 
 def test_skew_first_scales_the_tables_shortest_point_and_is_read_on_the_stacks_tp_steps():
     """``Link.skew_first`` multiplies the skew table's shortest compute point (every kind but
     p2p, the pooled mean on a pooled link); between it and the next point the latency is the
     line between the two, from the next point on the table as measured, written here. The
-    calibration reads it (``_shared_skew_first``) where the cost model's ``Plan(tp=True)`` step
+    calibration reads it (``shared_skew_first``) where the cost model's ``Plan(tp=True)`` step
     of the synthetic stack on ``Mesh(tp=4)`` of 2 cores grows from 2 to 8 blocks as the slowest
     rank's measured step did: planted at 0.4, recovered within 1%, held to [1/8, 2], 1 where
-    nothing grows; the ZeRO-3 fit is not moved by it (``_shared_sync_factor`` reads the
+    nothing grows; the ZeRO-3 fit is not moved by it (``shared_sync_factor`` reads the
     stacks at ``skew_scale``)."""
-    from autopar.cost.calibration.local import _SYNC_BLOCKS, _shared_skew_first, _stack_growth
+    from autopar.cost.calibration.host_fits import shared_skew_first, stack_growth
+    from autopar.cost.calibration.stack import SYNC_BLOCKS
     from autopar.cost.comm import collective_time, skew_table
     kinds = ("all_reduce", "all_gather", "reduce_scatter")
     points = {2e-4: 2e-3, 1e-3: 3e-3, 4e-3: 5e-3}
@@ -346,38 +348,38 @@ def test_skew_first_scales_the_tables_shortest_point_and_is_read_on_the_stacks_t
             Link("gloo", 1e9, 1e-4, skew_first=bad)
     # read on the stacks' tp steps
     cluster = _shared_cores_cluster(link)
-    lo, hi = _SYNC_BLOCKS
-    growth = _stack_growth(cluster, 4, "tp", "skew_first")
+    lo, hi = SYNC_BLOCKS
+    growth = stack_growth(cluster, 4, "tp", "skew_first")
     assert growth(1.0) > growth(0.4) > 0
     slowest = {("tp", lo): 0.05, ("tp", hi): 0.05 + growth(0.4)}
     quicker = {key: 0.9 * t for key, t in slowest.items()}
-    first, measured, at_one = _shared_skew_first(cluster, 4, [quicker, slowest])
+    first, measured, at_one = shared_skew_first(cluster, 4, [quicker, slowest])
     assert first == pytest.approx(0.4, rel=0.01)
     assert measured == pytest.approx(growth(0.4)) and at_one == pytest.approx(growth(1.0))
-    assert _shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 0.01 * growth(1.0)}])[0] == 0.125
-    assert _shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
-    assert _shared_skew_first(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
+    assert shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 0.01 * growth(1.0)}])[0] == 0.125
+    assert shared_skew_first(cluster, 4, [{("tp", lo): 0.05, ("tp", hi): 0.05 + 10 * growth(1.0)}])[0] == 2.0
+    assert shared_skew_first(cluster, 4, [{key: 0.05 for key in slowest}])[0] == 1.0
 
 
 def test_the_runtime_hop_fit_recovers_a_known_message_latency(caplog):
-    """The calibration's fit of a pipeline message's cost (``_fit_runtime_hop``) against a
+    """The calibration's fit of a pipeline message's cost (``fit_runtime_hop``) against a
     closed form: GPipe on 2 stages of equal F and B, m micro-batches, a message latency h
     and no contention lasts (m + 1)(F + B) + 2h, F and B each with a message's CPU time (h no
     longer than F: each receive is posted before its send, and the rendezvous delays nothing)."""
-    from autopar.cost.calibration import local
+    from autopar.cost.calibration import link_fits
     m, f, b, msg, h = 4, 9e-4, 1.2e-3, 1e-4, 6.5e-4
     per_stage = [{"F": f, "B": b, "W": 0.0}] * 2
     measured = (m + 1) * (f + msg + b + msg) + 2 * h
     alone = ((2, 1.0), (4, 1.0))      # no slowdown: the replay runs each rank at full speed
-    assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], measured)], 2, alone) == pytest.approx(h, rel=1e-6)
+    assert link_fits.fit_runtime_hop([("gpipe", per_stage, [msg, msg], measured)], 2, alone) == pytest.approx(h, rel=1e-6)
     # the median of several pipelines' fits; one that no latency up to 50 ms explains is left
     # out, with a warning; none at all fits 0
     two = [("gpipe", per_stage, [msg, msg], measured + 2 * d) for d in (0.0, 2e-4, 4e-4)]
-    assert local._fit_runtime_hop(two, 2, alone) == pytest.approx(h + 2e-4, rel=1e-6)
+    assert link_fits.fit_runtime_hop(two, 2, alone) == pytest.approx(h + 2e-4, rel=1e-6)
     with caplog.at_level("WARNING"):
-        assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1.0)], 2, alone) == 0.0
+        assert link_fits.fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1.0)], 2, alone) == 0.0
     assert "no hop fitted" in caplog.text
-    assert local._fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1e-4)], 2, alone) == 0.0
+    assert link_fits.fit_runtime_hop([("gpipe", per_stage, [msg, msg], 1e-4)], 2, alone) == 0.0
 
 
 def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_them():
@@ -385,9 +387,9 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
     its 4 stages, and the fit inverts the replay: a schedule made with latency h fits h. The
     calibration fits each schedule on its own pipelines (``schedules``), and the estimate's
     message time takes ``hop_interleaved`` for the interleaved schedule only."""
-    from autopar.cost.calibration import local
+    from autopar.cost.calibration import link_fits
     from autopar.cost.comm import pipeline_hop_time
-    from autopar.cost.replay import simulate_shared
+    from autopar.cost.pipeline import simulate_shared
     from autopar.schedule import build_schedule
     f, b, msg, h = 4e-4, 7e-4, 1e-4, 1.3e-3
     per_stage = [{"F": f, "B": b, "W": 0.0}] * 4
@@ -397,8 +399,8 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
                                latency=lambda a: h, rendezvous=True).makespan
     replays = [("interleaved", per_stage, [msg] * 4, measured),
                ("1f1b", per_stage[:2], [msg] * 2, (4 + 1) * (f + b + 2 * msg) + 2 * 5e-4)]
-    assert local._fit_runtime_hop(replays, 2, alone, ("interleaved",)) == pytest.approx(h, rel=1e-6)
-    one = local._fit_runtime_hop(replays, 2, alone, ("1f1b",))
+    assert link_fits.fit_runtime_hop(replays, 2, alone, ("interleaved",)) == pytest.approx(h, rel=1e-6)
+    one = link_fits.fit_runtime_hop(replays, 2, alone, ("1f1b",))
     assert 0 <= one < h and one != pytest.approx(h)
     link = Link("gloo", 1e9, 1e-4, fits=(("p2p", 2, 1e-4, 1e-9),), hop=5e-4, hop_interleaved=h)
     assert pipeline_hop_time(1000, link, schedule="interleaved") == pytest.approx(h + 1e-6)
@@ -414,11 +416,12 @@ def test_the_wake_is_fitted_on_pipelines_where_a_woken_rank_can_find_every_core_
     the estimate places those as one group of both cores, where 3 or 4 ranks compute at once
     and a woken rank waits. The fit inverts the replay: a schedule made with wake w fits w, from
     the ranks' results in any order (each row names its stage), each middle stage's actions
-    carrying two messages' CPU time (a receive and a send per pass), the ends' one. The old
-    probe's 2 stages of 2 replicas each are placed as a core per stage, where no wake ever
-    meets a full group: its replay does not move with the wake, so it could only fit 0."""
-    from autopar.cost.calibration import local
-    from autopar.cost.replay import pipeline_placement, simulate_shared
+    carrying two messages' CPU time (a receive and a send per pass), the ends' one. The
+    synthetic pipeline probe's 2 stages of 2 replicas each are placed as a core per stage, where
+    no wake ever meets a full group: its replay does not move with the wake, so it could only
+    fit 0."""
+    from autopar.cost.calibration import link_fits
+    from autopar.cost.pipeline import pipeline_placement, simulate_shared
     from autopar.cost.cluster import slowdown
     from autopar.schedule import build_schedule
     f, b, msg, hop, w = 6e-4, 7e-4, 1.3e-4, 4e-4, 1.5e-3
@@ -428,30 +431,30 @@ def test_the_wake_is_fitted_on_pipelines_where_a_woken_rank_can_find_every_core_
     measured = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
                                + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
                                wake=w, rendezvous=True).makespan
-    # _op_overhead_probe's row per rank: (compute, ops, message CPU, {kind: action CPU}, schedule, stage, tail)
+    # op_overhead_probe's row per rank: (compute, ops, message CPU, {kind: action CPU}, schedule, stage, tail)
     rows = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, measured - 1e-5 * (3 - s), s, [])] for s in (2, 0, 3, 1)]
-    assert local._fit_runtime_wake(rows, 2, shared, hop) == pytest.approx(w, rel=1e-3)
+    assert link_fits.fit_runtime_wake(rows, 2, shared, hop) == pytest.approx(w, rel=1e-3)
     none = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
                            + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
                            rendezvous=True).makespan
     assert measured > none + w          # the wake is on the schedule's path more than once
     at_none = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, none, s, [])] for s in range(4)]
-    assert local._fit_runtime_wake(at_none, 2, shared, hop) == pytest.approx(0.0, abs=1e-9)
+    assert link_fits.fit_runtime_wake(at_none, 2, shared, hop) == pytest.approx(0.0, abs=1e-9)
     with caplog.at_level("WARNING"):
         slow = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, 10.0, s, [])] for s in range(4)]
-        assert local._fit_runtime_wake(slow, 2, shared, hop) == 0.0
+        assert link_fits.fit_runtime_wake(slow, 2, shared, hop) == 0.0
     assert "no wake fitted" in caplog.text
     # the synthetic probe's shape: 2 stages of 2 replicas on 4 processes, 2 cores
-    assert len({local._pipeline_replay(4, 2, shared, hop, x) for x in (0.0, 1e-3, 5e-3)}) == 1
+    assert len({link_fits.pipeline_replay(4, 2, shared, hop, x) for x in (0.0, 1e-3, 5e-3)}) == 1
 
 
 def test_the_schedule_tail_is_a_line_through_the_probes_excess_by_the_wait():
-    """``_tails`` pairs the two ranks' steps of each 1F1B probe pipeline: the wait is how long
+    """``tails`` pairs the two ranks' steps of each 1F1B probe pipeline: the wait is how long
     the first rank to end its schedule waited for the last, the time past the schedule the last
-    one's. ``_fit_tail`` fits a + b x wait through each pipeline's mean time past less the
+    one's. ``fit_tail`` fits a + b x wait through each pipeline's mean time past less the
     estimate's own p2p time of the tied exchange (its vocab x h embedding) and the loss
     broadcast; a falling line is flat at the mean, a negative intercept goes through 0."""
-    from autopar.cost.calibration import local
+    from autopar.cost.calibration import link_fits
     from autopar.cost.estimate import loss_broadcast_time, tied_exchange_time
     pipes = ((2, "1f1b", 16), (4, "interleaved", 16), (4, "1f1b", 128, 24), (8, "1f1b", 80, 40))
     # per rank, per pipeline: 7 fields, the last the steps' (schedule end, time past it)
@@ -459,7 +462,7 @@ def test_the_schedule_tail_is_a_line_through_the_probes_excess_by_the_wait():
     other = {0: [(10.0 - 1e-3, 9.0), (20.0 - 2e-3, 9.0)], 2: [(30.0 - 2e-3, 9.0), (40.0 - 4e-3, 9.0)],
              3: [(50.0 + 5e-3, 1e-3), (60.0 + 3e-3, 1e-3)]}
     per_rank = [[(0,) * 6 + (steps.get(k, []),) for k in range(4)], [(0,) * 6 + (other.get(k, []),) for k in range(4)]]
-    tails = local._tails(pipes, per_rank)
+    tails = link_fits.tails(pipes, per_rank)
     assert [t[0] for t in tails] == [pipes[0], pipes[2], pipes[3]]       # 1F1B only
     expect = [(1.5e-3, 5.5e-4), (3e-3, 1e-3), (4e-3, 1e-3)]       # third: the other rank ended last
     for (_, wait, past), (w, t) in zip(tails, expect):
@@ -474,16 +477,16 @@ def test_the_schedule_tail_is_a_line_through_the_probes_excess_by_the_wait():
     ys = [excess(p, t) for p, (_, t) in zip((pipes[0], pipes[2], pipes[3]), expect)]
     mx, my = sum(xs) / 3, sum(ys) / 3
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    a, slope = local._fit_tail(tails, link)
+    a, slope = link_fits.fit_tail(tails, link)
     assert slope == pytest.approx(b) and a == pytest.approx(my - b * mx) and b > 0 and a > 0
     falling = [(pipes[0], 1e-3, 3e-3), (pipes[2], 3e-3, 1e-3)]
-    a, slope = local._fit_tail(falling, link)
+    a, slope = link_fits.fit_tail(falling, link)
     assert slope == 0.0 and a == pytest.approx((excess(pipes[0], 3e-3) + excess(pipes[2], 1e-3)) / 2)
     modeled = [p - excess(q, p) for q, p in ((pipes[0], 0.0), (pipes[2], 0.0))]     # the estimate's p2p
     steep = [(pipes[0], 1e-3, modeled[0] + 1e-4), (pipes[2], 3e-3, modeled[1] + 2e-3)]   # crosses 0 at 0.9 ms
-    a, slope = local._fit_tail(steep, link)
+    a, slope = link_fits.fit_tail(steep, link)
     assert a == 0.0 and slope == pytest.approx((1e-3 * 1e-4 + 3e-3 * 2e-3) / (1e-3 ** 2 + 3e-3 ** 2))
-    assert local._fit_tail(tails[:1], link) == ()
+    assert link_fits.fit_tail(tails[:1], link) == ()
 
 
 def test_a_pipeline_step_adds_the_measured_tail_at_its_replayed_wait():

@@ -26,7 +26,7 @@ from autopar.cost.memory import MIXED_PRECISION, activation_bytes_per_layer, mod
 from autopar.sizes import inflight_microbatches
 from autopar.cost.compute import group_time
 from autopar.cost.estimate import Profiles, evaluate_plan, saved_bytes
-from autopar.cost.replay import closed_form_pipeline
+from autopar.cost.pipeline import closed_form_pipeline
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, named
 from autopar.schedule import build_schedule, simulate
 
@@ -317,11 +317,11 @@ def test_inflight_microbatches():
 
 
 # ---- published training runs -----------------------------------------------------------------------------
-# tests/published_runs.py: every row of Narayanan et al. table 1, Korthikanti et al. table 4 and
+# autopar/published_runs.py: every row of Narayanan et al. table 1, Korthikanti et al. table 4 and
 # torchtitan's Llama 3.1 H100 figures, each configured as published, and the calibration run
 # (BLOOM-176B) that the A100 preset's matmul efficiency is fitted on.
 
-import published_runs as PUB  # noqa: E402
+from autopar import published_runs as PUB  # noqa: E402
 
 NARAYANAN_TABLE_1 = [(r.model, r.axes["tp"], r.axes["pp"], r.gpus, r.global_batch, r.published)
                      for r in PUB.NARAYANAN_TABLE_1]
@@ -549,8 +549,8 @@ for mode, kw in (("ddp", {}), ("zero1", {"pp_schedule": "interleaved", "virtual_
 def test_an_estimate_does_not_depend_on_the_process_string_hash_seed():
     """The estimate walks a rank's parameters and buckets in the profile's order, not a set's:
     the same plans estimated in processes with different ``PYTHONHASHSEED`` give the same
-    figures (the first walk of a pipeline's gradient buckets took a rank's parameters in a
-    set's order: 1F1B's peak here came to 8.09-8.61 MB over three seeds)."""
+    figures (a walk of a pipeline's gradient buckets in a set's order of a rank's parameters
+    would put 1F1B's peak here anywhere in 8.09-8.61 MB over three seeds)."""
     import os
     import subprocess
     import sys

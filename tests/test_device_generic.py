@@ -43,7 +43,9 @@ CLOCK_EXEMPT = {   # (file, function; "*": the whole file) -> why the host clock
     ("timing.py", "mark"): "Spans: the CPU's clock, whose work is done when the call returns (CUDA: an event)",
     ("flight.py", "*"): "the flight recorder's wall clocks: when a collective was issued and ended, when a rank "
                         "last changed, compared between processes to detect a hang",
-    ("testing.py", "*"): "the harness's deadlines for its processes and threads",
+    ("launch.py", "*"): "the launcher's deadlines for its processes and threads",
+    ("phases.py", "*"): "the step-phase harness of benchmarks/step_phases.py: its models and meshes are "
+                        "built on the CPU (gloo processes), where the host clock is the device's",
     ("fuzz.py", "check"): "the wall clock of a whole check, which ends reading its verdict on the host",
     ("fuzz.py", "run"): "the wall clock of a fuzzing run and its time budget",
     ("zoo.py", "run_cell"): "the wall clock of a whole cell, which ends in a host read of the verdict",

@@ -41,7 +41,7 @@ def test_dump_and_explain(ranks, tmp_path, mode):
 @pytest.mark.timing
 @pytest.mark.timeout(180)
 def test_demo_command(local_cluster, tmp_path):
-    """The README's main command, on the session's calibration (the demo itself calibrates a
+    """The README's demo command, on the session's calibration (the demo itself calibrates a
     machine that has none)."""
     out = subprocess.run([sys.executable, "-m", "autopar", "demo", "--steps", "3", "--out", str(tmp_path / "d")],
                          capture_output=True, text=True, timeout=170, cwd=tmp_path)

@@ -2,7 +2,7 @@
 every other rank raise ``CollectiveError`` within the mesh's timeout, with what each rank was
 last doing (the flight recorder); a rank that raises, at compile time or in its forward, makes
 the others raise within seconds, naming it and its error. Fresh processes per test where ranks
-die or a collective is left behind; the session's pool where none is."""
+die or a collective is left behind; the pool of conftest's ``ranks`` fixture where none is."""
 import json
 import os
 import re

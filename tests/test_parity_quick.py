@@ -28,7 +28,7 @@ def test_full_views_gather_in_a_few_collectives(ranks):
     """``full_state_dict`` / ``full_grads`` gather every tensor at once: under dp x tp one
     all-gather over dp and one over tp (fp32, under ``FULL_BUCKET_BYTES``); under pp x dp one
     over dp in each stage, then each of the 2 pipeline ranks broadcasts which of its tensors
-    are present and their values, flat: 1 + 2 x 2 (before: one to three collectives a tensor).
+    are present and their values, flat: 1 + 2 x 2 (not one to three collectives a tensor).
     The tensors are the single-device model's."""
     expected = {"dp2 x tp2 zero3": ["all_gather"] * 2,
                 "pp2 x dp2 zero3": ["all_gather"] + ["broadcast"] * 4}

@@ -272,12 +272,13 @@ def test_dump_writes_schedule_picture_and_stages(tmp_path, schedule, v):
 
 
 def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
-    """Every public method of DistributedModule either has a pipeline version, or works as
-    inherited (shard_batch, save and load over its stages, and the inspection the front end
-    provides), or refuses: none
+    """Every public method of the base a pipeline shares with DistributedModule (CompiledModule)
+    either has a pipeline version, or works as inherited (shard_batch, save and load over its
+    stages, and the inspection the front end provides), or refuses: none
     fails on an attribute only a single stage has."""
-    from autopar.runtime import DistributedModule, PipelineModule
-    own = {k for k, v in vars(DistributedModule).items() if callable(v) and not k.startswith("_")}
+    from autopar.runtime import PipelineModule
+    from autopar.runtime.module import CompiledModule
+    own = {k for k, v in vars(CompiledModule).items() if callable(v) and not k.startswith("_")}
     overridden = {k for k in own if k in vars(PipelineModule)}
     assert own - overridden == {"shard_batch", "explain", "predict", "dump", "record_timeline", "save", "load"}
     c = GPTConfig(layers=2)

@@ -6,10 +6,10 @@ import time
 import pytest
 
 import autopar
-from autopar.cost.cluster import Cluster, Device, Link, get_cluster
+from autopar.cost.cluster import Cluster, Device, Link
 from autopar.cost.estimate import Profiles, evaluate_plan
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, named
-from autopar.cost.planner import InfeasiblePlan, _Chain, _score
+from autopar.cost.planner import InfeasiblePlan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,20 +36,13 @@ def test_planner_choice_equals_exhaustive_enumeration(small_gpt, world, cluster)
     assert (fast.plan, fast.mesh.axes, fast.recompute) == (full.plan, full.mesh.axes, full.recompute)
     assert fast.step_time_s == pytest.approx(full.step_time_s)
     assert full.pruned == 0 and full.searched >= fast.searched
-    # the closed form's optimum over the whole space (scored here one by one) is among the
-    # candidates the branch and bound kept for the detailed re-ranking
-    best = min(_all_scores(profiles, world, get_cluster(cluster), 16), key=lambda c: c[0])
-    assert (best[1], best[3]) in {(c.plan, c.recompute) for c in fast.candidates}
-
-
-def _all_scores(profiles, world, c, gb):
-    from autopar.cost.planner import candidates
-    base = profiles.base
-    for axes, plan, rc in candidates(world, gb, heads=base.heads, layers=len(base.layers)):
-        ch = _Chain(profiles.get(axes["tp"], plan.sp))
-        t, mem = _score(ch, {k: v for k, v in axes.items() if v > 1} or {"dp": 1}, plan, rc, c, gb)
-        if mem <= c.device.memory_bytes:
-            yield t, plan, axes, rc
+    # the closed form's optimum over the whole space (every candidate scored, no bound, no
+    # detailed re-ranking) is among the candidates the branch and bound kept for the detailed
+    # re-ranking
+    best = autopar.plan(model, world, example_inputs=example, cluster=cluster, profiles=profiles, exhaustive=True,
+                        detail=False, top=1).candidates[0]
+    assert best.reason == "chosen" and best.estimate is None
+    assert (best.plan, best.recompute) in {(c.plan, c.recompute) for c in fast.candidates}
 
 
 def test_report_lists_candidates_with_reasons(small_gpt):

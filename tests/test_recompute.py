@@ -196,7 +196,7 @@ def test_peak_grows_per_layer_by_korthikanti_table_2(ranks):
     (ACTIVATION_HEAVY: 65,536 against 100,736). Each depth's peak is the smaller of one
     profiled step on each of the 2 ranks (tp ranks hold the same bytes): with the collectives
     settled (``memory_peak.collectives_settled``) the steps agree to the byte (3 steps a case on
-    both ranks, twice, agreed on 2026-12-07; one step instead of 2 saves a third of the test's
+    both ranks, measured twice, all agree; one step rather than 2 saves a third of the test's
     time), and a step where the profiler missed a free only reads higher.
 
     Tolerance 2%: the measurement is exact (every term is whole tensors' bytes), and 2% is

@@ -13,7 +13,7 @@ from autopar.schedule import (
     lower,
     simulate,
 )
-from autopar.cost.replay import execute_shared, pipeline_placement, simulate_shared
+from autopar.cost.pipeline import pipeline_placement, simulate_shared
 
 BUILT = [(name, p, m, v) for p in (1, 2, 4) for m in (4, 8)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3))
@@ -207,16 +207,16 @@ def test_shared_cores_replay(name, p, m, v):
     work = {a: 1.0 + (a.stage * 7 + a.mb * 3 + len(a.kind)) % 5 / 4 for prog in lower(s) for a in prog}
     dur = work.__getitem__
     plain = execute(s, lower(s), duration=dur, latency=lambda a: 0.25)
-    same = execute_shared(s, lower(s), p, duration=dur, latency=lambda a: 0.25)
+    same = execute(s, lower(s), duration=dur, latency=lambda a: 0.25, cores=p)
     assert same.makespan == pytest.approx(plain.makespan)
     assert [[(a, pytest.approx(b), pytest.approx(e)) for a, b, e in evs] for evs in plain.events] == same.events
     total = sum(e - b for evs in plain.events for _, b, e in evs)
-    assert execute_shared(s, lower(s), 1, duration=dur).makespan == pytest.approx(total)
+    assert execute(s, lower(s), duration=dur, cores=1).makespan == pytest.approx(total)
     half = simulate_shared(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
     assert plain.makespan <= half.makespan + 1e-9 and half.makespan >= total / (p / 2) - 1e-9
     assert all(e - b >= work[a] - 1e-9 for evs in half.events for a, b, e in evs)
     with pytest.raises(ValueError, match="positive number of processors"):
-        execute_shared(s, lower(s), 0)
+        execute(s, lower(s), cores=0)
 
 
 def test_shared_replay_with_placement():
@@ -318,7 +318,7 @@ def test_rendezvous_moves_a_message_sent_before_its_receive_only_on_a_free_proce
 def test_shared_replay_reports_deadlock():
     s = Schedule.parse("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F1 1B1 1F0 1B0")
     with pytest.raises(ScheduleDeadlock, match="rank 0 waits at 0RECV_B0"):
-        execute_shared(s, lower(s), 1)
+        execute(s, lower(s), cores=1)
 
 
 def test_deadlock_names_ranks_and_actions():

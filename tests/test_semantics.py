@@ -1,4 +1,4 @@
-"""Training semantics (issue 14): dropout whose masks are the single-device model's, train /
+"""Training semantics: dropout whose masks are the single-device model's, train /
 eval modes, gradient accumulation with ``no_sync``, optimizers that are not elementwise, LR
 schedulers. Real processes compare against the single-device model; the refusals run
 in-process on a fake process group."""

@@ -1,20 +1,13 @@
-"""benchmarks/step_phases.py: a step's phases as predicted (split from the estimate's timeline)
-and as measured (``jobs.phases``, timed on each rank)."""
+"""``autopar.phases`` (benchmarks/step_phases.py prints them): a step's phases as predicted
+(split from the estimate's timeline) and as measured (``phase_times``, timed on each rank)."""
 import math
-import os
-import sys
 
 import pytest
 
 import autopar
 from autopar.models import gpt_batch
+from autopar.phases import PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, build, phase_times, predicted_phases
 from autopar.testing import run
-
-from jobs.holdout import build
-from jobs.phases import PIPELINE_PHASES, STAGE_PHASES, STEP_PARTS, phase_times
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-import step_phases  # noqa: E402
 
 SPEC = ("gpt", dict(vocab=32, seq=8, dim=16, heads=2, layers=2, max_seq=8))
 CASES = [("ddp", dict(dp=2), dict(dp="ddp")),
@@ -30,7 +23,7 @@ def test_predicted_phases_split_the_predicted_step(name, axes, kw):
     e = autopar.estimate(model, autopar.Mesh(**axes, virtual=True), autopar.Plan(**kw), example_inputs=(x,),
                          cluster="dgx-a100-80gb")
     pipeline = bool(kw.get("pp_schedule"))
-    phases = step_phases.predicted_phases(e, pipeline)
+    phases = predicted_phases(e, pipeline)
     assert set(phases) == set(PIPELINE_PHASES if pipeline else STAGE_PHASES)
     assert all(v >= 0 for v in phases.values()), phases
     assert math.isclose(sum(phases.values()), e.step_time_s, rel_tol=1e-9)

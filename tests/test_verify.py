@@ -18,7 +18,7 @@ import autopar
 from autopar import meta, zoo
 from autopar.models import small
 from autopar.passes.rules import RULES
-from autopar.passes.rules.pointwise import _partial
+from autopar.passes.rules.pointwise import partial_strategy
 from autopar.runtime import tpcomm
 from autopar.testing import fake_rank, run_threads
 
@@ -60,7 +60,7 @@ def _broken_add(injected: list):
     correct = RULES[aten.add.Tensor]
 
     def rule(info):
-        extra = [_partial(info, "sum", {0}), _partial(info, "sum", {1})]
+        extra = [partial_strategy(info, "sum", {0}), partial_strategy(info, "sum", {1})]
         injected.extend(extra)
         return correct(info) + extra
     return rule

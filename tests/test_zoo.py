@@ -11,18 +11,18 @@ FAST = ["llama", "mixtral"]
 """a decoder LM whose loss shifts its labels with a pad, and a mixture of experts"""
 
 
-def _cells(ranks, names, plans, world):
+def cells_of(ranks, names, plans, world):
     got = ranks(zoo._run_cells, world, names, plans, zoo.STEPS, timeout=60 + 40 * len(names) * len(plans))
     for rank_cells in got[1:]:            # every rank reaches the same verdicts
         assert [(c.arch, c.plan, c.ok) for c in rank_cells] == [(c.arch, c.plan, c.ok) for c in got[0]]
     return {(c.arch, c.plan): c for c in got[0]}
 
 
-def _world_plans(world):
+def world_plans(world):
     return [p for p in zoo.PLANS if zoo.plan_world(p) == world]
 
 
-def _check(cells):
+def check_cells(cells):
     bad = [f"{a} under {p}: {c.why}" for (a, p), c in cells.items() if not c.ok]
     assert not bad, "cells without parity or failing a volume check:\n" + "\n".join(bad)
 
@@ -30,7 +30,7 @@ def _check(cells):
 @pytest.mark.timeout(300)
 def test_zoo_fast_rows(ranks):
     """The labels= Llama and Mixtral under ZeRO-3, tp+sp and the 1F1B pipeline."""
-    _check(_cells(ranks, FAST, ["zero3", "tp+sp", "pp 1f1b"], 2))
+    check_cells(cells_of(ranks, FAST, ["zero3", "tp+sp", "pp 1f1b"], 2))
 
 
 DP_BY_TP = ["gpt2", "falcon", "llama", "gemma2", "qwen3", "mixtral", "qwen2_moe", "bert", "t5", "vit"]
@@ -55,8 +55,8 @@ NEW_PART = [a.name for a in zoo.ARCHS[NEWER:]]
 
 
 def check_every_two_process_plan(ranks, name):
-    """One architecture under ZeRO-3, tp, tp+sp and 1F1B (a row of the README's table)."""
-    _check(_cells(ranks, [name], _world_plans(2), 2))
+    """One architecture under ZeRO-3, tp, tp+sp and 1F1B (a row of the table in docs/hugging-face.md)."""
+    check_cells(cells_of(ranks, [name], world_plans(2), 2))
 
 
 @pytest.mark.slow
@@ -71,7 +71,7 @@ def test_zoo_every_two_process_plan(ranks, name):
 @pytest.mark.parametrize("name", DP_BY_TP)
 def test_zoo_dp_by_tp(ranks, name):
     """Ten architectures, one of each kind of block, under tp on Mesh(dp=2, tp=2)."""
-    _check(_cells(ranks, [name], _world_plans(4), 4))
+    check_cells(cells_of(ranks, [name], world_plans(4), 4))
 
 
 def test_zoo_covers_the_families():

@@ -11,7 +11,7 @@ import torch
 from autopar import zoo
 from autopar.runtime.tpcomm import tp_gather
 
-from test_zoo import NEW_PART, _cells, _check, _world_plans, check_every_two_process_plan
+from test_zoo import NEW_PART, cells_of, check_cells, check_every_two_process_plan, world_plans
 
 DP_BY_TP_NEW = ["gemma3", "deepseek_v3", "mamba2", "modernbert", "whisper"]
 """under Mesh(dp=2, tp=2): sliding-window attention with q/k norms, latent attention with a
@@ -120,4 +120,4 @@ def test_zoo_every_two_process_plan(ranks, name):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", DP_BY_TP_NEW)
 def test_zoo_dp_by_tp(ranks, name):
-    _check(_cells(ranks, [name], _world_plans(4), 4))
+    check_cells(cells_of(ranks, [name], world_plans(4), 4))

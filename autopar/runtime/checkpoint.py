@@ -260,14 +260,15 @@ class Holding:
 def _stage_holdings(st) -> list[Holding]:
     """Every parameter and persistent buffer one compiled module (a stage) holds."""
     out = []
-    tp_n, tp_i = (st._tp.size, st._tp.index) if st._tp is not None else (1, 0)
+    tp_comm, specs = st.tp_comm, st.sync.specs
+    tp_n, tp_i = (tp_comm.size, tp_comm.index) if tp_comm is not None else (1, 0)
     for name, info in st.ctx.params.items():
         if not info.persistent:
             continue
-        trainable = name in st._sync.specs
-        local = st.module.get_parameter(name) if trainable else st._buffer(name)
-        tp = st.ctx.tp_params.get(name) if st._tp is not None else None
-        out.append(Holding(name, info.shape, local, tp, tp_n, tp_i, st._sync.specs.get(name) if trainable else None))
+        trainable = name in specs
+        local = st.module.get_parameter(name) if trainable else st.local_tensor(name)
+        tp = st.ctx.tp_params.get(name) if tp_comm is not None else None
+        out.append(Holding(name, info.shape, local, tp, tp_n, tp_i, specs.get(name) if trainable else None))
     return out
 
 
@@ -276,7 +277,7 @@ def _holdings(dm) -> dict[str, list[Holding]]:
     two), each cut into pieces of at most ``piece_cap`` of the whole model (its fp32 state included)."""
     cap = piece_cap((info.shape, max(dm.ctx.stored_dtype(name).itemsize, 4)) for name, info in dm.ctx.params.items())
     out: dict[str, list[Holding]] = {}
-    for st in dm._stage_modules():
+    for st in dm.stage_modules():
         for h in _stage_holdings(st):
             h.cap = cap
             out.setdefault(h.name, []).append(h)
@@ -288,13 +289,13 @@ def _optimizer_params(dm, optimizer, holdings) -> dict[int, Holding]:
     host copy (``Plan(offload=...)``), or a full copy (``per_tensor=True``: one whole box)."""
     by_local = {id(h.local): h for hs in holdings.values() for h in hs}
     out = {}
-    offload = getattr(dm, "_offload", None)
+    offload = dm.offload
     if offload is not None:
         for qual, host in offload.host_params.items():
             h = by_local.get(id(offload.device_params[qual]))
             if h is not None:
                 out[id(host)] = Holding(h.name, h.shape, host, h.tp, h.tp_n, h.tp_i, h.spec, h.cap)
-    per_tensor = getattr(dm, "_per_tensor", None)
+    per_tensor = dm.per_tensor_state
     if per_tensor is not None:
         for name, copy in per_tensor.copies.items():
             cap = next((h.cap for hs in holdings.values() for h in hs), Holding.cap)
@@ -339,7 +340,7 @@ def _state_dict(dm, optimizer, step, extra) -> dict:
                 for key, value in optimizer.state.get(p, {}).items():
                     sd[f"{STATE}{h.name}.{key}"] = _state_value(h, p, value)
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(dict.fromkeys(names))})
-        if len(dm._stage_modules()) != 1 or dm.mesh.axis_size("pp") > 1:
+        if len(dm.stage_modules()) != 1 or dm.mesh.axis_size("pp") > 1:
             groups = _union_groups(groups)     # a pipeline rank's optimizer holds its own stages' parameters
         sd[GROUPS] = groups
         meta["groups"] = [g["params"] for g in groups]
@@ -387,7 +388,7 @@ def _state_value(h: Holding, p: torch.Tensor, value):
 
 def _rng_state(dm) -> dict:
     state = {"cpu": torch.get_rng_state()}
-    device = dm._device()
+    device = dm.device
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -531,7 +532,7 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
         problems += _check_model(md, dm, holdings)
         if optimizer is not None:
             problems += _check_optimizer(md, meta, optimizer, owner)
-    _agree(problems, f"cannot load the checkpoint {path!r} into this module", dm._device())
+    _agree(problems, f"cannot load the checkpoint {path!r} into this module", dm.device)
 
     sd: dict[str, Any] = {MODEL + name: hs[0].pieces() for name, hs in holdings.items()}
     loaded: dict[int, dict] = {}     # id(parameter) -> its state as loaded (none: never stepped when saved)
@@ -560,12 +561,12 @@ def load_module(dm, path: str, optimizer=None) -> Resumed:
         if optimizer is not None:
             _finish_optimizer(optimizer, owner, loaded, sd, md)
             _restore_optimizer(optimizer, loaded, sd[GROUPS])
-    dm._after_load()
+    dm.after_load()
     rng = sd[RNG_KEY] or {}
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and dm._device().type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], dm._device())
+    if "cuda" in rng and dm.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], dm.device)
     return Resumed(step=int(meta.get("step", 0)), meta=meta,
                    extra={k[len(EXTRA):]: v for k, v in sd.items() if k.startswith(EXTRA)})
 

@@ -150,7 +150,7 @@ def _check(name: str, x, weight, bias, comm: AxisComm, dim: int, size: int | Non
         raise ValueError(f"{name}: expected equal shards of the whole length {size} along dim {d} "
                          f"over {comm.axis}={p} ({size / p:g} per rank), found a shard of "
                          f"{x.shape[d]} on rank {comm.index}")
-    comm._check()
+    comm.check_runnable()
     return d
 
 

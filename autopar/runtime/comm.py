@@ -88,7 +88,9 @@ class AxisComm(nn.Module):
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, size={self.size}, index={self.index}"
 
-    def _check(self):
+    def check_runnable(self) -> None:
+        """Raise unless the axis can communicate: a virtual mesh's axis of more than one rank
+        has no process group (its graph is inspected and dumped, not run)."""
         if self.group is None and self.size > 1:
             raise RuntimeError(f"mesh axis {self.axis!r} is virtual (no processes): the graph can be "
                                "inspected and dumped but not run; build the Mesh inside torchrun")
@@ -134,7 +136,7 @@ class AxisComm(nn.Module):
         on a backend that would stage a second copy of it (``_in_place``) each rank's block is
         broadcast into ``out`` from its owner instead: the same bytes arrive at every rank,
         with no flat copy beside ``out`` (ZeRO-3's unit gathers, in flight under compute)."""
-        self._check()
+        self.check_runnable()
         self.stats.record(self.axis, "all_gather", phase or self._phase(),
                           ring_bytes("all_gather", out.numel() * out.element_size(), self.size), out.dtype)
         if self.size == 1:
@@ -155,7 +157,7 @@ class AxisComm(nn.Module):
         overwritten; on a backend whose reduce-scatter all-reduces a clone of its input
         (``_in_place``), ``inp`` is all-reduced where it is and this rank's block copied to
         ``out`` when the collective completes (``wait``): what the backend does, less the clone."""
-        self._check()
+        self.check_runnable()
         self.stats.record(self.axis, "reduce_scatter", phase or self._phase(),
                           ring_bytes("reduce_scatter", inp.numel() * inp.element_size(), self.size), inp.dtype)
         if self.size == 1:
@@ -171,7 +173,7 @@ class AxisComm(nn.Module):
     def all_reduce_(self, t: torch.Tensor, label: str = "", async_op=False, phase: str | None = None,
                     op=dist.ReduceOp.SUM):
         """In-place reduction (a sum unless ``op`` says otherwise) over the axis."""
-        self._check()
+        self.check_runnable()
         self.stats.record(self.axis, "all_reduce", phase or self._phase(),
                           ring_bytes("all_reduce", t.numel() * t.element_size(), self.size), t.dtype)
         if self.size == 1:

@@ -39,7 +39,9 @@ fills).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -79,7 +81,7 @@ class DataParallelSync(nn.Module):
         self.compute_dtype = compute_dtype
         self.reduce_comm = reduce_comm or comm      # gradient buckets' group (a second one with overlap)
         # ZeRO-2/3: a bucket's full gradients are freed once reduced (False keeps every bucket to
-        # the end of backward: the reducer as it was, what the memory tests measure against)
+        # the end of backward: what the memory tests measure against)
         self.free_reduced = True
         # called with a bucket's parameters once their reduced gradients are in .grad: after the
         # next bucket's reduction is issued, so that what it does runs while that one is in flight
@@ -127,6 +129,25 @@ class DataParallelSync(nn.Module):
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, axis={self.comm.axis!r}, size={self.comm.size}, "
                 f"buckets={[len(b.names) for b in self.buckets]}")
+
+    @property
+    def replicas(self) -> Mapping[str, torch.Tensor]:
+        """ZeRO-1/2: parameter name -> the full replica forward reads (a read-only view; empty
+        for ddp and ZeRO-3). The tensors themselves are written in place (``gather_replicas``)."""
+        return MappingProxyType(self._replicas)
+
+    @property
+    def persistent_grads(self) -> Mapping[int, torch.Tensor]:
+        """ZeRO-1: bucket index -> the full-gradient buffer kept between steps (a read-only
+        view; empty for other modes, and before the first backward)."""
+        return MappingProxyType(self._persistent)
+
+    def rebind(self, name: str, param: nn.Parameter, replica: torch.Tensor | None = None) -> None:
+        """Point the reducer at ``param``, the new Parameter object of ``name`` (and, ZeRO-1/2,
+        at its new ``replica``): leaving the meta device (``dm.to_empty``) makes new tensors."""
+        self._params[name] = param
+        if replica is not None:
+            self._replicas[name] = replica
 
     # ---- parameters --------------------------------------------------------------------
     def unit_bytes(self, k: int) -> int:

@@ -93,7 +93,7 @@ def emit(gm: fx.GraphModule, model: nn.Module, ctx: CompileContext,
             _setattr_path(out, name, value)
     if REPLICAS in dict(out.named_children()):
         for mod in out.get_submodule(REPLICAS).modules():
-            for bname, buf in list(mod._buffers.items()):
+            for bname, buf in list(mod.named_buffers(recurse=False, remove_duplicate=False)):
                 mod.register_buffer(bname, buf, persistent=False)
     return DistributedModule(out, ctx, sync, stats, tp_comm)
 

@@ -254,6 +254,23 @@ class Recorder:
             store = dist.distributed_c10d._get_default_store()
             _bounded(lambda: (store.set(FAILED.format(rank), ""), store.add(FAILED_CHANGES, 1)))
 
+    @property
+    def standing(self) -> bool:
+        """Whether an error this process posted for its peers still stands (``resume``
+        withdraws it)."""
+        return bool(self._standing)
+
+    @contextlib.contextmanager
+    def tape(self):
+        """Within the block, every entry this process issues is also appended, in issue order,
+        to the list the block receives (``recording``)."""
+        tape: list[Entry] = []
+        self._tapes.append(tape)
+        try:
+            yield tape
+        finally:
+            self._tapes.remove(tape)
+
     def _watch(self, store) -> None:
         """While a wait is past its first slice: the peers' standing errors, read again when one
         was posted or withdrawn, or the wait is another's."""
@@ -574,12 +591,8 @@ def recording():
     """Within the block, every entry this process issues is also appended, in issue order, to
     the list the block receives (the ring keeps the last ``RING``): the issue order that
     ``autopar.runtime.ordering`` replays (``Entry.as_dict`` gives each as data)."""
-    tape: list[Entry] = []
-    RECORDER._tapes.append(tape)
-    try:
+    with RECORDER.tape() as tape:
         yield tape
-    finally:
-        RECORDER._tapes.remove(tape)
 
 
 # ---- failing together -------------------------------------------------------------------------
@@ -592,7 +605,7 @@ def published(where: str):
     def wrap(fn):
         @functools.wraps(fn)
         def call(self, *args, **kwargs):
-            if RECORDER._standing:
+            if RECORDER.standing:
                 RECORDER.resume()
             try:
                 return fn(self, *args, **kwargs)

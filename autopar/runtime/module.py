@@ -6,13 +6,19 @@ the optimizer over the shards, and gathers full views (state dict, gradients, th
 gradient norm) with collectives. Inspection (``explain``, ``predict``, ``dump``) needs the
 cost model and the printing of the front end, which the runtime does not import: compile
 hands the module an ``inspector`` that provides them (``autopar.explain.Inspector``).
+
+``CompiledModule`` is the base it shares with a pipeline (``PipelineModule``): the context,
+counters and optimizer bookkeeping of a compiled module, checkpoints, the offloaded optimizer
+and inspection.
 """
 from __future__ import annotations
 
 import math
 import operator
 import weakref
+from collections.abc import Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -31,10 +37,11 @@ from .dpsync import DataParallelSync
 from .offload import HostLink, OptimizerOffload
 from .optim import PerTensorState, built_here, check_optimizer, guard_shards
 from .timeline import record
-from .tpcomm import _pad_rows, gather_tp_param
+from .tpcomm import pad_rows, gather_tp_param
 
-__all__ = ["DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss", "cast_input",
-           "cast_inputs", "cast_outputs", "refuse_per_tensor_offload", "post_step_errors"]
+__all__ = ["CompiledModule", "DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss",
+           "cast_input", "cast_inputs", "cast_outputs", "refuse_per_tensor_offload", "post_step_errors",
+           "describe_call"]
 
 
 def cast_input(x, dtype):
@@ -80,33 +87,193 @@ class Inspector(Protocol):
 _DEFAULT = object()    # dm.save / dm.load: the optimizer dm.optimizer built
 
 
-class DistributedModule(nn.Module):
+class CompiledModule(nn.Module):
+    """What every compiled module of this rank is, a single program (``DistributedModule``) or
+    a pipeline's stages (``autopar.runtime.pipeline_module.PipelineModule``) alike: its context,
+    plan and mesh, the byte counters of its collectives and of the host link, the optimizer
+    ``optimizer`` built (and its offload), the inspector compile attaches and the programs for
+    other input shapes; and what runs the same on both: ``shard_batch``, checkpoints
+    (``save``, ``load``), the offloaded optimizer, and inspection (``explain``, ``predict``,
+    ``dump``, ``record_timeline``). A subclass provides ``syncs``, ``stage_modules``,
+    ``after_load`` and ``_device``."""
+
+    def __init__(self, ctx: CompileContext, stats: CommStats):
+        super().__init__()
+        self.ctx = ctx
+        self.plan = ctx.plan
+        self.mesh = ctx.mesh
+        self.comm_stats = stats           # a pipeline's stages share the pipeline's: every byte of this rank
+        self._optimizer = None            # a weak reference to the optimizer dm.optimizer built
+        self.offload_stats = CommStats()  # Plan(offload="optimizer"): bytes over the host link
+        self._offload: OptimizerOffload | None = None
+        self._per_tensor: PerTensorState | None = None   # dm.optimizer(..., per_tensor=True)'s full copies
+        self.timelines: list = []         # per rank, from the last record_timeline()
+        self.inspector: Inspector | None = None   # set by autopar.compile (explain, predict, dump)
+        # (dm, args, kwargs, shapes) -> the module's program for other input shapes; set by autopar.compile
+        self.variants = None
+        self._programs: dict = {}         # local input shapes -> program for them (not the compiled one)
+
+    # ---- what each kind provides -------------------------------------------------------------
+    def syncs(self) -> list[DataParallelSync]:
+        """The data-parallel reducers of this module (a pipeline: one per stage this rank runs)."""
+        raise NotImplementedError
+
+    def stage_modules(self) -> list["DistributedModule"]:
+        """The compiled programs this rank runs, in stage order (a single program: itself)."""
+        raise NotImplementedError
+
+    def after_load(self) -> None:
+        """After ``load`` wrote the shards: refresh what derives from them (ZeRO-1/2 replicas,
+        ``per_tensor`` full copies) and note their versions."""
+        raise NotImplementedError
+
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+    # ---- read-only views -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's parameters live on: where its inputs go and its work runs."""
+        return self._device()
+
+    @property
+    def built_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer ``dm.optimizer`` built last (None before one is built, or once it is
+        freed: the module holds it weakly)."""
+        return self._optimizer() if self._optimizer is not None else None
+
+    @property
+    def offload(self) -> OptimizerOffload | None:
+        """``Plan(offload="optimizer")``: the host copies the optimizer steps, and the link they
+        move over (``autopar.runtime.offload``); None until ``dm.optimizer`` builds them."""
+        return self._offload
+
+    @property
+    def per_tensor_state(self) -> PerTensorState | None:
+        """``dm.optimizer(..., per_tensor=True)``: the full copies of the parameters that the
+        optimizer steps (``autopar.runtime.optim.PerTensorState``); None otherwise."""
+        return self._per_tensor
+
+    @property
+    def programs(self) -> Mapping[tuple, nn.Module]:
+        """Local input shapes -> the program compiled for them on first call (``variants``;
+        the compiled shapes' own program is not among them). A read-only view."""
+        return MappingProxyType(self._programs)
+
+    # ---- data ------------------------------------------------------------------------------------
+    def shard_batch(self, batch):
+        """This rank's data-parallel slice of ``batch`` (tensors split along dim 0)."""
+        n, i = self.mesh.axis_size("dp"), self.mesh.coordinate("dp")
+        return pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, batch)
+
+    # ---- the offloaded optimizer -----------------------------------------------------------------
+    def _offloaded_optimizer(self, cls, named: dict, **kwargs) -> torch.optim.Optimizer:
+        """``cls`` over host copies of the trainable ones of ``named`` (name -> device
+        parameter), its step hooked to move gradients down before it and parameters up after
+        (``_params_up``, which also refreshes ZeRO-1/2's replicas)."""
+        trainable = {name: p for name, p in named.items() if p.requires_grad}
+        self._offload = offload = OptimizerOffload(trainable, HostLink(self._device(), self.offload_stats))
+        for sync in self.syncs():        # each bucket's gradients go down as soon as they are reduced
+            sync.on_landed = offload.early
+        opt = cls(offload.parameters(), **kwargs)
+        opt.register_step_pre_hook(lambda *_: offload.grads_down())
+        opt.register_step_post_hook(lambda *_: self._params_up(offload))
+        return opt
+
+    def _params_up(self, offload: OptimizerOffload) -> None:
+        """After the offloaded step: the updated parameters up from the host. ZeRO-1/2: a bucket
+        at a time, each bucket's replica all-gather issued as soon as its rows are up, so that
+        the next bucket's copy runs while it is in flight (``DataParallelSync.gather_replicas``);
+        then whatever no bucket holds. ddp, ZeRO-3: all at once (no gather follows)."""
+        if self.plan.dp in ("zero1", "zero2"):
+            for sync in self.syncs():
+                sync.gather_replicas(before_bucket=offload.params_up)
+        offload.params_up()
+
+    # ---- checkpoints (collectives: every rank must call) ----------------------------------
+    def save(self, path: str, optimizer=_DEFAULT, *, step: int | None = None, extra: dict | None = None) -> None:
+        """Write a checkpoint to the directory ``path`` with ``torch.distributed.checkpoint``:
+        each rank writes the pieces it owns of every parameter and persistent buffer (under
+        the model's names) and of ``optimizer``'s state (default: the one ``dm.optimizer``
+        built; None: the model alone), with the step (default: the optimizer's), the RNG state
+        and ``extra`` (picklable values, returned by ``load``). It loads under any plan and
+        world size (``autopar.runtime.checkpoint``). A checkpoint already at ``path`` is replaced."""
+        save_module(self, path, self._optimizer_for(optimizer), step=step, extra=extra)
+
+    def load(self, path: str, optimizer=_DEFAULT) -> Resumed:
+        """Read the checkpoint at ``path`` (saved under any plan and world size, or by
+        ``autopar.checkpoint.from_torch``) into this rank's pieces and ``optimizer``'s state
+        (default: the one ``dm.optimizer`` built; None: the model alone), and restore the RNG
+        state. The checkpoint is checked first, on every rank: a problem raises
+        ``CheckpointError`` everywhere and changes nothing. Returns the saved step and extra."""
+        return load_module(self, path, self._optimizer_for(optimizer))
+
+    def _optimizer_for(self, optimizer):
+        if optimizer is _DEFAULT:
+            return self.built_optimizer
+        return optimizer
+
+    # ---- inspection --------------------------------------------------------------------
+    def _inspect(self, what: str) -> Inspector:
+        if self.inspector is None:
+            raise RuntimeError(f"{what}() needs the cost model and printing of the front end, which "
+                               "autopar.compile attaches; this module was built without them (compile it "
+                               "with autopar.compile, or set dm.inspector = autopar.explain.Inspector())")
+        return self.inspector
+
+    def explain(self, cluster=None) -> str:
+        """The plan, its collectives and bytes, memory, and (with ``cluster``, or a calibrated
+        local preset on disk) the cost model's predicted step, each cost as formula and number."""
+        return self._inspect("explain").explain(self, cluster)
+
+    def predict(self, cluster="local", global_batch=None, recompute=None):
+        """The cost model's prediction of one training step of this plan (the estimate of the
+        graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
+        ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's;
+        ``recompute`` overrides the plan's (None: the layers compile chose)."""
+        return self._inspect("predict").predict(self, cluster, global_batch, recompute)
+
+    def record_timeline(self):
+        """``with dm.record_timeline(): <one step>`` records when each collective ran and how
+        long each wait blocked, on every rank; afterwards ``dm.timelines`` holds each rank's
+        ``autopar.runtime.timeline.MeasuredTimeline`` (``exposed_comm_s``, ``lanes()``) and ``dm.dump``
+        writes them as a Chrome trace beside the cost model's prediction. Every rank must record."""
+        return record(self)
+
+    def dump(self, path: str, cluster=None) -> list[str]:
+        """Every pass's graph, the emitted code, explain(), and (after ``record_timeline``)
+        timeline.json: the measured step of every rank beside the predicted one (``cluster``:
+        default the calibrated local preset, if on disk)."""
+        return self._inspect("dump").dump(self, path, cluster)
+
+
+class DistributedModule(CompiledModule):
     """This rank's part of the compiled model. ``dm(*local_batch)`` runs it on this rank's
     data-parallel slice; gradients land reduced (and sharded, for ZeRO) after backward."""
 
     def __init__(self, module: fx.GraphModule, ctx: CompileContext, sync: DataParallelSync,
                  stats: CommStats, tp_comm: AxisComm | None = None):
-        super().__init__()
+        super().__init__(ctx, stats)
         self.module = module
-        self.ctx = ctx
-        self.plan = ctx.plan
-        self.mesh = ctx.mesh
-        self.comm_stats = stats
         self._sync = sync
         self._tp = tp_comm              # the tp axis (None without tensor parallelism)
         self._names = list(sync.specs)  # trainable parameters, canonical names
-        self._optimizer = None
-        self.offload_stats = CommStats()  # Plan(offload="optimizer"): bytes over the host link
-        self._offload: OptimizerOffload | None = None
-        self.timelines: list = []       # per rank, from the last record_timeline()
-        self.inspector: Inspector | None = None   # set by autopar.compile
-        # (dm, args, kwargs, shapes) -> the program for other input shapes; set by autopar.compile
-        self.variants = None
-        self._programs: dict[tuple, fx.GraphModule] = {}   # local input shapes -> program (not the compiled one)
         # mixed precision: forward's outputs leave the module cast (cast_outputs); False for a
         # pipeline's stages, whose outputs go on to the next stage (the pipeline casts the last's)
         self.output_boundary = True
         self._guard_shards()
+
+    @property
+    def sync(self) -> DataParallelSync:
+        """The data-parallel side of this program: its parameters' shard specs, ZeRO-1/2
+        replicas, gradient buckets and reducer (``autopar.runtime.dpsync``)."""
+        return self._sync
+
+    @property
+    def tp_comm(self) -> AxisComm | None:
+        """The tp axis's communicator (size, this rank's index, group); None without tensor
+        parallelism."""
+        return self._tp
 
     # ---- running -----------------------------------------------------------------------
     @flight.published("forward")
@@ -163,8 +330,8 @@ class DistributedModule(nn.Module):
         shape cannot change: the call's structure, its constants and the tensors' dtypes."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.ctx.in_spec:
-            raise TypeError(f"the compiled module was captured with {_describe(self.ctx.in_spec)}, but was "
-                            f"called with {_describe(spec)}; call it as the example inputs were given (same "
+            raise TypeError(f"the compiled module was captured with {describe_call(self.ctx.in_spec)}, but was "
+                            f"called with {describe_call(spec)}; call it as the example inputs were given (same "
                             "positional args and keyword names)")
         shapes = []
         for i, (x, shape) in enumerate(zip(flat, self.ctx.input_shapes)):
@@ -186,11 +353,6 @@ class DistributedModule(nn.Module):
             shapes.append(tuple(x.shape) if shape is not None else None)
         return tuple(shapes)
 
-    def shard_batch(self, batch):
-        """This rank's data-parallel slice of ``batch`` (tensors split along dim 0)."""
-        n, i = self.mesh.axis_size("dp"), self.mesh.coordinate("dp")
-        return pytree.tree_map(lambda t: slice_batch(t, n, i) if isinstance(t, torch.Tensor) else t, batch)
-
     def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
         """An optimizer of class ``cls`` over this rank's shards. For ZeRO-1/2 its state is
         sharded with the parameters and each step ends with the parameter all-gather.
@@ -206,7 +368,7 @@ class DistributedModule(nn.Module):
         parameters (``autopar.runtime.offload``), its state lives on the host, and each step
         moves the gradients down and the parameters up (``dm.offload_stats`` counts the bytes);
         after the step the device holds no gradients."""
-        check_optimizer(cls, self._sharded_by(), per_tensor, per_tensor_built=self.plan.offload is None)
+        check_optimizer(cls, self.sharded_by, per_tensor, per_tensor_built=self.plan.offload is None)
         if per_tensor and self.plan.offload is not None:
             raise ValueError(refuse_per_tensor_offload(self.plan))
         if self.plan.offload == "optimizer":
@@ -229,34 +391,12 @@ class DistributedModule(nn.Module):
         self._optimizer = weakref.ref(opt)   # explain() reports its state
         return opt
 
-    def _offloaded_optimizer(self, cls, named: dict, **kwargs) -> torch.optim.Optimizer:
-        """``cls`` over host copies of the trainable ones of ``named`` (name -> device
-        parameter), its step hooked to move gradients down before it and parameters up after
-        (``_params_up``, which also refreshes ZeRO-1/2's replicas)."""
-        trainable = {name: p for name, p in named.items() if p.requires_grad}
-        self._offload = offload = OptimizerOffload(trainable, HostLink(self._device(), self.offload_stats))
-        for sync in self._syncs():       # each bucket's gradients go down as soon as they are reduced
-            sync.on_landed = offload.early
-        opt = cls(offload.parameters(), **kwargs)
-        opt.register_step_pre_hook(lambda *_: offload.grads_down())
-        opt.register_step_post_hook(lambda *_: self._params_up(offload))
-        return opt
-
-    def _params_up(self, offload: OptimizerOffload) -> None:
-        """After the offloaded step: the updated parameters up from the host. ZeRO-1/2: a bucket
-        at a time, each bucket's replica all-gather issued as soon as its rows are up, so that
-        the next bucket's copy runs while it is in flight (``DataParallelSync.gather_replicas``);
-        then whatever no bucket holds. ddp, ZeRO-3: all at once (no gather follows)."""
-        if self.plan.dp in ("zero1", "zero2"):
-            for sync in self._syncs():
-                sync.gather_replicas(before_bucket=offload.params_up)
-        offload.params_up()
-
-    def _syncs(self) -> list:
-        """The data-parallel reducers of this module (a pipeline: one per stage)."""
+    def syncs(self) -> list[DataParallelSync]:
+        """The data-parallel reducers of this module: its own."""
         return [self._sync]
 
-    def _sharded_by(self) -> str:
+    @property
+    def sharded_by(self) -> str:
         """What splits this module's parameters ("" when every rank holds them whole)."""
         why = []
         if self.plan.dp != "ddp" and self.mesh.axis_size("dp") > 1:
@@ -327,8 +467,9 @@ class DistributedModule(nn.Module):
             whole = gather_tp_param(tp, whole, self._tp, self.ctx.params[name].shape)
         return whole
 
-    def _full_all(self, pieces: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-        """``_full`` of many names at once, in a few collectives instead of one or two a tensor:
+    def full_tensors(self, pieces: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """Name -> the whole tensor, from ``pieces`` (name -> this rank's piece of it, gathered
+        over dp, then tp), for many names at once, in a few collectives instead of one or two a tensor:
         the ZeRO-sharded pieces are all-gathered over dp in flat buckets (one dtype each, at
         most ``FULL_BUCKET_BYTES`` gathered), then the tp-split ones over tp the same way. Every
         rank of the groups calls it with the same names (a None piece, a parameter without a
@@ -351,7 +492,7 @@ class DistributedModule(nn.Module):
                 shape = self.ctx.params[name].shape
                 n, d = self._tp.size, tp.placement.dim
                 rows = [tp.local_shape(shape, n, r)[d] for r in range(n)]
-                piece = _pad_rows(whole.movedim(d, 0), max(rows))    # the split dim first, as the tp gathers move it
+                piece = pad_rows(whole.movedim(d, 0), max(rows))    # the split dim first, as the tp gathers move it
 
                 def assemble(flat, tp=tp, d=d, rows=rows, piece_shape=tuple(piece.shape)):
                     blocks = flat.view((n,) + piece_shape)
@@ -363,14 +504,14 @@ class DistributedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors keyed by the original model's names (tied names each present)."""
         with torch.no_grad():
-            full = self._full_all({name: (self.module.get_parameter(name) if name in self._sync.specs
+            full = self.full_tensors({name: (self.module.get_parameter(name) if name in self._sync.specs
                                           else attr_path(self.module, name)) for name in self.ctx.params})
         return {key: full[name] for name, info in self.ctx.params.items() for key in (name,) + info.aliases}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Full, reduced gradients keyed by the original model's parameter names."""
         with torch.no_grad():
-            full = self._full_all({name: self.module.get_parameter(name).grad for name in self._names})
+            full = self.full_tensors({name: self.module.get_parameter(name).grad for name in self._names})
         return {key: full[name] for name in self._names for key in (name,) + self.ctx.params[name].aliases}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -390,46 +531,24 @@ class DistributedModule(nn.Module):
                     p = self.module.get_parameter(name)
                     spec = self._sync.specs[name]
                     if self.plan.dp in ("zero1", "zero2"):
-                        self._sync._replicas[name].copy_(full)
+                        self._sync.replicas[name].copy_(full)
                     if self.plan.dp not in ("zero1", "zero2") or self.plan.mixed:   # else a view of the replica
                         p.copy_(spec.local_of(full) if spec.n > 1 else full)
                 else:
                     attr_path(self.module, name).copy_(full)
         self._sync.record_versions()
 
-    # ---- checkpoints (collectives: every rank must call) ----------------------------------
-    def save(self, path: str, optimizer=_DEFAULT, *, step: int | None = None, extra: dict | None = None) -> None:
-        """Write a checkpoint to the directory ``path`` with ``torch.distributed.checkpoint``:
-        each rank writes the pieces it owns of every parameter and persistent buffer (under
-        the model's names) and of ``optimizer``'s state (default: the one ``dm.optimizer``
-        built; None: the model alone), with the step (default: the optimizer's), the RNG state
-        and ``extra`` (picklable values, returned by ``load``). It loads under any plan and
-        world size (``autopar.runtime.checkpoint``). A checkpoint already at ``path`` is replaced."""
-        save_module(self, path, self._optimizer_for(optimizer), step=step, extra=extra)
-
-    def load(self, path: str, optimizer=_DEFAULT) -> Resumed:
-        """Read the checkpoint at ``path`` (saved under any plan and world size, or by
-        ``autopar.checkpoint.from_torch``) into this rank's pieces and ``optimizer``'s state
-        (default: the one ``dm.optimizer`` built; None: the model alone), and restore the RNG
-        state. The checkpoint is checked first, on every rank: a problem raises
-        ``CheckpointError`` everywhere and changes nothing. Returns the saved step and extra."""
-        return load_module(self, path, self._optimizer_for(optimizer))
-
-    def _optimizer_for(self, optimizer):
-        if optimizer is _DEFAULT:
-            return self._optimizer() if self._optimizer is not None else None
-        return optimizer
-
-    def _stage_modules(self) -> list["DistributedModule"]:
-        """The compiled modules this rank runs (a pipeline: its stages)."""
+    # ---- checkpoints (``save``, ``load``: CompiledModule's) ------------------------------------
+    def stage_modules(self) -> list["DistributedModule"]:
+        """The compiled programs this rank runs: this one."""
         return [self]
 
-    def _after_load(self) -> None:
+    def after_load(self) -> None:
         """After ``load`` wrote the shards: what derives from them is refreshed (ZeRO-1/2
         replicas gathered, ``per_tensor`` full copies), and their versions noted."""
         self.gather_params()
         self._sync.record_versions()
-        state = getattr(self, "_per_tensor", None)
+        state = self._per_tensor
         if state is not None:
             with torch.no_grad():
                 for name, p in state.params.items():
@@ -443,17 +562,19 @@ class DistributedModule(nn.Module):
         self._programs.clear()          # they hold the meta-device tensors: made again on their next call
         for name, spec in self._sync.specs.items():
             # leaving the meta device makes new Parameter objects: point the sync at them
-            self._sync._params[name] = self.module.get_parameter(name)
+            param, replica = self.module.get_parameter(name), None
             if self.plan.dp in ("zero1", "zero2"):
                 replica = attr_path(self.module, f"{REPLICAS}.{name}")
                 if not self.plan.mixed:     # the shards are views of the new replicas again
-                    self.module.get_parameter(name).data = spec.local_of(replica)
-                self._sync._replicas[name] = replica
+                    param.data = spec.local_of(replica)
+            self._sync.rebind(name, param, replica)
         self._sync.record_versions()
         self._guard_shards()
         return self
 
-    def _buffer(self, name: str) -> torch.Tensor:
+    def local_tensor(self, name: str) -> torch.Tensor:
+        """This rank's tensor of parameter or buffer ``name`` (the model's qualified name) as the
+        program holds it: its shard, or the whole tensor where nothing splits it."""
         return attr_path(self.module, name)
 
     def _norm_groups(self) -> list:
@@ -465,11 +586,12 @@ class DistributedModule(nn.Module):
             groups.append(self._tp.group)
         return groups
 
-    def _grad_pow_sum(self, norm_type: float = 2.0, skip=lambda name: False, dtype=None) -> torch.Tensor:
+    def grad_pow_sum(self, norm_type: float = 2.0, skip=lambda name: False, dtype=None) -> torch.Tensor:
         """Sum of |g|^norm_type over every gradient element of this module's dp and tp shards,
         each element once (a tensor replicated along tp counted on the axis's first rank), in
         ``dtype`` (default ``sum_dtype`` of the module's parameters); ``skip(name)`` leaves a
-        parameter out (a pipeline's second copy of a tied weight)."""
+        parameter out (a pipeline's second copy of a tied weight). A collective over the
+        groups the shards are split over: every rank of them must call it."""
         first = self._tp is None or self._tp.index == 0
         total = torch.zeros((), device=self._device(), dtype=dtype or sum_dtype(self.ctx.params))
         for name, p in self.module.named_parameters():
@@ -492,16 +614,11 @@ class DistributedModule(nn.Module):
                 flight.launch(group, "all_reduce", "grad norm (max)", total.element_size(), dist.all_reduce, total,
                               dist.ReduceOp.MAX, group)
         else:
-            total = self._grad_pow_sum(norm_type).pow(1.0 / norm_type)
+            total = self.grad_pow_sum(norm_type).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
-
-    @property
-    def device(self) -> torch.device:
-        """The device this rank's parameters live on: where its inputs go and its work runs."""
-        return self._device()
 
     def _device(self) -> torch.device:
         """The device this rank's parameters live on (what the runtime allocates on)."""
@@ -510,39 +627,6 @@ class DistributedModule(nn.Module):
         for b in self.module.buffers():
             return b.device
         return self.mesh.device
-
-    # ---- inspection --------------------------------------------------------------------
-    def _inspect(self, what: str) -> Inspector:
-        if self.inspector is None:
-            raise RuntimeError(f"{what}() needs the cost model and printing of the front end, which "
-                               "autopar.compile attaches; this module was built without them (compile it "
-                               "with autopar.compile, or set dm.inspector = autopar.explain.Inspector())")
-        return self.inspector
-
-    def explain(self, cluster=None) -> str:
-        """The plan, its collectives and bytes, memory, and (with ``cluster``, or a calibrated
-        local preset on disk) the cost model's predicted step, each cost as formula and number."""
-        return self._inspect("explain").explain(self, cluster)
-
-    def predict(self, cluster="local", global_batch=None, recompute=None):
-        """The cost model's prediction of one training step of this plan (the estimate of the
-        graph this module was compiled from): an ``autopar.cost.estimate.Estimate``.
-        ``cluster`` is a preset name or a Cluster; ``global_batch`` defaults to the example's;
-        ``recompute`` overrides the plan's (None: the layers compile chose)."""
-        return self._inspect("predict").predict(self, cluster, global_batch, recompute)
-
-    def record_timeline(self):
-        """``with dm.record_timeline(): <one step>`` records when each collective ran and how
-        long each wait blocked, on every rank; afterwards ``dm.timelines`` holds each rank's
-        ``autopar.runtime.timeline.MeasuredTimeline`` (``exposed_comm_s``, ``lanes()``) and ``dm.dump``
-        writes them as a Chrome trace beside the cost model's prediction. Every rank must record."""
-        return record(self)
-
-    def dump(self, path: str, cluster=None) -> list[str]:
-        """Every pass's graph, the emitted code, explain(), and (after ``record_timeline``)
-        timeline.json: the measured step of every rank beside the predicted one (``cluster``:
-        default the calibrated local preset, if on disk)."""
-        return self._inspect("dump").dump(self, path, cluster)
 
 
 @flight.published("optimizer step")
@@ -612,7 +696,7 @@ def has_loss(out_spec, dims: tuple = ()) -> bool:
         return False
 
 
-def _describe(spec) -> str:
+def describe_call(spec) -> str:
     """``(args, kwargs)``'s structure in words: "2 positional inputs and keywords ['mask']"."""
     try:
         args, kwargs = pytree.tree_unflatten([0] * spec.num_leaves, spec)

@@ -30,7 +30,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ELEMENTWISE", "is_elementwise", "check_optimizer", "PerTensorState", "guard_shards", "built_here"]
+__all__ = ["ELEMENTWISE", "is_elementwise", "check_optimizer", "PerTensorState", "guard_shards", "built_here",
+           "optimizer_state_bytes"]
 
 ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -60,6 +61,12 @@ def check_optimizer(cls, sharded: str, per_tensor: bool, per_tensor_built: bool 
 
 
 _KNOWN = f"autopar knows {', '.join(sorted(c.__name__ for c in ELEMENTWISE))} to be"
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state tensors (Adam's moments; not 0-dim steps)."""
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 # ---- optimizers built on a compiled module's parameters ----------------------------------------

@@ -27,6 +27,7 @@ embedding and LM head) gets the sum of both stages' gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from contextlib import contextmanager
@@ -41,8 +42,8 @@ from ..schedule import Action, Schedule, batch_transfers, lower, simulate
 from ..trace import ChromeTrace
 from . import flight
 from .comm import CommStats, TracedWork
-from .module import (DistributedModule, _describe, byte_buckets, cast_inputs, cast_outputs, has_loss, model_loss,
-                     sum_dtype, post_step_errors, refuse_per_tensor_offload, slice_batch)
+from .module import (CompiledModule, DistributedModule, byte_buckets, cast_inputs, cast_outputs, describe_call,
+                     has_loss, model_loss, sum_dtype, post_step_errors, refuse_per_tensor_offload, slice_batch)
 from .optim import built_here, check_optimizer
 from .rng import draw_masks
 from .timing import Spans, now
@@ -54,13 +55,12 @@ __all__ = ["PipelineModule", "NCCL_MERGE"]
 NCCL_MERGE = {"pp:down": "pp"}
 
 
-class PipelineModule(DistributedModule):
+class PipelineModule(CompiledModule):
     """This rank's pipeline stages (``stages["<k>"]``, each a compiled ``DistributedModule``)."""
 
     def __init__(self, stages: dict[int, DistributedModule], ctx, schedule: Schedule,
                  stats: CommStats):
-        nn.Module.__init__(self)
-        self.ctx, self.plan, self.mesh = ctx, ctx.plan, ctx.mesh
+        super().__init__(ctx, stats)     # stats: shared with the stages (dp, tp and pp bytes of this rank)
         self.schedule = schedule
         self.stages = nn.ModuleDict({str(k): m for k, m in sorted(stages.items())})
         for st in self.stages.values():
@@ -81,15 +81,8 @@ class PipelineModule(DistributedModule):
             for name in spec.held:
                 self._holders.setdefault(name, []).append(spec.index)
         self.timeline: list[tuple[str, float, float]] = []   # last step: (action, start, end), wall clock
-        self._optimizer = None
-        self.offload_stats = CommStats()   # Plan(offload="optimizer"): bytes over the host link
-        self._offload = None
-        self.comm_stats = stats     # shared with the stages: dp, tp and pp bytes of this rank
-        self.timelines: list = []   # per rank, from the last record_timeline()
-        self.inspector = None       # set by autopar.compile (explain, predict, dump)
         self._no_sync = False
-        self.variants = None        # set by autopar.compile: the pipeline for other input shapes
-        self._programs: dict = {}   # micro-batch shapes -> the PipelineModule for them (not the compiled one)
+        # (CompiledModule's variants and _programs: micro-batch shapes -> the PipelineModule compiled for them)
 
     # ---- addressing ----------------------------------------------------------------------
     def _rank_of_stage(self, stage: int) -> int:
@@ -123,8 +116,8 @@ class PipelineModule(DistributedModule):
         """The call's leaves per micro-batch, checked against the captured call's structure."""
         flat, spec = self._split(cast_inputs((inputs, dict(kwargs or {})), self.ctx.plan.param_dtype), m)
         if spec != self.ctx.in_spec:
-            raise TypeError(f"the pipeline was captured with {_describe(self.ctx.in_spec)}, but train_step got "
-                            f"{_describe(spec)}; pass the inputs as the example inputs were given (positional "
+            raise TypeError(f"the pipeline was captured with {describe_call(self.ctx.in_spec)}, but train_step got "
+                            f"{describe_call(spec)}; pass the inputs as the example inputs were given (positional "
                             "ones in inputs=, keyword ones in kwargs=, same names)")
         return flat, spec
 
@@ -161,7 +154,8 @@ class PipelineModule(DistributedModule):
         flat_in, _ = self._inputs(inputs, kwargs, m)
         other = self._other_shape(flat_in[0], inputs, kwargs)
         if other is not None:
-            loss = other.train_step(inputs, targets, loss_fn, kwargs=kwargs)
+            with other.no_sync() if self._no_sync else contextlib.nullcontext():   # accumulating as this one is
+                loss = other.train_step(inputs, targets, loss_fn, kwargs=kwargs)
             self.step_time, self.timeline = other.step_time, other.timeline
             return loss
         flat_t, t_spec = self._split(targets, m)
@@ -170,7 +164,7 @@ class PipelineModule(DistributedModule):
                        mesh=self.mesh, device=self._device())
         state = _StepState()
         for st in self.stages.values():
-            st._sync.defer = True
+            st.sync.defer = True
         start = now(self._device(), wall=True)
         self.timeline, state.spans = [], Spans(self._device())
         try:
@@ -186,13 +180,13 @@ class PipelineModule(DistributedModule):
             state.sends = []
         finally:
             for st in self.stages.values():
-                st._sync.defer = False
+                st.sync.defer = False
         self.step_time = now(self._device(), wall=True) - start
         self.timeline = [(name, state.spans.seconds(a), state.spans.seconds(b)) for name, a, b in self.timeline]
         if self._no_sync:      # gradient accumulation: the step after the block reduces the sum
             return self._step_loss(state)
         for k in sorted(self.stages, key=int):          # dp reduction, every stage in one order
-            self.stages[k]._sync.flush_deferred()
+            self.stages[k].sync.flush_deferred()
         self._sum_tied_grads()
         return self._step_loss(state)
 
@@ -298,7 +292,6 @@ class PipelineModule(DistributedModule):
         other = self._programs[shapes]
         if other.training != self.training:
             other.train(self.training)
-        other._no_sync = self._no_sync
         return other
 
     def _run(self, a: Action, s: "_StepState", flat_in, flat_t, t_spec, loss_fn):
@@ -511,16 +504,16 @@ class PipelineModule(DistributedModule):
         return info is not None and info.requires_grad and not info.is_buffer
 
     # ---- optimizer and full views ----------------------------------------------------------
-    def _syncs(self) -> list:
+    def syncs(self) -> list:
         """Every stage's data-parallel reducer on this rank."""
-        return [st._sync for st in self.stages.values()]
+        return [st.sync for st in self.stages.values()]
 
     def optimizer(self, cls, *, per_tensor: bool = False, **kwargs) -> torch.optim.Optimizer:
         """As ``DistributedModule.optimizer``, over every stage this rank runs (elementwise
         optimizers only where the stages' parameters are sharded). With ``Plan(offload=
         "optimizer")`` it steps host copies of every stage's parameters (a tied weight held by
         two stages of this rank: a copy each, stepped alike on their summed gradients)."""
-        sharded = "; ".join(sorted({st._sharded_by() for st in self.stages.values()} - {""}))
+        sharded = "; ".join(sorted({st.sharded_by for st in self.stages.values()} - {""}))
         if per_tensor and self.plan.offload is not None:
             raise ValueError(refuse_per_tensor_offload(self.plan))
         if per_tensor:
@@ -545,21 +538,23 @@ class PipelineModule(DistributedModule):
         for st in self.stages.values():
             st.gather_params()
 
-    def _stage_modules(self) -> list:
+    def stage_modules(self) -> list:
+        """The stages this rank runs, in stage order."""
         return [self.stages[k] for k in sorted(self.stages, key=int)]
 
-    def _after_load(self) -> None:
-        for st in self._stage_modules():
-            st._after_load()
+    def after_load(self) -> None:
+        """After ``load``: every stage's ``after_load``."""
+        for st in self.stage_modules():
+            st.after_load()
 
     def _device(self) -> torch.device:
         """The device this rank's stages live on (what the executor allocates on)."""
-        return next(iter(self.stages.values()))._device()
+        return next(iter(self.stages.values())).device
 
     def _full_all(self, grads: bool) -> dict[str, torch.Tensor | None]:
         """Every parameter's (``grads``: gradient's) full tensor on every rank, in a few
         collectives: each stage gathers the tensors it owns (the first stage holding them) over
-        dp and tp at once (``DistributedModule._full_all``), then each pp rank broadcasts which
+        dp and tp at once (``DistributedModule.full_tensors``), then each pp rank broadcasts which
         of its tensors are present and, flat in buckets, their values."""
         names = [n for n in self.ctx.params if n in self._holders and (not grads or self._trainable(n))]
         owner = {n: self._holders[n][0] for n in names}
@@ -569,8 +564,8 @@ class PipelineModule(DistributedModule):
             if grads:
                 pieces = {n: st.module.get_parameter(n).grad for n in mine}
             else:
-                pieces = {n: st.module.get_parameter(n) if n in st._sync.specs else st._buffer(n) for n in mine}
-            full.update(st._full_all(pieces))
+                pieces = {n: st.module.get_parameter(n) if n in st.sync.specs else st.local_tensor(n) for n in mine}
+            full.update(st.full_tensors(pieces))
         if self.p == 1 or self._pp_group is None:
             return {n: full[n] for n in names}
         device = self._device()
@@ -626,8 +621,8 @@ class PipelineModule(DistributedModule):
         dtype = sum_dtype(self.ctx.params)
         total = torch.zeros((), device=self._device(), dtype=dtype)
         for k, st in self.stages.items():
-            first = {n: self._holders[n][0] == int(k) for n in st._sync.specs}
-            total += st._grad_pow_sum(2.0, skip=lambda n: not first.get(n, True), dtype=dtype)
+            first = {n: self._holders[n][0] == int(k) for n in st.sync.specs}
+            total += st.grad_pow_sum(2.0, skip=lambda n: not first.get(n, True), dtype=dtype)
         if self._pp_group is not None and self.p > 1:
             flight.launch(self._pp_group, "all_reduce", "grad norm", total.element_size(), dist.all_reduce, total,
                           dist.ReduceOp.SUM, self._pp_group)

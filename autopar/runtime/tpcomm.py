@@ -58,10 +58,10 @@ from .comm import AxisComm, all_reduce, copy_to_axis
 
 __all__ = ["Pending", "tp_start", "tp_wait", "tp_copy_linear", "tp_all_reduce", "tp_copy", "tp_gather",
            "tp_reduce_scatter", "tp_split", "tp_param_sync", "tp_vocab_embedding", "tp_vocab_cross_entropy",
-           "SavedRegather", "gather_tp_param"]
+           "SavedRegather", "gather_tp_param", "pad_rows"]
 
 
-def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:
     """``y`` with zero rows appended along dim 0 up to ``rows``, contiguous (a collective's
     equal chunk)."""
     if y.shape[0] < rows:
@@ -75,7 +75,7 @@ def _issue(kind: str, x: torch.Tensor, comm: AxisComm, dim: int, size: int, labe
     ``dim`` (``size``: the whole dim), padded to equal chunks: (handle, receive buffer, send
     buffer), the dim moved first."""
     n, c = comm.size, chunk(size, comm.size)
-    y = _pad_rows(x.movedim(dim, 0), c if kind == "all_gather" else n * c)
+    y = pad_rows(x.movedim(dim, 0), c if kind == "all_gather" else n * c)
     if kind == "all_gather":
         out = y.new_empty((n * c,) + tuple(y.shape[1:]))
         work = comm.all_gather_flat(out.view(-1), y.view(-1), label=label, async_op=async_op, phase=phase)
@@ -470,7 +470,7 @@ def gather_tp_param(param: TPParam, local: torch.Tensor, comm: AxisComm, shape: 
     n, d = comm.size, param.placement.dim
     rows = [param.local_shape(shape, n, r)[d] for r in range(n)]
     c = max(rows)
-    x = _pad_rows(local.movedim(d, 0), c)
+    x = pad_rows(local.movedim(d, 0), c)
     out = x.new_empty((n * c,) + tuple(x.shape[1:]))
     comm.all_gather_flat(out.view(-1), x.view(-1), label="full parameter", phase="state")
     return param.full_from([out[r * c: r * c + rows[r]].movedim(0, d) for r in range(n)])

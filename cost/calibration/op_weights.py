@@ -4,8 +4,9 @@ The local preset's ``op_overhead`` is fitted on the calibration's probe pipeline
 h = 8), so it is the dispatch of the *average op of that probe's layer*: 4 linears, 2 layer
 norms, an attention call, a GeLU, 2 adds and 12 views. Models are made of other mixes: a
 Llama layer is 54 ops, 20 of them views and most of the rest cheap pointwise ops (mul, add,
-rsqrt, neg), and at one probe op each it was predicted ~40% over its measured forward
-actions (2026-12-05: 0.83 ms predicted, 0.55 ms of CPU per stage action measured). Here each
+rsqrt, neg), and at one probe op each it is predicted ~40% over its measured forward
+actions (0.83 ms predicted, 0.55 ms of CPU per stage action measured on the machine of
+BENCHMARKS.md). Here each
 op is timed on its own, forward and backward, on tensors small enough that only its dispatch
 counts (2 x 4 x 8), and weighed by the mean of the probe layer's ops: the probe's layers weigh
 what they did (the fit's slope is unchanged) and other mixes what their ops cost.
@@ -128,8 +129,8 @@ def _raw_seconds(rounds: int = _ROUNDS) -> dict:
     out = {}
     for name, _, per, helpers in samples:        # helpers come first, so their time is known
         # each chain's fastest round: a chain of microseconds that the scheduler interrupted
-        # only reads longer, and a difference of single timings went below zero for the
-        # linear's forward in most rounds on a busy machine (2026-12-06)
+        # only reads longer, and a difference of single timings goes below zero for the
+        # linear's forward in most rounds on a busy machine
         fs, bs, fl, bl = (min(t[i] for t in got[name]) for i in range(4))
         f, b = (fl - fs) / (_LONG - _SHORT) / per, (bl - bs) / (_LONG - _SHORT) / per
         f -= sum(k * out[h][0] for h, k in helpers.items())

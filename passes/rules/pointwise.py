@@ -31,7 +31,7 @@ def _tensor_positions(info: OpInfo) -> list:
             + [k for k, a in info.kwargs.items() if isinstance(a, TensorMeta)])
 
 
-def _partial(info: OpInfo, kind: str, at, out: str | None = None) -> Strategy:
+def partial_strategy(info: OpInfo, kind: str, at, out: str | None = None) -> Strategy:
     """Inputs at argument positions ``at`` hold P(kind), the other tensors R -> P(out or kind)."""
     ins = tuple(Partial(kind) if i in at else R for i in _tensor_positions(info))
     return Strategy(ins, like_out(info, Partial(out or kind)))
@@ -55,13 +55,13 @@ def elementwise(info: OpInfo) -> list:
 def add_sub(info: OpInfo) -> list:
     found = elementwise(info)
     if _tensor_positions(info) == [0]:      # x +- constant: avg, max, min shift with it
-        return found + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
-    found += [_partial(info, k, {0, 1}) for k in ("sum", "avg")]
-    found += [_partial(info, "avg", {0}), _partial(info, "avg", {1})]
-    found += [_partial(info, k, {0}) for k in ("max", "min")]
+        return found + [partial_strategy(info, k, {0}) for k in ("avg", "max", "min")]
+    found += [partial_strategy(info, k, {0, 1}) for k in ("sum", "avg")]
+    found += [partial_strategy(info, "avg", {0}), partial_strategy(info, "avg", {1})]
+    found += [partial_strategy(info, k, {0}) for k in ("max", "min")]
     sign = arg(info, 2, "alpha", 1) * (-1 if info.target == aten.sub.Tensor else 1)
     if sign != 0:                            # x + sign*y: y's max/min, flipped when sign < 0
-        found += [_partial(info, k, {1}, k if sign > 0 else _FLIP[k]) for k in ("max", "min")]
+        found += [partial_strategy(info, k, {1}, k if sign > 0 else _FLIP[k]) for k in ("max", "min")]
     return found
 
 
@@ -70,12 +70,12 @@ def mul_div(info: OpInfo) -> list:
     found = elementwise(info)
     if _tensor_positions(info) == [0]:      # scaling by a constant c
         c = info.args[1]
-        found += [_partial(info, k, {0}) for k in ("sum", "avg")]
+        found += [partial_strategy(info, k, {0}) for k in ("sum", "avg")]
         if isinstance(c, (int, float)) and c != 0:
-            found += [_partial(info, k, {0}, k if c > 0 else _FLIP[k]) for k in ("max", "min")]
+            found += [partial_strategy(info, k, {0}, k if c > 0 else _FLIP[k]) for k in ("max", "min")]
         return found
     factors = ({0}, {1}) if info.target == aten.mul.Tensor else ({0},)   # x / y: only x
-    return found + [_partial(info, k, at) for k in ("sum", "avg") for at in factors]
+    return found + [partial_strategy(info, k, at) for k in ("sum", "avg") for at in factors]
 
 
 register(aten.add_.Tensor)(inplace(add_sub))
@@ -84,7 +84,7 @@ register(aten.div_.Tensor)(inplace(mul_div))
 
 @register(aten.neg.default)
 def neg(info: OpInfo) -> list:
-    return elementwise(info) + [_partial(info, k, {0}, _FLIP[k]) for k in _FLIP]
+    return elementwise(info) + [partial_strategy(info, k, {0}, _FLIP[k]) for k in _FLIP]
 
 
 @register(aten.exp.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
@@ -94,7 +94,7 @@ def neg(info: OpInfo) -> list:
 def monotone(info: OpInfo) -> list:
     """Non-decreasing on all reals: f(max_i a_i) = max_i f(a_i) (clamp: in x, with its
     bounds replicated)."""
-    return elementwise(info) + [_partial(info, k, {0}) for k in ("max", "min")]
+    return elementwise(info) + [partial_strategy(info, k, {0}) for k in ("max", "min")]
 
 
 @register(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
@@ -114,7 +114,7 @@ def _cast_partials(info: OpInfo) -> list:
     if not (src.is_floating_point and dst.is_floating_point):
         return []
     kinds = _FLIP if torch.promote_types(src, dst) == dst else ("max", "min")
-    return [_partial(info, k, {0}) for k in kinds]
+    return [partial_strategy(info, k, {0}) for k in kinds]
 
 
 @register(aten.type_as.default)
@@ -141,9 +141,9 @@ def assert_metadata(info: OpInfo) -> list:
 def masked_fill(info: OpInfo) -> list:
     """Filled positions hold the fill value on every rank: right for avg/max/min, and for a
     sum only when the value is 0."""
-    found = elementwise(info) + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
+    found = elementwise(info) + [partial_strategy(info, k, {0}) for k in ("avg", "max", "min")]
     if info.target == aten.masked_fill.Scalar and info.args[2] == 0:
-        found.append(_partial(info, "sum", {0}))
+        found.append(partial_strategy(info, "sum", {0}))
     return found
 
 
@@ -155,7 +155,7 @@ register(aten.detach_.default)(inplace(identity))
 def fill(info: OpInfo) -> list:
     """Every element becomes the value: any shard; the value held on every rank is its own
     average, max and min."""
-    return elementwise(info) + [_partial(info, k, {0}) for k in ("avg", "max", "min")]
+    return elementwise(info) + [partial_strategy(info, k, {0}) for k in ("avg", "max", "min")]
 
 
 @register(aten.copy.default)
@@ -179,8 +179,8 @@ def where(info: OpInfo) -> list:
     found = elementwise(info)
     branches = {1, 2} & set(_tensor_positions(info))
     if branches == {1, 2}:
-        found += [_partial(info, k, {1, 2}) for k in _FLIP]
-    found += [_partial(info, k, {b}) for k in ("avg", "max", "min") for b in branches]
+        found += [partial_strategy(info, k, {1, 2}) for k in _FLIP]
+    found += [partial_strategy(info, k, {b}) for k in ("avg", "max", "min") for b in branches]
     return found
 
 

@@ -42,7 +42,7 @@ from autopar.sizes import local_size
 
 __all__ = ["TensorMeta", "OpInfo", "Strategy", "RULES", "LOCALIZERS", "RANDOM", "register",
            "register_localize", "register_search", "rule_for", "strategies_for", "localize",
-           "local_size", "tensor_inputs", "format_placement", "shrink", "inplace"]
+           "local_size", "tensor_inputs", "format_placement", "shrink", "inplace", "out_meta", "fake_tensors"]
 
 R = Replicate()
 PARTIALS = tuple(Partial(op) for op in ("sum", "avg", "max", "min"))
@@ -79,11 +79,13 @@ def _to_meta(v):
     return v
 
 
-def _out_meta(v):
+def out_meta(v):
+    """A value as a rule sees it: a tensor -> its ``TensorMeta``, recursively (lists and tuples
+    become tuples); anything else as it is."""
     if isinstance(v, torch.Tensor):
         return TensorMeta.of(v)
     if isinstance(v, (list, tuple)):
-        return tuple(_out_meta(x) for x in v)
+        return tuple(out_meta(x) for x in v)
     return v
 
 
@@ -93,20 +95,20 @@ def _node_arg(a):
         if val is None:
             raise ValueError(f"node {a.name} has no meta[{meta.VAL!r}]: capture the graph with "
                              f"torch.export so every node carries its FakeTensor")
-        return _out_meta(val)          # a multi-output value becomes a tuple: one input
+        return out_meta(val)          # a multi-output value becomes a tuple: one input
     if isinstance(a, (list, tuple)):
         return [_node_arg(x) for x in a]
     return a
 
 
-def _fake(v):
+def fake_tensors(v):
     """TensorMeta -> an empty meta tensor, recursively (tuples stay tuples)."""
     if isinstance(v, TensorMeta):
         return torch.empty(v.shape, dtype=v.dtype, device="meta")
     if isinstance(v, list):
-        return [_fake(x) for x in v]
+        return [fake_tensors(x) for x in v]
     if isinstance(v, tuple):
-        return tuple(_fake(x) for x in v)
+        return tuple(fake_tensors(x) for x in v)
     return v
 
 
@@ -149,7 +151,7 @@ class OpInfo:
                              f"capture the graph with torch.export so every node carries it")
         return cls(node.target, tuple(_node_arg(a) for a in node.args),
                    {k: _node_arg(v) for k, v in node.kwargs.items()},
-                   _out_meta(node.meta[meta.VAL]), n)
+                   out_meta(node.meta[meta.VAL]), n)
 
     @classmethod
     def from_call(cls, op, args, kwargs=None, n: Optional[int] = None) -> "OpInfo":
@@ -158,21 +160,21 @@ class OpInfo:
         kwargs = kwargs or {}
 
         def conv(v):
-            return _out_meta(v) if isinstance(v, tuple) else _to_meta(v)
+            return out_meta(v) if isinstance(v, tuple) else _to_meta(v)
 
         if op is operator.getitem and isinstance(args[0], list):   # a list-valued output
             args = (tuple(args[0]),) + tuple(args[1:])
         margs = tuple(conv(a) for a in args)
         mkw = {k: conv(v) for k, v in kwargs.items()}
         try:
-            out = op(*_fake(margs), **_fake(mkw))
+            out = op(*fake_tensors(margs), **fake_tensors(mkw))
         except (NotImplementedError, RuntimeError):
             # the op reads a value (item()) or its output shape depends on the values
             # (nonzero): run it on copies of the real tensors, where they were given
             if _holds(args, TensorMeta) or _holds(kwargs, TensorMeta) or not _holds(args, torch.Tensor):
                 raise
             out = op(*_clone(args), **_clone(kwargs))
-        return cls(op, margs, mkw, _out_meta(out), n)
+        return cls(op, margs, mkw, out_meta(out), n)
 
     def with_n(self, n: Optional[int]) -> "OpInfo":
         return replace(self, n=n)

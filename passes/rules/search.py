@@ -45,7 +45,7 @@ import torch
 
 from autopar.placement import Partial, Replicate, Shard, parse_placement
 
-from .registry import (RANDOM, OpInfo, Strategy, TensorMeta, _fake, _out_meta, format_placement,
+from .registry import (RANDOM, OpInfo, Strategy, TensorMeta, fake_tensors, out_meta, format_placement,
                        local_shape, localize, prod, register_search, replicated, shardable_dims,
                        shrink, tensor_inputs)
 from .check import check_strategy
@@ -150,7 +150,7 @@ def _outputs(info: OpInfo, ins: tuple, ns) -> list:
             local = shrink(info.with_n(n), probe, n, i)
             args, kwargs = localize(local, probe, n, i)
             try:
-                out = _out_meta(info.target(*_fake(args), **_fake(kwargs)))
+                out = out_meta(info.target(*fake_tensors(args), **fake_tensors(kwargs)))
             except Exception:       # the local pieces do not even make a call
                 return []
             out = out if isinstance(out, tuple) else (out,)

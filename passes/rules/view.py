@@ -40,8 +40,9 @@ def moves(info: OpInfo, dim_map) -> list:
     return found
 
 
-def _groups(a, b) -> list:
-    """Runs ``(in_dims, out_dims)`` of equal size product, size-1 dims left out."""
+def dim_groups(a, b) -> list:
+    """A reshape from shape ``a`` to shape ``b`` as runs ``(in_dims, out_dims)`` of equal size
+    product, size-1 dims left out (none when ``a`` has a dim of size 0)."""
     if 0 in a:
         return []
     ia, ib = [d for d, s in enumerate(a) if s != 1], [d for d, s in enumerate(b) if s != 1]
@@ -72,7 +73,7 @@ def _keeps_chunks(a, ga, b, gb, n) -> bool:
           aten.squeeze.dims, aten.unsqueeze.default)
 def view(info: OpInfo) -> list:
     a, b = info.args[0].shape, info.out.shape
-    return moves(info, {ga[0]: gb[0] for ga, gb in _groups(a, b)
+    return moves(info, {ga[0]: gb[0] for ga, gb in dim_groups(a, b)
                         if _keeps_chunks(a, ga, b, gb, info.n)})
 
 

@@ -5,7 +5,7 @@ leave the ranks able to go on (a case that fails at run time then runs a correct
 same module).
 
 ``CASES`` lists them: (id, what the user did, the exception type, a pattern of its message).
-``run_cases`` runs them in one job; ``markdown_table`` prints the README's table from a run.
+``run_cases`` runs them in one job; ``markdown_table`` prints docs/debugging.md's table from a run.
 """
 from __future__ import annotations
 
@@ -584,7 +584,7 @@ def run_cases(ids=None):
 
 
 def markdown_table(results) -> str:
-    """The README's table from one run's results (rank 0's messages)."""
+    """docs/debugging.md's table from one run's results (rank 0's messages)."""
     rows = ["| case | what the user did | error | message (rank 0) |", "|---|---|---|---|"]
     for case_id, what, kind, _ in CASES:
         typ, msg = results[case_id]

@@ -301,8 +301,8 @@ def _works_kept():
     this thread). Under tracemalloc, a handle freed on gloo's worker thread crashes the process
     (SIGSEGV, Python 3.11): freeing its tensors takes the GIL on that thread, which makes a new
     Python thread state there, and tracemalloc, tracing that allocation, reads a thread state
-    that is not there yet (``traceback_new``). One run in four of this job crashed so, in a
-    loop, before the handles were kept."""
+    that is not there yet (``traceback_new``). Without the handles kept, about one run in four
+    of this job crashes so, in a loop."""
     work = torch._C._distributed_c10d.Work
     wait, kept = work.wait, []
 

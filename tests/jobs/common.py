@@ -1,11 +1,8 @@
-"""What the jobs of every feature share: the dp modes, the small MLP's batch, one training step,
-and how the timing jobs time steps."""
+"""What the jobs of every feature share: the dp modes, the small MLP's batch, one training step."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from autopar import tuning
 
 MODES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -25,16 +22,6 @@ def step(dm, opt, inputs, target, loss_fn):
     loss.backward()
     opt.step()
     return loss.detach()
-
-
-BLOCK = 4      # timed_rounds: consecutive steps of one plan a round (the first not timed)
-
-
-def timed_rounds(steps_by_name: dict, steps: int, block: int = BLOCK) -> dict:
-    """``autopar.tuning.timed_rounds`` in whole rounds: at least ``steps`` timed steps each, the
-    count rounded up to full blocks."""
-    per_block = max(1, block - 1)
-    return tuning.timed_rounds(steps_by_name, -(-steps // per_block) * per_block, block)
 
 
 def report(rep, label):

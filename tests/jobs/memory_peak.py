@@ -1,28 +1,24 @@
 """Peak memory during a training step (forward + backward + optimizer step), per rank: what
 lives between steps (the census after zero_grad) plus the profiler's peak of what the step
-allocates on top (``autopar.testing.profiled_peak_bytes``)."""
+allocates on top (``autopar.measure.peak_of``, which compiles and measures the step as the
+hold-out harness does)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import time
 
 import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.measure import STEPS, collectives_settled, compiled_body, peak_of
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from autopar.runtime import flight
-from autopar.runtime.rng import RandomMasks
-from autopar.testing import profiled_peak_bytes, saved_activation_bytes, steady_live_bytes
+from autopar.testing import saved_activation_bytes
 
 # parameters dominate this GPT's memory (the gradients are what ZeRO-2 frees as it reduces)
 PARAM_HEAVY = GPTConfig(vocab=128, seq=8, dim=128, heads=4, layers=4, max_seq=8)
 PARAM_HEAVY_BATCH = 4
 BUCKET_BYTES = 256 << 10
-STEPS = 3            # profiled steps per plan; the median is the plan's peak (gloo frees a collective's
-                     # buffers from its own thread, a moment after the wait: steps differ a little)
 
 
 def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
@@ -30,55 +26,6 @@ def prepared(config, batch, axes, kw, *, hold_reduced=False, seed=0):
     torch.manual_seed(seed)
     model = TinyGPT(config)
     return compiled_body(model, gpt_batch(config, batch), axes, kw, hold_reduced=hold_reduced)
-
-
-def compiled_body(model, batch, axes, kw, *, hold_reduced=False):
-    """(body: forward, backward, optimizer step; dm; opt) of a language model ``model`` on
-    ``batch`` = (tokens, targets), compiled under ``kw`` on a mesh of ``axes``."""
-    x, t = batch
-    plan = autopar.Plan(**kw)
-    dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
-    del model
-    if hold_reduced:        # the reducer as it was: every full-size bucket kept until backward ends
-        dm._sync.free_reduced = False
-    opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
-    lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
-
-    def body():
-        if plan.pp_schedule:
-            dm.train_step(lx, lt, lm_loss)
-        else:
-            loss = lm_loss(dm(*lx), lt)
-            loss.backward()
-            del loss
-        opt.step()
-    return body, dm, opt
-
-
-def peak_of(body, opt, dm=None, steps: int = STEPS) -> dict:
-    """The step's peak: the steady census after zero_grad plus the median of ``steps`` profiled
-    steps. The profiler does not see frees of blocks allocated before it started, so what a
-    step frees of the last one's (its dropout masks, dropped at the next draw) is dropped
-    before the census."""
-    masks = [m for m in dm.modules() if isinstance(m, RandomMasks)] if dm is not None else []
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        body()
-    def between():      # what separates two steps; the census is taken at this point
-        opt.zero_grad(set_to_none=True)
-        for m in masks:
-            m.masks = {}
-
-    between()
-    gc.collect()
-    base = steady_live_bytes(3)
-    peaks = []
-    with collectives_settled():    # frees of collectives' buffers seen (else some steps read higher)
-        for _ in range(steps):   # the step measured after another in the same window (see profiled_peak_bytes)
-            peaks.append(base + profiled_peak_bytes(body, before=lambda: (body(), between())))
-            between()
-    dist.barrier()
-    return {"peak": sorted(peaks)[len(peaks) // 2], "peaks": peaks, "base": base}
 
 
 def dp_peaks(modes=("ddp", "zero1", "zero2", "zero3")) -> dict:
@@ -150,36 +97,6 @@ def depth_peaks(cases, depths, config, batch, steps: int = 2) -> dict:
     smaller is kept)."""
     with collectives_settled():
         return {n: plan_peaks(cases, dataclasses.replace(config, layers=n), batch, steps) for n in depths}
-
-
-@contextlib.contextmanager
-def collectives_settled(pause: float = 1e-3):
-    """Every collective's buffers freed on this thread, where the profiler sees the free.
-    ``profiled_peak_bytes`` sees this thread's allocator events only, and gloo's worker thread
-    holds a collective's buffers (among them its copy of a reduce-scatter's input) until a
-    moment after the wait returns: a buffer whose last reference it drops is never seen freed,
-    and the step's measured peak keeps it, in some steps and not in others. Here this thread
-    holds each collective's handle through the wait and ``pause`` seconds more (a synchronous
-    one, ``AxisComm``'s ``start(False)``, is issued asynchronously and waited on), so that gloo
-    lets go first and dropping the handle here frees the buffers."""
-    launch, wait = flight.launch, flight.Watched.wait
-
-    def settled_launch(group, kind, label, nbytes, start, *args, peer=None):
-        if not (len(args) == 1 and args[0] is False):     # p2p and asynchronous ones as issued
-            return launch(group, kind, label, nbytes, start, *args, peer=peer)
-        launch(group, kind, label, nbytes, start, True, peer=peer).wait()
-        return None
-
-    def settled_wait(self, *args):
-        done = wait(self, *args)
-        time.sleep(pause)
-        return done
-
-    flight.launch, flight.Watched.wait = settled_launch, settled_wait
-    try:
-        yield
-    finally:
-        flight.launch, flight.Watched.wait = launch, wait
 
 
 def auto_plan_peak(cluster, config=ACTIVATION_HEAVY, batch=ACTIVATION_HEAVY_BATCH) -> dict:

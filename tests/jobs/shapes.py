@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.models import GPTConfig, TinyGPT, gpt_batch, lm_loss
-from autopar.testing import _scaled_err
+from autopar.testing import scaled_error
 
 PLANS = {   # name -> (mesh axes, plan)
     "ddp": ({"dp": 2}, autopar.Plan()),
@@ -67,13 +67,14 @@ def train_shapes(name: str) -> dict:
         if mesh.axis_size("dp") > 1:
             torch.distributed.all_reduce(got, group=mesh.group("dp"))
             got /= mesh.axis_size("dp")
-        errs["loss"] = max(errs["loss"], _scaled_err(got, loss_ref.detach(), 1e-4, 1e-5))
+        errs["loss"] = max(errs["loss"], scaled_error(got, loss_ref.detach(), 1e-4, 1e-5))
         grads = dm.full_grads()
-        errs["grad"] = max(errs["grad"], max(_scaled_err(grads[k], p.grad, 1e-4, 1e-6) for k, p in names.items()))
+        errs["grad"] = max(errs["grad"], max(scaled_error(grads[k], p.grad, 1e-4, 1e-6) for k, p in names.items()))
         opt_ref.step()
         opt.step()
         full = dm.full_state_dict()
-        errs["param"] = max(errs["param"], max(_scaled_err(full[k], p.detach(), 1e-4, 1e-5) for k, p in names.items()))
+        errs["param"] = max(errs["param"], max(scaled_error(full[k], p.detach(), 1e-4, 1e-5)
+                                               for k, p in names.items()))
     ref.eval()
     dm.eval()
     tok, tgt = _batch(4, 10, seed=99)
@@ -83,10 +84,10 @@ def train_shapes(name: str) -> dict:
             if mesh.axis_size("dp") > 1:
                 torch.distributed.all_reduce(got, group=mesh.group("dp"))
                 got /= mesh.axis_size("dp")
-            errs["eval"] = _scaled_err(got, lm_loss(ref(tok), tgt), 1e-4, 1e-5)
+            errs["eval"] = scaled_error(got, lm_loss(ref(tok), tgt), 1e-4, 1e-5)
         else:
-            errs["eval"] = _scaled_err(dm(dm.shard_batch(tok)), dm.shard_batch(ref(tok)), 1e-4, 1e-5)
-    return {"errs": errs, "programs": len(dm._programs)}
+            errs["eval"] = scaled_error(dm(dm.shard_batch(tok)), dm.shard_batch(ref(tok)), 1e-4, 1e-5)
+    return {"errs": errs, "programs": len(dm.programs)}
 
 
 def uneven_batch(name: str) -> dict:

@@ -1,10 +1,11 @@
-"""A training step's phases timed on each rank (benchmarks/step_phases.py): where the cost
-model's predicted step and the measured one part.
+"""A training step's phases, predicted by the cost model and timed on each rank: where the
+predicted step and the measured one part (benchmarks/step_phases.py prints them side by side).
 
 A pipeline's ``train_step`` is its schedule (the module's own ``step_time``: the actions and
 the wait for the last sends), then the deferred data-parallel reduction, the exchange of tied
 gradients and the loss broadcast; a single-stage plan's step is its forward (with the loss),
 its backward (with the gradient reductions it waits for); both end with the optimizer step.
+``predicted_phases`` splits an Estimate's timeline into the same phases.
 
 Beside the phases, two parts of every step (``STEP_PARTS``): the seconds the rank spent waiting
 on the runtime's collectives (each asynchronous handle's ``wait`` and each synchronous
@@ -19,16 +20,53 @@ import time
 import torch
 import torch.distributed as dist
 
-import autopar
-from autopar.models import gpt_batch, lm_loss
+from .api import compile as autopar_compile
+from .mesh import Mesh
+from .models import GPTConfig, Llama, LlamaConfig, TinyGPT, gpt_batch, lm_loss
+from .planspec import Plan
+from .runtime import flight
 
-from .holdout import build
+__all__ = ["PIPELINE_PHASES", "STAGE_PHASES", "STEP_PARTS", "AFTER_SCHEDULE", "build", "predicted_phases",
+           "phase_times", "medians"]
 
 PIPELINE_PHASES = ("schedule", "dp reduction", "tied gradients", "loss broadcast", "optimizer")
 STAGE_PHASES = ("forward", "backward + reductions", "optimizer")
 STEP_PARTS = ("collective waits", "rank CPU")
+AFTER_SCHEDULE = {"dp reduction (deferred)": "dp reduction", "tied gradients": "tied gradients",
+                  "loss broadcast": "loss broadcast", "optimizer": "optimizer"}
+"""{label of an Estimate's timeline entry after a pipeline's schedule: its phase}"""
+
+
+def build(spec):
+    """(model, config) of ``spec``: ("gpt", GPTConfig fields) or ("llama", LlamaConfig fields),
+    weights from ``torch.manual_seed(0)``."""
+    kind, fields = spec
+    torch.manual_seed(0)
+    if kind == "gpt":
+        c = GPTConfig(**fields)
+        return TinyGPT(c), c
+    c = LlamaConfig(**fields)
+    return Llama(c), c
+
+
+def predicted_phases(e, pipeline: bool) -> dict:
+    """{phase: seconds} of an Estimate's timeline, summing to its step time."""
+    tl = e.timeline
+    if pipeline:
+        after = [x for x in tl if x[2] in AFTER_SCHEDULE or x[2].startswith(("all_gather params", "params up"))]
+        out = {"schedule": min(x[3] for x in after)}
+        for label, phase in AFTER_SCHEDULE.items():
+            out[phase] = max((x[4] - x[3] for x in tl if x[2] == label), default=0.0)
+        out["optimizer"] = e.step_time_s - sum(out.values()) + out["optimizer"]   # the gathers after it
+        return out
+    fwd = min(x[3] for x in tl if x[2].startswith("B "))
+    opt = min(x[3] for x in tl if x[2] == "optimizer")
+    tail = max(x[4] for x in tl) - opt
+    return {"forward": fwd, "backward + reductions": e.step_time_s - fwd - tail, "optimizer": tail}
+
 
 _WAITED = [0.0]     # seconds this process has spent in collectives' waits (``_count_waits``)
+_COUNTING = [False]  # whether ``_count_waits`` has wrapped the runtime's collectives in this process
 
 
 def _count_waits():
@@ -38,9 +76,8 @@ def _count_waits():
     At ``flight``, not through ``dm.record_timeline()``: the timeline traces the collectives of
     the axes' ``AxisComm`` and the pipeline's messages, not the synchronous ones a pipeline
     issues itself (the loss broadcast), where GPipe's first stage does its blocking; under it
-    that rank's step read no wait at all (2 processes, tests/test_step_phases.py)."""
-    from autopar.runtime import flight
-    if getattr(flight, "_phases_counted", False):
+    that rank's step reads no wait at all (2 processes, tests/test_step_phases.py)."""
+    if _COUNTING[0]:
         return
     launch, wait = flight.launch, flight.Watched.wait
 
@@ -59,7 +96,7 @@ def _count_waits():
             _WAITED[0] += time.perf_counter() - t0
 
     flight.launch, flight.Watched.wait = counted_launch, counted_wait
-    flight._phases_counted = True
+    _COUNTING[0] = True
 
 
 def _timed(times: dict, label: str, fn):
@@ -74,17 +111,18 @@ def _timed(times: dict, label: str, fn):
 
 def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
     """{plan name: {"step": [s, ...], phase: [s, ...]}} on this rank: each of ``cases``
-    ((name, mesh axes, plan kwargs), ...) compiled for the model of ``spec`` on a global batch
-    of ``batch`` rows, warmed up 3 steps, then the plans timed round-robin, one step each per
-    round after a barrier, ``steps`` rounds; with each step's ``STEP_PARTS``."""
+    ((name, mesh axes, plan kwargs), ...) compiled for the model of ``spec`` (``build``) on a
+    global batch of ``batch`` rows, warmed up 3 steps, then the plans timed round-robin, one
+    step each per round after a barrier, ``steps`` rounds; with each step's ``STEP_PARTS``.
+    Every rank of the process group calls it alike."""
     torch.set_num_threads(1)
     _count_waits()
     runners = {}
     for name, axes, kw in cases:
         model, c = build(spec)
         x, t = gpt_batch(c, batch)
-        plan = autopar.Plan(**kw)
-        dm = autopar.compile(model, autopar.Mesh(**axes), example_inputs=(x,), plan=plan)
+        plan = Plan(**kw)
+        dm = autopar_compile(model, Mesh(**axes), example_inputs=(x,), plan=plan)
         del model
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
         lx, lt = dm.shard_batch((x,)), dm.shard_batch(t)
@@ -92,7 +130,7 @@ def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
         opt.step = _timed(times, "optimizer", opt.step)
         if plan.pp_schedule:
             for st in dm.stages.values():
-                st._sync.flush_deferred = _timed(times, "dp reduction", st._sync.flush_deferred)
+                st.sync.flush_deferred = _timed(times, "dp reduction", st.sync.flush_deferred)
             dm._sum_tied_grads = _timed(times, "tied gradients", dm._sum_tied_grads)
             dm._step_loss = _timed(times, "loss broadcast", dm._step_loss)
 

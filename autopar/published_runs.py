@@ -22,10 +22,10 @@ from typing import Optional
 
 import torch
 
-import autopar
-from autopar.cost.cluster import get_cluster
-from autopar.cost.estimate import Profiles, evaluate_plan
-from autopar.models import NAMED, GPTConfig, named
+from .cost.cluster import get_cluster
+from .cost.estimate import Profiles, evaluate_plan
+from .models import NAMED, GPTConfig, named
+from .planspec import Plan
 
 NARAYANAN = ("Narayanan et al., \"Efficient Large-Scale Language Model Training on GPU Clusters Using "
              "Megatron-LM\", SC'21, table 1")
@@ -200,7 +200,7 @@ def profiles(run: Run, cluster) -> Profiles:
 def estimate(run: Run, cluster=None):
     """The cost model's Estimate of ``run`` (``cluster`` overrides the run's preset)."""
     c = get_cluster(cluster or run.cluster)
-    return evaluate_plan(profiles(run, c), run.axes, autopar.Plan(**run.plan), c, run.global_batch,
+    return evaluate_plan(profiles(run, c), run.axes, Plan(**run.plan), c, run.global_batch,
                          recompute=run.recompute)
 
 
