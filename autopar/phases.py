@@ -131,8 +131,8 @@ def phase_times(spec, batch: int, cases, steps: int = 21) -> dict:
         if plan.pp_schedule:
             for st in dm.stages.values():
                 st.sync.flush_deferred = _timed(times, "dp reduction", st.sync.flush_deferred)
-            dm._sum_tied_grads = _timed(times, "tied gradients", dm._sum_tied_grads)
-            dm._step_loss = _timed(times, "loss broadcast", dm._step_loss)
+            for part in ("tied gradients", "loss broadcast"):
+                dm.instrument(part, lambda fn, part=part, times=times: _timed(times, part, fn))
 
             def step(dm=dm, opt=opt, lx=lx, lt=lt, times=times):
                 opt.zero_grad(set_to_none=True)

@@ -634,6 +634,21 @@ class PipelineModule(CompiledModule):
         return norm
 
     # ---- inspection -------------------------------------------------------------------------
+    STEP_PARTS = {"action": "_run", "batch": "_post", "tied gradients": "_sum_tied_grads",
+                  "loss broadcast": "_step_loss"}
+
+    def instrument(self, part: str, wrap) -> None:
+        """Replace one part of this module's step by ``wrap(part)``, for a harness that times
+        it (``autopar.phases``, the calibration's runtime probes). The parts: ``"action"`` (one
+        compute action: ``fn(action, state, *rest)``), ``"batch"`` (one batch of transfers:
+        ``fn(batch, state, release=True)``), ``"tied gradients"`` (the sum over tied copies
+        after the schedule: ``fn()``) and ``"loss broadcast"`` (the step's loss to every rank:
+        ``fn(state)``). The wrapper must call the part it wraps with the same arguments."""
+        if part not in self.STEP_PARTS:
+            raise ValueError(f"instrument({part!r}): expected one of {sorted(self.STEP_PARTS)}")
+        name = self.STEP_PARTS[part]
+        setattr(self, name, wrap(getattr(self, name)))
+
     def simulate(self, costs=None):
         """The schedule's timeline by the simulator (unit costs unless ``costs`` says otherwise)."""
         return simulate(self.schedule, costs)

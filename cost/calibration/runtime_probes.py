@@ -7,6 +7,7 @@ work). What is fitted to them is ``host_fits``' and ``link_fits``'."""
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import time
 import warnings
@@ -113,12 +114,11 @@ class _ActionClock:
         self.count.update(message=0, F=0, B=0, W=0)
 
     def watch(self, dm) -> None:
-        """Time the actions (``dm._run``) and the batches of transfers (``dm._post``: a batch's
-        CPU time counted per message) of the compiled pipeline ``dm``."""
+        """Time the actions and the batches of transfers (a batch's CPU time counted per
+        message) of the compiled pipeline ``dm`` (``PipelineModule.instrument``)."""
         spent, count = self.spent, self.count
-        run_action, post = dm._run, dm._post
 
-        def timed(a, *args, **kwargs):
+        def timed(run_action, a, *args, **kwargs):
             c0 = time.thread_time()
             try:
                 return run_action(a, *args, **kwargs)
@@ -130,7 +130,7 @@ class _ActionClock:
                 if compute:
                     spent[a.kind] += took
 
-        def timed_post(batch, *args, **kwargs):     # a batch of transfers: its CPU time per message
+        def timed_post(post, batch, *args, **kwargs):     # a batch of transfers: its CPU time per message
             c0 = time.thread_time()
             try:
                 return post(batch, *args, **kwargs)
@@ -138,7 +138,8 @@ class _ActionClock:
                 spent["message"] += time.thread_time() - c0
                 count["message"] += len(batch)
 
-        dm._run, dm._post = timed, timed_post
+        dm.instrument("action", lambda run_action: functools.partial(timed, run_action))
+        dm.instrument("batch", lambda post: functools.partial(timed_post, post))
 
 
 def _lm_loss(out, target):
