@@ -16,11 +16,11 @@ from .cost.planner import InfeasiblePlan, PlanReport
 from .mesh import Mesh
 from .placement import Layout, Partial, Replicate, Shard
 from .planspec import Plan
-from .runtime import DistributedModule
+from .runtime import CompiledModule, DistributedModule
 from .tuning import TuneReport, tune
 from .verification import Divergence, VerifyReport, verify
 
-__all__ = ["Mesh", "Plan", "compile", "DistributedModule", "Shard", "Replicate", "Partial",
+__all__ = ["Mesh", "Plan", "compile", "CompiledModule", "DistributedModule", "Shard", "Replicate", "Partial",
            "Layout", "CaptureError", "DataDependentShapeError", "testing", "passes", "cost", "estimate", "Estimate", "plan", "PlanReport",
            "InfeasiblePlan", "models", "verify", "VerifyReport", "Divergence", "tune", "TuneReport"]
 

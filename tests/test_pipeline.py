@@ -287,7 +287,7 @@ def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
     tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
     pm = autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
                          plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
-    assert isinstance(pm, PipelineModule)
+    assert isinstance(pm, PipelineModule) and isinstance(pm, autopar.CompiledModule)
     assert pm.shard_batch(torch.arange(8)).tolist() == list(range(8))       # no dp axis: the whole batch
     assert pm.to_empty(device="cpu") is pm
     assert all(p.device.type == "cpu" for p in pm.parameters())
@@ -327,3 +327,16 @@ def test_a_refused_stage_stops_every_rank_at_once(ranks):
     assert t1 == "PeerError" and m1.startswith("rank 0 could not compile its part of the program") and \
         m1.endswith(f"ValueError: {m0}")
     assert max(s0, s1) < 10
+
+
+def test_instrument_names_the_parts_of_a_step_it_can_wrap():
+    """The timing seam of a pipeline's step (autopar.phases, the calibration's probes) refuses a
+    part it does not have, naming the ones it has."""
+    c = GPTConfig(layers=2)
+    with torch.device("meta"):
+        model = TinyGPT(c)
+    tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
+    pm = autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
+                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    with pytest.raises(ValueError, match=r"instrument\('optimizer'\): expected one of \['action', 'batch'"):
+        pm.instrument("optimizer", lambda fn: fn)

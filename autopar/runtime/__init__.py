@@ -16,7 +16,7 @@
     optim             which optimizers may step shards; optimizers built on dm.parameters() checked
     offload           Plan(offload="optimizer"): the optimizer's copy and state on the host, the
                       host link's copies counted
-    module            DistributedModule
+    module            CompiledModule (what every compiled module is), DistributedModule
     pipeline_module   PipelineModule: a rank's stages and the schedule that drives them
     emit              the rewritten graph -> this rank's DistributedModule
 
@@ -24,7 +24,7 @@ The runtime imports the IR (autopar.meta, placement, sizes, context, schedule, t
 nothing of the passes or the cost model.
 """
 from .emit import emit
-from .module import DistributedModule, slice_batch
+from .module import CompiledModule, DistributedModule, slice_batch
 from .pipeline_module import PipelineModule
 
-__all__ = ["emit", "DistributedModule", "PipelineModule", "slice_batch"]
+__all__ = ["emit", "CompiledModule", "DistributedModule", "PipelineModule", "slice_batch"]
