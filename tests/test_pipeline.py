@@ -271,6 +271,16 @@ def test_dump_writes_schedule_picture_and_stages(tmp_path, schedule, v):
         assert "matmuls compute their weight gradient in W" in explain
 
 
+def _virtual_pipeline():
+    """A 1F1B pipeline of a 2-layer GPT on a virtual pp=2 mesh, and a batch of its shape."""
+    c = GPTConfig(layers=2)
+    with torch.device("meta"):
+        model = TinyGPT(c)
+    tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
+    return autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
+                           plan=autopar.Plan(pp_schedule="1f1b", microbatches=2)), tok
+
+
 def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
     """Every public method of the base a pipeline shares with DistributedModule (CompiledModule)
     either has a pipeline version, or works as inherited (shard_batch, save and load over its
@@ -281,12 +291,7 @@ def test_a_pipelined_module_implements_or_refuses_every_method_it_inherits():
     own = {k for k, v in vars(CompiledModule).items() if callable(v) and not k.startswith("_")}
     overridden = {k for k in own if k in vars(PipelineModule)}
     assert own - overridden == {"shard_batch", "explain", "predict", "dump", "record_timeline", "save", "load"}
-    c = GPTConfig(layers=2)
-    with torch.device("meta"):
-        model = TinyGPT(c)
-    tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
-    pm = autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
-                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    pm, tok = _virtual_pipeline()
     assert isinstance(pm, PipelineModule) and isinstance(pm, autopar.CompiledModule)
     assert pm.shard_batch(torch.arange(8)).tolist() == list(range(8))       # no dp axis: the whole batch
     assert pm.to_empty(device="cpu") is pm
@@ -332,11 +337,6 @@ def test_a_refused_stage_stops_every_rank_at_once(ranks):
 def test_instrument_names_the_parts_of_a_step_it_can_wrap():
     """The timing seam of a pipeline's step (autopar.phases, the calibration's probes) refuses a
     part it does not have, naming the ones it has."""
-    c = GPTConfig(layers=2)
-    with torch.device("meta"):
-        model = TinyGPT(c)
-    tok = torch.zeros(4, c.seq, dtype=torch.long, device="meta")
-    pm = autopar.compile(model, autopar.Mesh(pp=2, virtual=True), example_inputs=(tok,),
-                         plan=autopar.Plan(pp_schedule="1f1b", microbatches=2))
+    pm, tok = _virtual_pipeline()
     with pytest.raises(ValueError, match=r"instrument\('optimizer'\): expected one of \['action', 'batch'"):
         pm.instrument("optimizer", lambda fn: fn)

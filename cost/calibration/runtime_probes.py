@@ -181,6 +181,16 @@ def _probe_pipeline(clock: _ActionClock, layers: int, schedule: str, dim: int, s
     return step, (dict(names), sum(g.weight_matmuls for g in mine)), stage
 
 
+def _stack_inputs(world: int):
+    """A probe rank's set-up (one thread, torch.distributed's deprecation warnings off), then
+    per size of ``SYNC_BLOCKS``: (blocks, the world's batch of the synthetic stack, seeded)."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    for blocks in SYNC_BLOCKS:
+        torch.manual_seed(0)
+        yield blocks, torch.randn(SYNC_ROWS * world, SYNC_DIM)
+
+
 def sync_probe(modes: tuple, steps: int) -> dict:
     """Run on every rank (a job of ``Ranks``' pool): (mode, blocks) -> thread CPU seconds of a
     training step (zero_grad, forward, backward, AdamW step) of the synthetic stack of
@@ -189,13 +199,8 @@ def sync_probe(modes: tuple, steps: int) -> dict:
     AdamW step over the same parameters, their gradients set. Thread CPU time: the rank's own
     work, not its waits on collectives (gloo's threads carry those); the median over ``steps``
     rounds, each stepping every model once."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    world = dist.get_world_size()
-    steps_of = {}
-    for blocks in SYNC_BLOCKS:
-        torch.manual_seed(0)
-        x = torch.randn(SYNC_ROWS * world, SYNC_DIM)
+    world, steps_of = dist.get_world_size(), {}
+    for blocks, x in _stack_inputs(world):
         model = Stack(SYNC_DIM, blocks)
         model(x).square().mean().backward()
         steps_of[("adam", blocks)] = torch.optim.AdamW(model.parameters(), lr=1e-3).step
@@ -253,13 +258,8 @@ def shared_step_probe(modes: tuple, steps: int) -> dict:
     seconds of a training step of the synthetic stack of ``SYNC_BLOCKS`` blocks compiled by
     autopar on all the ranks under each of ``modes`` (``compiled_step``; ``"tp"``: on the tp
     axis), each step after a barrier, round-robin over ``steps`` rounds."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    world = dist.get_world_size()
-    steps_of = {}
-    for blocks in SYNC_BLOCKS:
-        torch.manual_seed(0)
-        x = torch.randn(SYNC_ROWS * world, SYNC_DIM)
+    world, steps_of = dist.get_world_size(), {}
+    for blocks, x in _stack_inputs(world):
         for mode in modes:
             steps_of[(mode, blocks)] = compiled_step(Stack(SYNC_DIM, blocks), world, mode, x)
     for step in steps_of.values():
