@@ -31,7 +31,7 @@ from .runtime.dpsync import dp_gather
 from .runtime.tpcomm import tp_gather
 
 __all__ = ["Arch", "ARCHS", "PLANS", "build", "batch", "arch", "Cell", "run_cell", "run", "table", "plan_world",
-           "Holdings", "volume_check"]
+           "Holdings", "volume_check", "run_cells", "tp_weight_gathers"]
 
 VOCAB = 96
 HIDDEN = 32
@@ -343,7 +343,7 @@ def _holdings(dm) -> Holdings:
     params = [p for p in dm.parameters() if p.requires_grad]
     gathered, kept, warned = (), "", False
     if isinstance(getattr(dm, "module", None), torch.fx.GraphModule) and dm.mesh.axis_size("tp") > 1:
-        gathered = tuple(_tp_weight_gathers(dm.module))
+        gathered = tuple(tp_weight_gathers(dm.module))
         kept = whole_share(dm.ctx, top=2).describe()
         warned = any(n.startswith("warning: tensor parallelism keeps") for n in dm.ctx.notes)
     return Holdings(_nbytes(params), gathered, kept, warned)
@@ -356,7 +356,7 @@ _ALONG = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.
 """ops that leave a parameter a parameter (a view, a cast, ZeRO-3's gather of its own shard)"""
 
 
-def _tp_weight_gathers(gm: torch.fx.GraphModule) -> list:
+def tp_weight_gathers(gm: torch.fx.GraphModule) -> list:
     """The parameters of ``gm`` that a ``tp_gather`` node makes whole (through views of them)."""
     params = {n for n, _ in gm.named_parameters()}
     out = []
@@ -459,7 +459,7 @@ def _pp_volume(trainable: list, sent, held: Holdings) -> str:
     return ""
 
 
-def _run_cells(names: list, plans: list, steps: int) -> list:
+def run_cells(names: list, plans: list, steps: int) -> list:
     """The cells, quiet (autopar's warnings and Python's are the table's notes, not the log's),
     the process's logging and warning filters restored after: a pool runs other jobs too."""
     torch.set_num_threads(1)
@@ -479,7 +479,7 @@ def run(names=None, plans=None, steps: int = STEPS, log=None) -> list:
         pool = RankPool(world, timeout=CELL_TIMEOUT)
         try:
             for n in names:
-                got = pool.run(_run_cells, [n], ps, steps, timeout=CELL_TIMEOUT * 2 * len(ps) + 120)[0]
+                got = pool.run(run_cells, [n], ps, steps, timeout=CELL_TIMEOUT * 2 * len(ps) + 120)[0]
                 for c in got:
                     cells[(c.arch, c.plan)] = c
                     if log:

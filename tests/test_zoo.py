@@ -12,7 +12,7 @@ FAST = ["llama", "mixtral"]
 
 
 def cells_of(ranks, names, plans, world):
-    got = ranks(zoo._run_cells, world, names, plans, zoo.STEPS, timeout=60 + 40 * len(names) * len(plans))
+    got = ranks(zoo.run_cells, world, names, plans, zoo.STEPS, timeout=60 + 40 * len(names) * len(plans))
     for rank_cells in got[1:]:            # every rank reaches the same verdicts
         assert [(c.arch, c.plan, c.ok) for c in rank_cells] == [(c.arch, c.plan, c.ok) for c in got[0]]
     return {(c.arch, c.plan): c for c in got[0]}

@@ -96,7 +96,7 @@ def test_volume_check_dp_by_tp_and_pipeline():
 
 
 def test_weight_gathers_are_found_through_views():
-    """``zoo._tp_weight_gathers`` names a parameter that a tp all-gather makes whole, through a
+    """``zoo.tp_weight_gathers`` names a parameter that a tp all-gather makes whole, through a
     transpose and a view of it, and not an activation's gather."""
     root = torch.nn.Module()
     root.w = torch.nn.Parameter(torch.randn(4, 6))
@@ -106,7 +106,7 @@ def test_weight_gathers_are_found_through_views():
     gw = g.call_function(tp_gather, (wt, None, 1, 8, False))
     gx = g.call_function(tp_gather, (x, None, 1, 8, False))
     g.output((gw, gx))
-    assert zoo._tp_weight_gathers(torch.fx.GraphModule(root, g)) == ["w"]
+    assert zoo.tp_weight_gathers(torch.fx.GraphModule(root, g)) == ["w"]
 
 
 @pytest.mark.slow
