@@ -400,15 +400,16 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *,
-             duration=None, latency=None) -> Timeline:
+             duration=None, latency=None, **sharing) -> Timeline:
     """Validate, lower and replay ``schedule`` in event time. ``costs`` overrides the per-kind
     durations (default F=1, B=2, or B=1 and W=1 when the backward is split); a message arrives
     ``comm`` after its send. ``duration(action)`` / ``latency(send_action)``, when given, set
     each compute action's duration and each message's transfer time (the cost model's
-    per-stage times). Raises ScheduleDeadlock if the ranks cannot all finish. (Ranks sharing
-    processors: ``autopar.cost.pipeline``.)"""
+    per-stage times). ``sharing``: ``cores``, ``wake``, ``placement``, ``speed``,
+    ``rendezvous`` for ranks that share processors (``execute``). Raises ScheduleDeadlock if
+    the ranks cannot all finish."""
     schedule.validate()
-    return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency)
+    return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency, **sharing)
 
 
 def matching_send(recv: Action) -> Action:

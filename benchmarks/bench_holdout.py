@@ -75,8 +75,7 @@ import os
 import statistics
 import time
 
-# the grid's names the other benchmarks read from here too (pp_actions.py: PLANS_2)
-from autopar.holdout import (BATCH, OTHER, PLANS_2, STATISTICS, build, grid_models, live_slowdown,  # noqa: F401
+from autopar.holdout import (BATCH, OTHER, STATISTICS, build, grid_models, live_slowdown,
                              live_summary, measured_cases, other_summary, parse_grid, plans, predictions,
                              repredict, step_time, summary, trial_path, trial_ratio, tune_pick, with_contention)
 

@@ -27,7 +27,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 WAYS = ("one way", "crossing, one group", "crossing, two groups")
@@ -112,8 +111,8 @@ def main(argv=None):
                       f"{sum(v > 1.5e-3 for v in x):>4d}/{len(x):<2d} | {1e3 * call:>9.2f}", flush=True)
     if not args.rows or args.repeats < 1:
         return
-    import bench_holdout
-    specs = {k: s for k, s, _ in bench_holdout.grid_models()}
+    from autopar.holdout import grid_models
+    specs = {k: s for k, s, _ in grid_models()}
     print(f"\n## 1F1B on 2 stages (4 micro-batches, batch 8): the slowest rank's mean of 41 steps, ms; "
           f"{args.repeats} repeats in fresh processes, the two ways alternating")
     for key in args.rows:

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from autopar.cost import estimate, pipeline  # noqa: E402
-from autopar.cost.calibration import link_fits  # noqa: E402
-from autopar.cost.cluster import cached_local  # noqa: E402
+from autopar import holdout
+from autopar.cost import estimate, pipeline
+from autopar.cost.calibration import link_fits
+from autopar.cost.cluster import cached_local
 
 moment = pipeline.pipeline_placement
 
@@ -50,7 +48,6 @@ VARIANTS = {"moment": moment, "mesh": mesh, "lent": lent}
 
 
 def main():
-    import bench_holdout as B
     c = cached_local()
     if c is None:
         raise SystemExit("no local calibration in the cache: run bench_holdout.py with the same AUTOPAR_CACHE first")
@@ -60,8 +57,8 @@ def main():
     crowded = link_fits.pipeline_replay(2 * cores, cores, table, hop, wake)
     print(f"contention {table}; the synthetic pipeline's measured step: {two * 1e3:.2f} ms on 2 processes, "
           f"{crowded * 1e3:.2f} ms on {2 * cores}")
-    runs = [B.parse_grid(path) for path in sys.argv[1:]]
-    models = B.grid_models()
+    runs = [holdout.parse_grid(path) for path in sys.argv[1:]]
+    models = holdout.grid_models()
     for name, place in VARIANTS.items():
         h = link_fits.fit_hop(two, 2, cores, table, place=place) if place is not moment else hop
         w = link_fits.fit_hop(crowded, 2 * cores, cores, table, hop=h, place=place) if place is not moment else wake
@@ -70,8 +67,8 @@ def main():
                                  shared=dataclasses.replace(c.shared, hop=h, wake=w) if c.shared else None)
         errs, by_plan = [], {}
         for world in (2, 4):
-            plans = [p for p in B.plans(world) if any((world, k, p[0]) in r for r in runs for k, _, _ in models)]
-            for (key, plan), e in B.predictions(models, plans, cl).items():
+            plans = [p for p in holdout.plans(world) if any((world, k, p[0]) in r for r in runs for k, _, _ in models)]
+            for (key, plan), e in holdout.predictions(models, plans, cl).items():
                 measured = [r[(world, key, plan)][0] for r in runs if (world, key, plan) in r]
                 ratio = e.step_time_s * 1e3 / math.exp(statistics.mean(math.log(x) for x in measured))
                 errs.append(abs(ratio - 1))

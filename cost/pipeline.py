@@ -1,8 +1,9 @@
 """A pipeline's step for the cost model: the schedule replayed in event time with the stages'
 times, and what runs around it.
 
-``simulate_shared`` replays a schedule whose ranks share processors, as processes on one CPU
-do (the local preset); ``pipeline_placement`` says how the ranks of a mesh share them;
+``autopar.schedule.simulate`` replays a schedule, its ranks sharing processors as processes on
+one CPU do (the local preset) where asked; ``pipeline_placement`` says how the ranks of a mesh
+share them;
 ``pipeline_time`` is the estimate's pipeline: the replay, or its closed form
 (``closed_form_pipeline``) in the planner's inner loop and for very long schedules. Around
 it: the cut into stages (``partition``), a time-shared core's cache refill per action
@@ -14,26 +15,15 @@ from __future__ import annotations
 import functools
 import math
 
-from autopar.schedule import SCHEDULES, Schedule, Timeline, build_schedule, execute, lower
+from autopar.schedule import SCHEDULES, Schedule, build_schedule, execute, lower
 
 from .comm import collective_time
 from .compute import compute_time
 from .profile import is_layer
 
-__all__ = ["simulate_shared", "pipeline_placement", "closed_form_pipeline", "pipeline_time",
+__all__ = ["pipeline_placement", "closed_form_pipeline", "pipeline_time",
            "lowered_schedule", "partition", "stage_caveats", "refill_time", "tied_exchange_time", "schedule_wait",
            "schedule_tail_time", "loss_broadcast_time"]
-
-
-def simulate_shared(schedule: Schedule, costs: dict | None = None, comm: float = 0.0, *, duration=None,
-                    latency=None, cores: float | None = None, wake: float = 0.0, placement=None,
-                    speed: float = 1.0, rendezvous: bool = False) -> Timeline:
-    """``autopar.schedule.simulate`` for ranks that share ``cores`` processors (default: one
-    each) or are laid out by ``placement``, each at ``speed``; a rank woken by its message while
-    every processor is taken waits ``wake`` for one (``autopar.schedule.execute`` says how)."""
-    schedule.validate()
-    return execute(schedule, lower(schedule), costs, comm, duration=duration, latency=latency, cores=cores,
-                   wake=wake, placement=placement, speed=speed, rendezvous=rendezvous)
 
 
 def pipeline_placement(p: int, world: int, cores: int, slowdown) -> tuple:

@@ -389,13 +389,12 @@ def test_the_interleaved_hop_is_fitted_on_interleaved_pipelines_and_used_for_the
     message time takes ``hop_interleaved`` for the interleaved schedule only."""
     from autopar.cost.calibration import link_fits
     from autopar.cost.comm import pipeline_hop_time
-    from autopar.cost.pipeline import simulate_shared
-    from autopar.schedule import build_schedule
+    from autopar.schedule import build_schedule, simulate
     f, b, msg, h = 4e-4, 7e-4, 1e-4, 1.3e-3
     per_stage = [{"F": f, "B": b, "W": 0.0}] * 4
     alone = ((2, 1.0), (4, 1.0))
     sched = build_schedule("interleaved", 2, 4, 2)
-    measured = simulate_shared(sched, duration=lambda a: (f if a.kind == "F" else b) + msg,
+    measured = simulate(sched, duration=lambda a: (f if a.kind == "F" else b) + msg,
                                latency=lambda a: h, rendezvous=True).makespan
     replays = [("interleaved", per_stage, [msg] * 4, measured),
                ("1f1b", per_stage[:2], [msg] * 2, (4 + 1) * (f + b + 2 * msg) + 2 * 5e-4)]
@@ -421,20 +420,20 @@ def test_the_wake_is_fitted_on_pipelines_where_a_woken_rank_can_find_every_core_
     no wake ever meets a full group: its replay does not move with the wake, so it could only
     fit 0."""
     from autopar.cost.calibration import link_fits
-    from autopar.cost.pipeline import pipeline_placement, simulate_shared
+    from autopar.cost.pipeline import pipeline_placement
     from autopar.cost.cluster import slowdown
-    from autopar.schedule import build_schedule
+    from autopar.schedule import build_schedule, simulate
     f, b, msg, hop, w = 6e-4, 7e-4, 1.3e-4, 4e-4, 1.5e-3
     shared = ((2, 1.0), (4, 2.0))           # time-sharing alone: 4 processes on 2 cores at half speed
     speed, placement = pipeline_placement(4, 4, 2, lambda k: slowdown(shared, 2, k))
     msgs = [1, 2, 2, 1]
-    measured = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
+    measured = simulate(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
                                + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
                                wake=w, rendezvous=True).makespan
     # op_overhead_probe's row per rank: (compute, ops, message CPU, {kind: action CPU}, schedule, stage, tail)
     rows = [[(0.0, None, msg, {"F": f, "B": b, "W": 0.0}, measured - 1e-5 * (3 - s), s, [])] for s in (2, 0, 3, 1)]
     assert link_fits.fit_runtime_wake(rows, 2, shared, hop) == pytest.approx(w, rel=1e-3)
-    none = simulate_shared(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
+    none = simulate(build_schedule("1f1b", 4, 4), duration=lambda a: (f if a.kind == "F" else b)
                            + msgs[a.stage] * msg, latency=lambda a: hop, speed=speed, placement=placement,
                            rendezvous=True).makespan
     assert measured > none + w          # the wake is on the schedule's path more than once

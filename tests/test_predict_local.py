@@ -1,6 +1,6 @@
 """Predictions of the cost model (``local`` preset, calibrated on this machine) against
-measurements of the same plans on real processes: the small GPT of ``jobs.predict`` at world 4
-under every plan of ``jobs.predict.PREDICT_PLANS`` (ddp, ZeRO-1/2/3, tp, tp+sp, three
+measurements of the same plans on real processes: the small GPT of ``autopar.predict_local`` at world 4
+under every plan of ``autopar.predict_local.PREDICT_PLANS`` (ddp, ZeRO-1/2/3, tp, tp+sp, three
 pipelines). The calibration's probes never run this GPT (they run a synthetic stack of linear
 layers, GPTs of h=8, bare collectives and matmuls), so these are hold-out predictions. Bytes
 must be exact, memory within 10%, and each plan's predicted / measured step time between ``SHORT`` and ``LONG`` (benchmarks/bench_holdout.py measures the same on a grid of models and plans;
@@ -16,7 +16,7 @@ from autopar.cost.estimate import Profiles, evaluate_plan
 from autopar.models import TinyGPT, gpt_batch
 from autopar.testing import run
 
-from jobs import predict as jobs
+from autopar import predict_local
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.timing]
 
@@ -30,12 +30,12 @@ def local(local_cluster):
 def pick(local):
     """The planner's choice for the small GPT on 4 ranks of this machine (without
     recomputation, which compile does not implement)."""
-    c = jobs.PREDICT_CONFIG
-    x, _ = gpt_batch(c, jobs.PREDICT_BATCH)
+    c = predict_local.PREDICT_CONFIG
+    x, _ = gpt_batch(c, predict_local.PREDICT_BATCH)
     report = autopar.plan(TinyGPT(c), 4, example_inputs=(x,), cluster=local, recompute=("none",))
     kw = {f.name: getattr(report.plan, f.name) for f in dataclasses.fields(report.plan)
           if getattr(report.plan, f.name) != f.default or f.name == "dp"}
-    for name, axes, plan_kw in jobs.PREDICT_PLANS:
+    for name, axes, plan_kw in predict_local.PREDICT_PLANS:
         if axes == report.mesh.axes and autopar.Plan(**plan_kw) == report.plan:
             return name, report
     return ("planner pick", dict(report.mesh.axes), kw), report
@@ -46,20 +46,20 @@ def measured(local, pick, ranks):
     ranks.close_all()     # the suite's idle rank pools slowed these timings by half
     extra = () if isinstance(pick[0], str) else (pick[0],)
     # fresh processes: the memory census counts every tensor a process holds
-    per_rank = run(jobs.measured_plans, 4, None, 7, extra, timeout=560)
+    per_rank = run(predict_local.measured_plans, 4, None, 7, extra, timeout=560)
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
 @pytest.fixture(scope="module")
 def predicted(local):
-    c = jobs.PREDICT_CONFIG
-    x, _ = gpt_batch(c, jobs.PREDICT_BATCH)
+    c = predict_local.PREDICT_CONFIG
+    x, _ = gpt_batch(c, predict_local.PREDICT_BATCH)
     profiles = Profiles(TinyGPT(c), (x,))
-    return {name: evaluate_plan(profiles, axes, autopar.Plan(**kw), local, jobs.PREDICT_BATCH)
-            for name, axes, kw in jobs.PREDICT_PLANS}
+    return {name: evaluate_plan(profiles, axes, autopar.Plan(**kw), local, predict_local.PREDICT_BATCH)
+            for name, axes, kw in predict_local.PREDICT_PLANS}
 
 
-NAMES = [name for name, _, _ in jobs.PREDICT_PLANS]
+NAMES = [name for name, _, _ in predict_local.PREDICT_PLANS]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -135,9 +135,9 @@ def test_the_text_speaks_of_the_software_only():
 
 
 def test_the_process_words_are_told_from_the_softwares():
-    history = ["since run 59 the fit", "hold-out runs 22-25)", "Runs 44, 45 and 46: within", "stop 58's code",
-               "(issue 14)", "from run 44 on", "(before: one a tensor)", "measured on 2026-12-04",
-               "commit b7d66b0", "at 135d9dd2f0e1", "this session", "in the fourth session"]
+    history = ["since run 7 the fit", "hold-out runs 3-4)", "Runs 4, 5 and 6: within", "stop 9's code",
+               "(issue 2)", "from run 4 on", "(before: one a tensor)", "measured on 2000-01-31",
+               "commit abc1234", "at 0a1b2c3d4e5f", "this session", "in the fourth session"]
     software = ["run 3 steps under the profiler", "runs\n    2 stages", "[--runs 2]", "issues 8 collectives",
                 "2.0 s before: ValueError", '@pytest.fixture(scope="session")', "measured once per session",
                 "kept for the\nsession", "def pytest_collection_finish(session):", "item 0 of the tuple"]

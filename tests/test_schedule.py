@@ -13,7 +13,7 @@ from autopar.schedule import (
     lower,
     simulate,
 )
-from autopar.cost.pipeline import pipeline_placement, simulate_shared
+from autopar.cost.pipeline import pipeline_placement
 
 BUILT = [(name, p, m, v) for p in (1, 2, 4) for m in (4, 8)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3))
@@ -212,7 +212,7 @@ def test_shared_cores_replay(name, p, m, v):
     assert [[(a, pytest.approx(b), pytest.approx(e)) for a, b, e in evs] for evs in plain.events] == same.events
     total = sum(e - b for evs in plain.events for _, b, e in evs)
     assert execute(s, lower(s), duration=dur, cores=1).makespan == pytest.approx(total)
-    half = simulate_shared(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
+    half = simulate(s, duration=dur, latency=lambda a: 0.25, cores=p / 2)
     assert plain.makespan <= half.makespan + 1e-9 and half.makespan >= total / (p / 2) - 1e-9
     assert all(e - b >= work[a] - 1e-9 for evs in half.events for a, b, e in evs)
     with pytest.raises(ValueError, match="positive number of processors"):
@@ -227,16 +227,16 @@ def test_shared_replay_with_placement():
     s = build_schedule("1f1b", 2, 4)
     dur = {"F": 1.0, "B": 2.0}
     lat = lambda a: 0.3      # noqa: E731
-    halved = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
+    halved = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)])
     doubled = simulate(s, duration=lambda a: 2 * dur[a.kind], latency=lat)
     assert halved.makespan == pytest.approx(doubled.makespan)
     s4 = build_schedule("zero_bubble", 4, 4)
     d4 = {"F": 1.0, "B": 1.0, "W": 1.0}
     own = simulate(s4, duration=lambda a: d4[a.kind], latency=lat).makespan
-    paired = simulate_shared(s4, duration=lambda a: d4[a.kind], latency=lat,
+    paired = simulate(s4, duration=lambda a: d4[a.kind], latency=lat,
                       placement=[(0, 1.0, 1.0), (0, 1.0, 1.0), (1, 1.0, 1.0), (1, 1.0, 1.0)]).makespan
     assert own < paired < simulate(s4, duration=lambda a: 2 * d4[a.kind], latency=lat).makespan
-    slower = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
+    slower = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=[(0, 1.0, 2.0), (1, 1.0, 2.0)],
                       speed=0.5)
     assert slower.makespan == pytest.approx(simulate(s, duration=lambda a: 4 * dur[a.kind], latency=lat).makespan)
 
@@ -252,11 +252,11 @@ def test_shared_replay_slows_only_while_ranks_compute_together():
     dur = {"F": 1.0, "B": 2.0}
     lat = lambda a: 0.1      # noqa: E731
     one = build_schedule("gpipe", 2, 1)
-    assert simulate_shared(one, duration=lambda a: dur[a.kind], latency=lat, placement=placement,
+    assert simulate(one, duration=lambda a: dur[a.kind], latency=lat, placement=placement,
                            speed=speed).makespan == pytest.approx(simulate(one, duration=lambda a: dur[a.kind],
                                                                            latency=lat).makespan)
     s = build_schedule("1f1b", 2, 4)
-    shared = simulate_shared(s, duration=lambda a: dur[a.kind], latency=lat, placement=placement, speed=speed).makespan
+    shared = simulate(s, duration=lambda a: dur[a.kind], latency=lat, placement=placement, speed=speed).makespan
     alone = simulate(s, duration=lambda a: dur[a.kind], latency=lat).makespan
     throughout = simulate(s, duration=lambda a: 1.5 * dur[a.kind], latency=lat).makespan
     assert alone < shared < throughout
@@ -278,10 +278,10 @@ def test_a_pipeline_without_replicas_shares_every_core():
     busy = [sum(b <= t < e for evs in alone.events for _, b, e in evs) for t in
             sorted({b for evs in alone.events for _, b, _ in evs})]
     assert max(busy) == 2       # the premise, read off the replay with a core each
-    assert simulate_shared(two, duration=lambda a: dur[a.kind], latency=lat, placement=place,
+    assert simulate(two, duration=lambda a: dur[a.kind], latency=lat, placement=place,
                            speed=speed).makespan == pytest.approx(alone.makespan)
     eight = build_schedule("1f1b", 4, 8)
-    assert simulate_shared(eight, duration=lambda a: dur[a.kind], latency=lat, placement=place,
+    assert simulate(eight, duration=lambda a: dur[a.kind], latency=lat, placement=place,
                            speed=speed).makespan > simulate(eight, duration=lambda a: dur[a.kind],
                                                             latency=lat).makespan * 1.2
     assert pipeline_placement(4, 8, 2, lambda k: max(1.0, k / 2))[1] == [(0, 1.0, 2.0), (0, 1.0, 2.0), (1, 1.0, 2.0),
@@ -302,7 +302,7 @@ def test_rendezvous_moves_a_message_sent_before_its_receive_only_on_a_free_proce
     place = [(0, 1.0, 2.0), (1, 1.0, 2.0)]
 
     def replay(name, rendezvous, placement=place):
-        return simulate_shared(build_schedule(name, 2, 2), duration=lambda a: dur[a.kind], latency=lambda a: lat,
+        return simulate(build_schedule(name, 2, 2), duration=lambda a: dur[a.kind], latency=lambda a: lat,
                                placement=placement, rendezvous=rendezvous)
 
     plain, met = replay("1f1b", False), replay("1f1b", True)

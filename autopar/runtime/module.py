@@ -13,6 +13,7 @@ and inspection.
 """
 from __future__ import annotations
 
+import abc
 import math
 import operator
 import weakref
@@ -37,7 +38,7 @@ from .dpsync import DataParallelSync
 from .offload import HostLink, OptimizerOffload
 from .optim import PerTensorState, built_here, check_optimizer, guard_shards
 from .timeline import record
-from .tpcomm import pad_rows, gather_tp_param
+from .tpcomm import gather_tp_param, pad_rows
 
 __all__ = ["CompiledModule", "DistributedModule", "Inspector", "slice_batch", "attr_path", "model_loss", "has_loss",
            "cast_input", "cast_inputs", "cast_outputs", "refuse_per_tensor_offload", "post_step_errors",
@@ -87,7 +88,7 @@ class Inspector(Protocol):
 _DEFAULT = object()    # dm.save / dm.load: the optimizer dm.optimizer built
 
 
-class CompiledModule(nn.Module):
+class CompiledModule(nn.Module, abc.ABC):
     """What every compiled module of this rank is, a single program (``DistributedModule``) or
     a pipeline's stages (``autopar.runtime.pipeline_module.PipelineModule``) alike: its context,
     plan and mesh, the byte counters of its collectives and of the host link, the optimizer
@@ -114,21 +115,22 @@ class CompiledModule(nn.Module):
         self._programs: dict = {}         # local input shapes -> program for them (not the compiled one)
 
     # ---- what each kind provides -------------------------------------------------------------
+    @abc.abstractmethod
     def syncs(self) -> list[DataParallelSync]:
         """The data-parallel reducers of this module (a pipeline: one per stage this rank runs)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stage_modules(self) -> list["DistributedModule"]:
         """The compiled programs this rank runs, in stage order (a single program: itself)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def after_load(self) -> None:
         """After ``load`` wrote the shards: refresh what derives from them (ZeRO-1/2 replicas,
         ``per_tensor`` full copies) and note their versions."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _device(self) -> torch.device:
-        raise NotImplementedError
+        """Where this module's parameters and buffers live."""
 
     # ---- read-only views -----------------------------------------------------------------------
     @property

@@ -12,11 +12,11 @@ import functools
 import logging
 import statistics
 
-from autopar.schedule import build_schedule
+from autopar.schedule import build_schedule, simulate
 
 from ..cluster import Link, slowdown
 from ..comm import bytes_per_rank, collective_time
-from ..pipeline import loss_broadcast_time, pipeline_placement, simulate_shared, tied_exchange_time
+from ..pipeline import loss_broadcast_time, pipeline_placement, tied_exchange_time
 from .comm_probes import GLOO_SIZES, GLOO_WORLD, PIPE_B, PIPE_F, PIPE_M
 from .runtime_probes import HOP_PIPELINES, PROBE_VOCAB, TAIL_PIPELINES
 
@@ -127,7 +127,7 @@ def pipeline_replay(world: int, cores: int, contention: tuple, hop: float, wake:
     s = build_schedule("1f1b", 2, PIPE_M)
     crowd = functools.partial(slowdown, contention, cores)
     speed, placement = place(2, world, cores, crowd) if crowd(world) > 1 else (1.0, None)
-    return simulate_shared(s, duration=lambda a: PIPE_F if a.kind == "F" else PIPE_B, latency=lambda a: hop,
+    return simulate(s, duration=lambda a: PIPE_F if a.kind == "F" else PIPE_B, latency=lambda a: hop,
                            speed=speed, wake=wake, placement=placement).makespan
 
 
@@ -224,7 +224,7 @@ def fit_runtime_hop(replays: list, cores: int, contention: tuple, schedules: tup
             return t + msg[a.stage] if a.kind in ("F", "B") else t
 
         def replay(hop):
-            return simulate_shared(s, duration=duration, latency=lambda a: hop, speed=speed,
+            return simulate(s, duration=duration, latency=lambda a: hop, speed=speed,
                                    placement=placement, rendezvous=True).makespan
 
         fit = bisect_latency(replay, measured, f"a {schedule_name} pipeline's schedule", "hop")
@@ -265,7 +265,7 @@ def fit_runtime_wake(per_rank: list, cores: int, contention: tuple, hop: float) 
             return rows[a.stage][3][a.kind] + msgs[a.stage] * rows[a.stage][2]
 
         def replay(wake, duration=duration):
-            return simulate_shared(schedule, duration=duration, latency=lambda a: hop, speed=speed,
+            return simulate(schedule, duration=duration, latency=lambda a: hop, speed=speed,
                                    placement=placement, wake=wake, rendezvous=True).makespan
 
         fit = bisect_latency(replay, max(row[4] for row in rows),
